@@ -1,0 +1,673 @@
+"""
+Every architecture of both studies in one readable file.
+
+  [S] SMELT: an MoE transformer whose middle half is executed r times ("model-loop"), every sublayer
+      update inside the loop span scaled by 1/r ([S8]-[S9]).
+  [X] prelude-core-coda: P prelude blocks, a core of C blocks applied K times (tied or untied weights),
+      D coda blocks, and the boundary operator BO(h, e) = RMSNorm(h) + alpha * e ([X1]-[X3]) before
+      every core pass and before the coda.
+  plus the layer-loop variant (each layer applied r times in place) and the plain baseline.
+
+File order follows the data: norms -> RoPE -> attention -> dense MLP -> MoE -> Block -> depth layouts
+(the execution plan) -> ModelConfig -> the model (forward, probes, generate, num_params).
+One ModelConfig is the single source of truth for a model's shape; match.py reads it analytically.
+"""
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _use_triton(flag, x):
+    """use_triton=None means: kernels on CUDA, PyTorch reference on CPU."""
+    return x.is_cuda if flag is None else flag
+
+
+# ----------------------------------------------------------------------------------------------------
+# Norms and RoPE
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional learnable gain ([X] Table 1 trains without norm gains)."""
+
+    def __init__(self, dim, eps=1e-6, gain=True, use_triton=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if gain else None
+        self.use_triton = use_triton
+
+    def forward(self, x):
+        if _use_triton(self.use_triton, x):
+            from kernels import rmsnorm
+            return rmsnorm(x, self.weight, self.eps)
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def rope_tables(head_dim, max_len, base=10000.0):
+    """cos/sin tables (max_len, head_dim/2) for rotary position embeddings."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x1, x2) of the two halves of the head dimension. x: (B, H, T, D); cos/sin: (T, D/2)."""
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention: GQA with head_dim independent of the width, optional QK-norm, document mask, KV cache
+
+
+def document_ids(idx, eot_token):
+    """Document index of every position: each eot token starts a new document (it acts as BOS)."""
+    return (idx == eot_token).cumsum(dim=1)
+
+
+def attention_mask(q_docs, k_docs, q_start):
+    """Boolean mask (B, 1, Tq, Tk): causal, and attention never crosses a document boundary."""
+    tq, tk = q_docs.size(1), k_docs.size(1)
+    q_pos = torch.arange(q_start, q_start + tq, device=q_docs.device)
+    k_pos = torch.arange(tk, device=q_docs.device)
+    causal = k_pos[None, :] <= q_pos[:, None]
+    same_doc = q_docs[:, :, None] == k_docs[:, None, :]
+    return (causal[None] & same_doc)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gain, cfg.use_triton) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gain, cfg.use_triton) if cfg.qk_norm else None
+
+    def forward(self, x, ctx, record=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # QK-norm before RoPE (identical to after RoPE when norms have no gain)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        if ctx.cache is not None:  # one cache entry per *executed* block: each visit has its own
+            k, v = ctx.cache.update(ctx.attention_calls, k, v)
+        ctx.attention_calls += 1
+        if record is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.mask is None,
+                                               enable_gqa=self.n_kv_head != self.n_head)
+        else:  # probe mode: explicit softmax so the attention probabilities can be returned [S10]
+            rep = self.n_head // self.n_kv_head
+            kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            scores = (q @ kk.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            mask = ctx.mask
+            if mask is None:  # plain causal
+                mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            y = probs @ vv
+            record.update(q=q.detach(), k=k.detach(), v=v.detach(), attn_probs=probs.detach(),
+                          attn_context=y.detach())
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+        return self.o_proj(y)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Feed-forward: dense SwiGLU, and a truly sparse MoE of fine-grained SwiGLU experts
+
+
+def swiglu(gate, up, use_triton=False):
+    if use_triton:
+        from kernels import swiglu as swiglu_kernel
+        return swiglu_kernel(gate, up)
+    return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=False)
+        self.w_up = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.mlp_hidden, cfg.n_embd, bias=False)
+        self.use_triton = cfg.use_triton
+
+    def forward(self, x):
+        h = swiglu(self.w_gate(x), self.w_up(x), _use_triton(self.use_triton, x))
+        return self.w_down(h), None
+
+
+def run_experts(x_sorted, counts, w_gate, w_up, w_down):
+    """SwiGLU experts over expert-sorted tokens: rows [offset_e, offset_e + counts[e]) go to expert e only.
+    The readable reference; kernels.moe_experts is the same computation as one grouped GEMM launch."""
+    outputs = []
+    for e, x_e in enumerate(torch.split(x_sorted, counts.tolist())):
+        if x_e.size(0) == 0:
+            continue
+        h = F.silu(x_e @ w_gate[e].t()) * (x_e @ w_up[e].t())
+        outputs.append(h @ w_down[e].t())
+    return torch.cat(outputs) if outputs else x_sorted.new_zeros(0, w_down.size(1))
+
+
+class MoE(nn.Module):
+    """Top-k routed mixture of fine-grained SwiGLU experts. n_expert == top_k is [S1]'s fully activated
+    reference. Dispatch is sparse: assignments are sorted by expert, each expert runs only its tokens,
+    and the weighted outputs are scattered back with index_add."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_expert, self.top_k, self.renormalize = cfg.n_expert, cfg.top_k, cfg.router_renormalize
+        self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(cfg.n_expert, cfg.expert_hidden, cfg.n_embd))
+        self.w_up = nn.Parameter(torch.empty(cfg.n_expert, cfg.expert_hidden, cfg.n_embd))
+        self.w_down = nn.Parameter(torch.empty(cfg.n_expert, cfg.n_embd, cfg.expert_hidden))
+        self.use_triton = cfg.use_triton
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        n_tokens = flat.size(0)
+        router_logits = self.router(flat).float()
+        probs = router_logits.softmax(dim=-1)
+        weights, expert_ids = probs.topk(self.top_k, dim=-1)  # (N, k)
+        if self.renormalize:  # top-k weights sum to 1 (Mixtral / OLMoE style); off = raw softmax mass
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # sparse dispatch: group the N*k (token, expert) assignments by expert
+        flat_ids = expert_ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        token_of = order // self.top_k
+        counts = torch.bincount(flat_ids, minlength=self.n_expert)
+        x_sorted = flat[token_of]
+        if _use_triton(self.use_triton, x):
+            from kernels import moe_experts
+            y_sorted = moe_experts(x_sorted, counts, self.w_gate, self.w_up, self.w_down)
+        else:
+            y_sorted = run_experts(x_sorted, counts, self.w_gate, self.w_up, self.w_down)
+        y_sorted = y_sorted * weights.reshape(-1)[order].unsqueeze(1).to(y_sorted.dtype)
+        out = torch.zeros_like(flat).index_add_(0, token_of, y_sorted)
+        # load-balancing loss (Switch): E * sum_e f_e P_e, minimum 1 for a uniform router
+        fraction = counts.float() / (n_tokens * self.top_k)
+        balance = self.n_expert * (fraction * probs.mean(dim=0)).sum()
+        z_loss = torch.logsumexp(router_logits, dim=-1).square().mean()  # router z-loss (ST-MoE)
+        router = dict(balance=balance, z_loss=z_loss, counts=counts.detach(),
+                      expert_ids=expert_ids.view(*shape[:-1], self.top_k),
+                      weights=weights.view(*shape[:-1], self.top_k))
+        return out.view(shape), router
+
+
+# ----------------------------------------------------------------------------------------------------
+# Block: pre-norm attention + FFN with a residual scale
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain, cfg.use_triton)
+        self.attn = Attention(cfg)
+        self.norm2 = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain, cfg.use_triton)
+        self.ffn = MoE(cfg) if cfg.n_expert > 0 else MLP(cfg)
+        self.residual_multiplier = cfg.residual_multiplier  # [X] RM on attention-out and MLP-down
+
+    def forward(self, x, scale, ctx, record=None):
+        attn_in = self.norm1(x)
+        attn_out = self.attn(attn_in, ctx, record)
+        attn_update = (scale * self.residual_multiplier) * attn_out  # [S8] attention write scaled by 1/r
+        h = x + attn_update
+        ffn_in = self.norm2(h)  # [S9] the FFN/MoE sublayer sees the already scaled attention write
+        ffn_out, router = self.ffn(ffn_in)
+        ffn_update = (scale * self.residual_multiplier) * ffn_out  # [S9] MoE write scaled by 1/r
+        if router is not None:
+            ctx.router.append(router)
+        if record is not None:
+            record.update(resid_in=x.detach(), attn_in=attn_in.detach(), attn_update=attn_update.detach(),
+                          attn_output=attn_out.detach(), ffn_in=ffn_in.detach(),
+                          ffn_update=ffn_update.detach(), resid_out=(h + ffn_update).detach())
+            if router is not None:
+                record.update(expert_ids=router["expert_ids"].detach(), expert_weights=router["weights"].detach())
+        return h + ffn_update
+
+
+# ----------------------------------------------------------------------------------------------------
+# Depth layouts: the execution plan is the one place that says which block runs when
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the forward pass.
+    kind "block":    run blocks[block]; `visit` counts executions of that physical block (1-based);
+                     `scale` multiplies both residual updates ([S8]-[S9] 1/r inside a SMELT loop span).
+    kind "anchor":   the prelude is done: remember its output e; h starts at 0 when e is injected ([X] h0=0).
+    kind "boundary": h <- RMSNorm(h) (if norm) + alpha*e (if inject) [X3]; before a core pass or the coda."""
+    kind: str
+    block: int = -1
+    visit: int = 0
+    scale: float = 1.0
+    norm: bool = False
+    inject: bool = False
+
+
+def execution_plan(cfg, n_passes=None):
+    """The sequence of steps a forward pass executes. n_passes overrides K (prelude-core-coda) or r
+    (SMELT loop / layer-loop) for this plan only: test-time passes, random passes per step, growth."""
+    if cfg.layout == "plain":
+        return [Step("block", i, 1) for i in range(cfg.n_layer)]
+    if cfg.layout in ("smelt", "layer_loop"):
+        r = cfg.n_loops if n_passes is None else n_passes
+        if r < 1:
+            raise ValueError(f"n_passes/n_loops must be >= 1, got {r}")
+        start, stop = cfg.loop_start, cfg.loop_start + cfg.loop_span
+        prelude = [Step("block", i, 1) for i in range(start)]
+        coda = [Step("block", i, 1) for i in range(stop, cfg.n_layer)]
+        span = range(start, stop)
+        if cfg.layout == "smelt":  # model-loop: the whole span, then the whole span again
+            loop = [Step("block", i, v, 1.0 / r) for v in range(1, r + 1) for i in span]
+        else:  # layer-loop: each layer r times in place before the next
+            loop = [Step("block", i, v, 1.0 / r) for i in span for v in range(1, r + 1)]
+        return prelude + loop + coda
+    # prelude-core-coda [X1]-[X2]
+    k_passes = cfg.n_passes if n_passes is None else n_passes
+    if k_passes < 1:
+        raise ValueError(f"n_passes must be >= 1, got {k_passes}")
+    if not cfg.tie_core and k_passes > cfg.n_passes:
+        raise ValueError(f"an untied model has {cfg.n_passes} cores allocated; cannot run n_passes={k_passes}")
+    P, C, D = cfg.n_prelude, cfg.n_core, cfg.n_coda
+    norm = cfg.boundary in ("both", "norm")
+    inject = cfg.boundary in ("both", "inject")
+    plan = [Step("block", i, 1) for i in range(P)] + [Step("anchor", inject=inject)]
+    for k in range(k_passes):
+        plan.append(Step("boundary", norm=norm, inject=inject))  # [X3] before every core pass
+        first = P if cfg.tie_core else P + k * C
+        plan += [Step("block", first + j, k + 1 if cfg.tie_core else 1) for j in range(C)]
+    plan.append(Step("boundary", norm=norm, inject=inject and cfg.inject_before_coda))  # [X3] before coda
+    coda_start = P + (C if cfg.tie_core else cfg.n_passes * C)
+    plan += [Step("block", coda_start + j, 1) for j in range(D)]
+    return plan
+
+
+def core_split(depth):
+    """[X] even split of `depth` blocks into prelude/core/coda, remainder first to core, then coda."""
+    base, rest = divmod(depth, 3)
+    return base, base + (rest >= 1), base + (rest >= 2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class ModelConfig:
+    # vocabulary and context
+    vocab_size: int = 4096
+    block_size: int = 256
+    eot_token: int = 4095  # document separator: each eot starts a new document (document mask)
+    # width and attention
+    n_layer: int = 4  # physical depth L (SMELT, layer-loop, plain) or nominal depth P+C+D (prelude-core-coda)
+    n_embd: int = 128
+    n_head: int = 4
+    n_kv_head: int = 0  # 0 -> n_head (no GQA)
+    head_dim: int = 0  # 0 -> n_embd // n_head; independent of n_embd ([S] matches KV by head size)
+    qk_norm: bool = False
+    rope_base: float = 10000.0
+    norm_gain: bool = True  # learnable RMSNorm gains ([X]: none)
+    norm_eps: float = 1e-6
+    embed_norm: bool = False  # RMSNorm right after the token embedding ([X] Table 1)
+    tie_embeddings: bool = False
+    # feed-forward: dense SwiGLU (n_expert == 0) or MoE
+    mlp_hidden: int = 0  # 0 -> 256 * ceil(8 n_embd / 3 / 256), as the [X] code
+    n_expert: int = 0
+    top_k: int = 8
+    expert_hidden: int = 0  # 0 -> mlp_hidden // top_k (fine-grained experts)
+    router_renormalize: bool = True
+    balance_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    # depth layout: "plain", "smelt" (model-loop of the middle span), "layer_loop", "pcc" (prelude-core-coda)
+    layout: str = "plain"
+    n_loops: int = 1  # r, times the loop span is executed (smelt / layer_loop)
+    loop_span: int = -1  # m, -1 -> n_layer // 2; prelude is floor((L - m) / 2)
+    n_prelude: int = -1  # -1 -> core_split(n_layer)
+    n_core: int = -1
+    n_coda: int = -1
+    n_passes: int = 1  # K, core passes (pcc)
+    tie_core: bool = True  # one set of core weights (looped) or K independent cores (untied)
+    boundary: str = "both"  # boundary operator [X3]: "both", "norm", "inject" or "none"
+    boundary_alpha: float = 1.0
+    inject_before_coda: bool = True  # [X] applies the full BO before the coda too
+    # multipliers and init
+    residual_multiplier: float = 1.0  # [X] RM on attention-out and MLP-down
+    output_multiplier: float = 1.0  # [X] OM on the logits
+    init: str = "x"  # "x": zero out-projections and lm head, normal embedding, uniform Q/K/V and MLP-in;
+    #                  "nanogpt": normal(0.02), out-projections scaled by 1/sqrt(2 * executed layers)
+    embed_init_std: float = 0.02
+    uniform_init_scale: float = 3 ** 0.5  # U(-s, s) with s = uniform_init_scale / sqrt(n_embd)
+    use_triton: Optional[bool] = None  # None: Triton kernels on CUDA, PyTorch on CPU
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: {why}")
+
+        for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head"):
+            if getattr(self, name) < 1:
+                bad(name, "must be >= 1")
+        if not 0 <= self.eot_token < self.vocab_size:
+            bad("eot_token", f"must be a token id in [0, vocab_size={self.vocab_size})")
+        self.n_kv_head = self.n_kv_head or self.n_head
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            bad("n_kv_head", f"n_head={self.n_head} must be divisible by n_kv_head")
+        if self.head_dim < 2 or self.head_dim % 2:
+            bad("head_dim", "must be even and >= 2 (RoPE rotates pairs)")
+        self.mlp_hidden = self.mlp_hidden or 256 * math.ceil(8 * self.n_embd / 3 / 256)
+        if self.n_expert < 0:
+            bad("n_expert", "must be >= 0 (0 means a dense SwiGLU)")
+        if self.n_expert:
+            if not 1 <= self.top_k <= self.n_expert:
+                bad("top_k", f"must be in [1, n_expert={self.n_expert}]")
+            self.expert_hidden = self.expert_hidden or max(1, self.mlp_hidden // self.top_k)
+        if self.layout not in ("plain", "smelt", "layer_loop", "pcc"):
+            bad("layout", "must be 'plain', 'smelt', 'layer_loop' or 'pcc'")
+        if self.n_loops < 1:
+            bad("n_loops", "must be >= 1")
+        if self.loop_span == -1:
+            self.loop_span = self.n_layer // 2
+        if not 0 <= self.loop_span <= self.n_layer:
+            bad("loop_span", f"must be in [0, n_layer={self.n_layer}]")
+        if self.n_passes < 1:
+            bad("n_passes", "must be >= 1")
+        if self.layout == "pcc":
+            split = core_split(self.n_layer)
+            self.n_prelude, self.n_core, self.n_coda = (v if v >= 0 else s for v, s in
+                                                         zip((self.n_prelude, self.n_core, self.n_coda), split))
+            if self.n_core < 1:
+                bad("n_core", "must be >= 1")
+            if self.n_prelude + self.n_core + self.n_coda != self.n_layer:
+                bad("n_layer", f"must equal n_prelude + n_core + n_coda = "
+                               f"{self.n_prelude}+{self.n_core}+{self.n_coda}")
+        if self.boundary not in ("both", "norm", "inject", "none"):
+            bad("boundary", "must be 'both', 'norm', 'inject' or 'none'")
+        if self.init not in ("x", "nanogpt"):
+            bad("init", "must be 'x' or 'nanogpt'")
+        if self.tie_embeddings and self.init == "x":
+            bad("tie_embeddings", "the 'x' init zero-initialises the lm head; use init='nanogpt' with tied embeddings")
+
+    @property
+    def loop_start(self):
+        """First looped layer (0-based): prelude of floor((L - m) / 2) layers [S training protocol]."""
+        return (self.n_layer - self.loop_span) // 2
+
+    @property
+    def n_blocks(self):
+        """Stored blocks: untied cores each have their own weights."""
+        if self.layout == "pcc" and not self.tie_core:
+            return self.n_prelude + self.n_passes * self.n_core + self.n_coda
+        return self.n_layer
+
+    def executed_layers(self, n_passes=None):
+        return sum(step.kind == "block" for step in execution_plan(self, n_passes))
+
+    @classmethod
+    def from_dict(cls, d):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys: {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path, **overrides):
+        """Read a nanoGPT-style config file (python assignments); keys that are not model fields
+        (training settings) are ignored here."""
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"config file not found: {path}")
+        namespace = {}
+        with open(path) as f:
+            exec(compile(f.read(), path, "exec"), {}, namespace)
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in namespace.items() if k in known}
+        values.update(overrides)
+        return cls(**values)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model
+
+
+@dataclass
+class ForwardContext:
+    """What one forward pass shares across its blocks."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: Optional[torch.Tensor]  # None -> plain causal attention
+    cache: Optional["KVCache"] = None
+    attention_calls: int = 0
+    router: list = field(default_factory=list)
+
+
+class KVCache:
+    """Keys and values of every executed block (a looped layer has one entry per visit), and the
+    document ids of the cached positions for the document mask."""
+
+    def __init__(self):
+        self.keys, self.values = [], []
+        self.doc_ids = None
+
+    @property
+    def length(self):
+        return 0 if self.doc_ids is None else self.doc_ids.size(1)
+
+    def update(self, i, k, v):
+        if i == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[i] = torch.cat([self.keys[i], k], dim=2)
+            self.values[i] = torch.cat([self.values[i], v], dim=2)
+        return self.keys[i], self.values[i]
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = cfg = config
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.embed_norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain, cfg.use_triton) if cfg.embed_norm else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_blocks))
+        # one boundary RMSNorm shared by every boundary (it has no weights when norm_gain is off)
+        needs_boundary_norm = cfg.layout == "pcc" and cfg.boundary in ("both", "norm")
+        self.boundary_norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain, cfg.use_triton) if needs_boundary_norm else None
+        self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain, cfg.use_triton)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.plan = execution_plan(cfg)
+        self.reset_parameters()
+        self.last_stats = {}  # itemised losses and router load of the last forward (for logging)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        cfg = self.config
+        if cfg.init == "x":  # [X]: zero out-projections and lm head, normal embedding, uniform inputs
+            bound = cfg.uniform_init_scale / math.sqrt(cfg.n_embd)
+            nn.init.normal_(self.wte.weight, std=cfg.embed_init_std)
+            nn.init.zeros_(self.lm_head.weight)
+            for block in self.blocks:
+                a, f = block.attn, block.ffn
+                for w in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight):
+                    nn.init.uniform_(w, -bound, bound)
+                nn.init.zeros_(a.o_proj.weight)
+                if isinstance(f, MoE):
+                    for w in (f.router.weight, f.w_gate, f.w_up):
+                        nn.init.uniform_(w, -bound, bound)
+                    nn.init.zeros_(f.w_down)
+                else:
+                    nn.init.uniform_(f.w_gate.weight, -bound, bound)
+                    nn.init.uniform_(f.w_up.weight, -bound, bound)
+                    nn.init.zeros_(f.w_down.weight)
+        else:  # nanoGPT: normal(0.02), residual out-projections scaled down with executed depth
+            out_std = 0.02 / math.sqrt(2 * cfg.executed_layers())
+            for name, p in self.named_parameters():
+                if p.dim() < 2:
+                    continue
+                is_out = name.endswith(("o_proj.weight", "w_down.weight", "w_down"))
+                nn.init.normal_(p, std=out_std if is_out else 0.02)
+        for m in self.modules():
+            if isinstance(m, RMSNorm) and m.weight is not None:
+                nn.init.ones_(m.weight)
+
+    # ---- forward
+
+    def forward(self, idx, targets=None, n_passes=None, probe=None, cache=None):
+        """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
+        targets: (B, T), -1 is ignored. n_passes: override K (pcc) or r (loops) for this call.
+        probe: a list to fill with one dict per executed block (see Block.forward); None costs nothing.
+        cache: a KVCache; idx are then the new tokens that follow the cached ones."""
+        cfg = self.config
+        B, T = idx.shape
+        start = cache.length if cache is not None else 0
+        if start + T > cfg.block_size:
+            raise ValueError(f"sequence length {start + T} exceeds block_size={cfg.block_size}")
+        docs = document_ids(idx, cfg.eot_token)
+        if cache is not None:
+            offset = cache.doc_ids[:, -1:] if cache.doc_ids is not None else 0
+            docs = docs + offset
+            k_docs = docs if cache.doc_ids is None else torch.cat([cache.doc_ids, docs], dim=1)
+            cache.doc_ids = k_docs
+            mask = attention_mask(docs, k_docs, start)
+        elif (docs[:, -1] != docs[:, 0]).any():  # some sequence holds a document boundary
+            mask = attention_mask(docs, docs, 0)
+        else:
+            mask = None
+        ctx = ForwardContext(self.rope_cos[start:start + T], self.rope_sin[start:start + T], mask, cache)
+
+        plan = self.plan if n_passes is None else execution_plan(cfg, n_passes)
+        h = self.wte(idx)
+        if self.embed_norm is not None:
+            h = self.embed_norm(h)
+        anchor = None
+        for step in plan:
+            if step.kind == "block":
+                record = None
+                if probe is not None:
+                    record = dict(block=step.block, visit=step.visit, scale=step.scale)
+                    probe.append(record)
+                h = self.blocks[step.block](h, step.scale, ctx, record)
+            elif step.kind == "anchor":  # e = prelude output; h0 = 0 when e is injected ([X] Algorithm 1)
+                anchor = h
+                if step.inject:
+                    h = torch.zeros_like(h)
+            else:  # [X3] boundary operator BO(h, e) = RMSNorm(h) + alpha * e
+                h = self.boundary(h, anchor, step.norm, step.inject)
+        logits = self.lm_head(self.norm_f(h)) * cfg.output_multiplier  # [X] OM on the unembedding
+        loss = None
+        if targets is not None:
+            ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            loss = ce
+            self.last_stats = {"ce": ce.detach()}
+            if ctx.router:
+                balance = torch.stack([r["balance"] for r in ctx.router]).mean()
+                z_loss = torch.stack([r["z_loss"] for r in ctx.router]).mean()
+                loss = ce + cfg.balance_loss_coef * balance + cfg.z_loss_coef * z_loss
+                self.last_stats.update(balance=balance.detach(), z_loss=z_loss.detach(),
+                                       expert_counts=torch.stack([r["counts"] for r in ctx.router]))
+        return logits, loss
+
+    def boundary(self, h, anchor, norm, inject):
+        if norm and inject and _use_triton(self.config.use_triton, h):
+            from kernels import boundary_operator
+            return boundary_operator(h, anchor, self.config.boundary_alpha, self.boundary_norm.weight,
+                                     self.config.norm_eps)
+        if norm:
+            h = self.boundary_norm(h)
+        if inject:
+            h = h + self.config.boundary_alpha * anchor
+        return h
+
+    # ---- generation
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_passes=None, generator=None):
+        """Sample max_new_tokens after idx (B, T) with a KV cache (one entry per executed block).
+        temperature=0 is greedy decoding. The whole sequence must fit in block_size."""
+        if idx.size(1) + max_new_tokens > self.config.block_size:
+            raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"block_size={self.config.block_size}")
+        cache = KVCache()
+        logits, _ = self(idx, n_passes=n_passes, cache=cache)
+        out = idx
+        for _ in range(max_new_tokens):
+            next_logits = logits[:, -1, :].float()
+            if temperature == 0:
+                next_token = next_logits.argmax(dim=-1, keepdim=True)
+            else:
+                next_logits = next_logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(next_logits, min(top_k, next_logits.size(-1))).values[:, -1:]
+                    next_logits = next_logits.masked_fill(next_logits < kth, float("-inf"))
+                next_token = torch.multinomial(next_logits.softmax(dim=-1), 1, generator=generator)
+            out = torch.cat([out, next_token], dim=1)
+            logits, _ = self(next_token, n_passes=n_passes, cache=cache)
+        return out
+
+    # ---- accounting
+
+    def num_params(self):
+        """Parameter counts: embedding (token embedding + untied lm head), non-embedding, total, and
+        active: non-embedding parameters one token touches (top_k experts of each MoE layer, every
+        stored block it runs through once, whatever the number of visits). match.py must agree."""
+        total = sum(p.numel() for p in self.parameters())
+        embedding = self.wte.weight.numel() + (0 if self.config.tie_embeddings else self.lm_head.weight.numel())
+        inactive = 0
+        used_blocks = {s.block for s in self.plan if s.kind == "block"}
+        for i, block in enumerate(self.blocks):
+            block_params = sum(p.numel() for p in block.parameters())
+            if i not in used_blocks:
+                inactive += block_params
+            elif isinstance(block.ffn, MoE):
+                per_expert = block.ffn.w_gate[0].numel() + block.ffn.w_up[0].numel() + block.ffn.w_down[0].numel()
+                inactive += (block.ffn.n_expert - block.ffn.top_k) * per_expert
+        return dict(embedding=embedding, non_embedding=total - embedding, total=total,
+                    active=total - embedding - inactive)
+
+    # ---- checkpoints
+
+    @classmethod
+    def from_checkpoint(cls, path, map_location="cpu"):
+        """Load a checkpoint written by train.py or grow.py -> (model, checkpoint dict)."""
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"checkpoint not found: {path}")
+        try:
+            ckpt = torch.load(path, map_location=map_location, weights_only=False)
+        except Exception as e:  # truncated or not a torch file
+            raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+        if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model" not in ckpt:
+            raise ValueError(f"{path} is not a loopstudy checkpoint (needs 'model_config' and 'model')")
+        model = cls(ModelConfig.from_dict(ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        return model, ckpt
+
+
+def save_checkpoint(ckpt, path):
+    """Write atomically: a crash mid-write never destroys the previous checkpoint at `path`."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(ckpt, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
