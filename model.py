@@ -151,11 +151,12 @@ def run_experts(x_sorted, counts, w_gate, w_up, w_down):
     """SwiGLU experts over expert-sorted tokens: rows [offset_e, offset_e + counts[e]) go to expert e only.
     The readable reference; kernels.moe_experts is the same computation as one grouped GEMM launch."""
     outputs = []
-    for e, x_e in enumerate(torch.split(x_sorted, counts.tolist())):
+    # unbind (not w[e]) so the backward stacks the per-expert gradients once instead of E full-size adds
+    experts = zip(w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))
+    for x_e, (gate, up, down) in zip(torch.split(x_sorted, counts.tolist()), experts):
         if x_e.size(0) == 0:
             continue
-        h = F.silu(x_e @ w_gate[e].t()) * (x_e @ w_up[e].t())
-        outputs.append(h @ w_down[e].t())
+        outputs.append((F.silu(x_e @ gate.t()) * (x_e @ up.t())) @ down.t())
     return torch.cat(outputs) if outputs else x_sorted.new_zeros(0, w_down.size(1))
 
 

@@ -1,0 +1,294 @@
+"""Tests for data/: offline tokenizers, prepare.py memmaps + sidecars, error messages, synthetic tasks."""
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+
+from data import prepare as prep
+from data import synthetic
+from data.tokenizer import get_tokenizer, load_gpt2_ranks
+
+SAMPLE = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll: Speak, speak. 1234 é 😀 <|endoftext|>\n"
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection or resolve a name fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("network access attempted")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+def write_corpus(folder):
+    """Three inputs: a jsonl with sources (x: 6 docs, y: 4 docs, one without source), two .txt files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"text": f"Document x{i}: the quick brown fox {i} jumps.\n", "source": "x"} for i in range(6)]
+    rows += [{"text": f"Y doc {i}. " * (i + 1), "source": "y", "extra": 1} for i in range(4)]
+    rows += [{"text": "no source label, literal <|endoftext|> inside"}, {"text": "   "}]  # blank one is skipped
+    with open(folder / "a.jsonl", "w") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    (folder / "b.txt").write_text("first txt doc\n<|endoftext|>\nsecond txt doc\n")
+    (folder / "c.txt").write_text("a single document file\nwith two lines\n")
+    documents = [(r["text"], r.get("source", "a")) for r in rows if r["text"].strip()]
+    documents += [("first txt doc\n", "b"), ("second txt doc\n", "b"), ("a single document file\nwith two lines\n", "c")]
+    return [str(folder / "a.jsonl"), str(folder / "b.txt"), str(folder / "c.txt")], documents
+
+
+# -----------------------------------------------------------------------------
+# tokenizer
+
+def test_gpt2_known_ids_and_round_trip():
+    tok = get_tokenizer("gpt2")
+    assert tok.encode("hello world") == [31373, 995]
+    assert (tok.name, tok.n_vocab, tok.eot_token) == ("gpt2", 50257, 50256)
+    ids = tok.encode(SAMPLE)
+    assert tok.decode(ids) == SAMPLE
+    assert tok.eot_token not in ids  # ordinary text: a literal "<|endoftext|>" is not the special token
+    assert tok.decode(np.array(ids, dtype=np.uint16)) == SAMPLE
+
+
+@pytest.mark.parametrize("n", [257, 512, 4096])
+def test_small_vocab_is_a_prefix_of_gpt2(n):
+    tok, full = get_tokenizer(f"gpt2-{n}"), get_tokenizer("gpt2")
+    assert (tok.n_vocab, tok.eot_token) == (n, n - 1)
+    ids = tok.encode(SAMPLE)
+    assert tok.decode(ids) == SAMPLE and max(ids) < n - 1
+    for i in sorted(set(ids)):  # every kept id means the same bytes as in full GPT-2
+        assert tok.encoding.decode_single_token_bytes(i) == full.encoding.decode_single_token_bytes(i)
+    if n == 4096:
+        assert len(ids) > len(full.encode(SAMPLE))  # fewer merges -> more tokens
+
+
+@pytest.mark.parametrize("name", ["gpt2-100", "gpt2-99999", "bert", "gpt2-", "cl100k_base"])
+def test_unknown_tokenizer_lists_valid_names(name):
+    with pytest.raises(ValueError, match=r"unknown tokenizer.*gpt2-N"):
+        get_tokenizer(name)
+
+
+def test_tokenizer_and_prepare_never_touch_the_network(no_network, tmp_path):
+    with pytest.raises(AssertionError, match="network"):
+        socket.create_connection(("example.com", 443))
+    get_tokenizer.cache_clear()
+    load_gpt2_ranks.cache_clear()
+    assert get_tokenizer("gpt2").encode("hello world") == [31373, 995]
+    inputs, _ = write_corpus(tmp_path / "in")
+    prep.prepare(inputs, str(tmp_path / "out"), verbose=False)
+    assert prep.load_meta(str(tmp_path / "out"))["n_vocab"] == 4096
+
+
+# -----------------------------------------------------------------------------
+# prepare
+
+def test_prepare_bins_decode_to_documents_with_eot_separators(tmp_path):
+    inputs, documents = write_corpus(tmp_path / "in")
+    out = prep.prepare(inputs, str(tmp_path / "out"), tokenizer="gpt2-4096", val_fraction=0.2, seed=0, verbose=False)
+    meta, tok = prep.load_meta(out), get_tokenizer("gpt2-4096")
+    assert (meta["tokenizer"], meta["n_vocab"], meta["eot_token"], meta["dtype"]) == ("gpt2-4096", 4096, 4095, "uint16")
+    assert meta["sources"] == ["a", "b", "c", "x", "y"] and meta["empty_documents_skipped"] == 1
+    seen = []
+    for split in ("train", "val"):
+        tokens, spans = prep.load_split(out, split), prep.load_sources(out, split)
+        assert tokens.dtype == np.uint16 and len(tokens) == meta["splits"][split]["tokens"]
+        assert np.flatnonzero(tokens == tok.eot_token).tolist() == spans[:, 0].tolist()  # eot precedes each doc, only there
+        for start, end, source_id, doc in spans:
+            text, source = documents[doc]
+            assert tok.decode(tokens[start + 1:end]) == text
+            assert meta["sources"][source_id] == source
+        for j, name in enumerate(meta["sources"]):
+            assert meta["splits"][split]["source_tokens"][name] == int((spans[:, 1] - spans[:, 0])[spans[:, 2] == j].sum())
+        ids = prep.token_source_ids(spans)
+        assert len(ids) == len(tokens) and ids[spans[-1, 0]] == spans[-1, 2]
+        seen.append(set(spans[:, 3].tolist()))
+    assert seen[0].isdisjoint(seen[1]) and seen[0] | seen[1] == set(range(len(documents)))  # document-level split
+    val_sources = {documents[d][1] for d in seen[1]}
+    assert {"b", "x", "y"} <= val_sources  # every source with >= 2 documents has a val document
+    assert "a" not in val_sources and "c" not in val_sources  # single-document sources stay in train
+
+
+def test_prepare_is_deterministic_and_seeded(tmp_path):
+    inputs, _ = write_corpus(tmp_path / "in")
+    runs = {name: prep.prepare(inputs, str(tmp_path / name), seed=seed, verbose=False)
+            for name, seed in [("s0", 0), ("s0_again", 0), ("s1", 1)]}
+    read = lambda run, f: (tmp_path / run / f).read_bytes()
+    for f in ("train.bin", "val.bin", "train_sources.npy", "val_sources.npy", "meta.json"):
+        assert read("s0", f) == read("s0_again", f)
+    assert read("s0", "train_sources.npy") != read("s1", "train_sources.npy")
+    assert prep.load_meta(runs["s0"])["fingerprint"] != prep.load_meta(runs["s1"])["fingerprint"]
+    assert not [p for p in os.listdir(tmp_path / "s0") if p.endswith(".tmp")]
+
+
+def test_token_dtype_rule():
+    assert prep.token_dtype(50257) == np.uint16 and prep.token_dtype(65536) == np.uint16
+    assert prep.token_dtype(65537) == np.uint32
+
+
+def test_prepare_default_builds_once_and_rebuilds_when_corrupt(tmp_path):
+    out = str(tmp_path / "default")
+    prep.prepare_default(out, verbose=False)
+    meta = prep.load_meta(out)
+    assert meta["sources"] == ["comedy", "history", "tragedy"]
+    assert all(meta["splits"]["val"]["source_documents"][s] >= 1 for s in meta["sources"])
+    assert meta["splits"]["train"]["tokens"] > 500_000 and meta["unigram_xent_val_nats"] > 5
+    mtime = os.path.getmtime(os.path.join(out, "train.bin"))
+    assert prep.prepare_default(out, verbose=False) == out
+    assert os.path.getmtime(os.path.join(out, "train.bin")) == mtime  # no-op when intact and identical
+    with open(os.path.join(out, "train.bin"), "r+b") as f:
+        f.truncate(1000)
+    prep.prepare_default(out, verbose=False)
+    assert prep.load_meta(out)["fingerprint"] == meta["fingerprint"]
+
+
+# -----------------------------------------------------------------------------
+# error messages
+
+def test_missing_input_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        prep.prepare([str(tmp_path / "nope.txt")], str(tmp_path / "out"), verbose=False)
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"text": "ok"', "malformed JSON"),
+    ('["a list"]', "expected a JSON object"),
+    ('{"txt": "typo"}', "missing field 'text'"),
+    ('{"text": 3}', "'text' must be a string"),
+    ('{"text": "t", "source": 7}', "'source' must be a non-empty string"),
+])
+def test_bad_jsonl_line_names_file_and_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:3: .*{message}"):
+        prep.prepare([str(path)], str(tmp_path / "out"), verbose=False)
+
+
+def test_empty_corpus_and_single_document(tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="empty corpus"):
+        prep.prepare([str(tmp_path / "empty.txt")], str(tmp_path / "out"), verbose=False)
+    (tmp_path / "one.txt").write_text("only one document")
+    with pytest.raises(ValueError, match="at least 2"):
+        prep.prepare([str(tmp_path / "one.txt")], str(tmp_path / "out"), verbose=False)
+
+
+def test_bad_arguments(tmp_path):
+    inputs, _ = write_corpus(tmp_path / "in")
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        prep.prepare(inputs, str(tmp_path / "out"), tokenizer="gpt3", verbose=False)
+    with pytest.raises(ValueError, match="val_fraction"):
+        prep.prepare(inputs, str(tmp_path / "out"), val_fraction=1.0, verbose=False)
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(ValueError, match="unsupported extension"):
+        prep.prepare([str(tmp_path / "x.csv")], str(tmp_path / "out"), verbose=False)
+    with pytest.raises(SystemExit, match="prepare.py: error: input file not found"):
+        prep.main([str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "out")])
+
+
+def test_corrupt_or_missing_prepared_files(tmp_path):
+    inputs, _ = write_corpus(tmp_path / "in")
+    out = prep.prepare(inputs, str(tmp_path / "out"), verbose=False)
+    with pytest.raises(FileNotFoundError, match="meta.json not found"):
+        prep.load_meta(str(tmp_path / "elsewhere"))
+    with pytest.raises(ValueError, match="split must be"):
+        prep.load_split(out, "test")
+    val = os.path.join(out, "val.bin")
+    data = open(val, "rb").read()
+    with open(val, "wb") as f:
+        f.write(data[:-3])
+    with pytest.raises(ValueError, match=r"val\.bin is truncated or corrupt"):
+        prep.load_split(out, "train")
+    with open(val, "wb") as f:
+        f.write(b"\0\0" + data[2:])  # right size, but the first document no longer starts with eot
+    with pytest.raises(ValueError, match=r"val\.bin is corrupt"):
+        prep.load_meta(out)
+    os.remove(val)
+    with pytest.raises(FileNotFoundError, match=r"val\.bin not found"):
+        prep.load_meta(out)
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match=r"meta\.json is corrupt"):
+        prep.load_meta(out)
+
+
+def test_interrupted_write_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"old")
+
+    def fail(f):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prep.write_atomic(str(path), fail)
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["f.bin"]
+
+
+# -----------------------------------------------------------------------------
+# synthetic tasks
+
+@pytest.mark.parametrize("n_types,max_depth", [(1, 2), (3, 6), (4, 3)])
+def test_dyck_items_close_the_context_exactly(n_types, max_depth):
+    items = synthetic.dyck_items(300, seed=1, n_types=n_types, max_depth=max_depth, max_length=24)
+    allowed = {b for pair in synthetic.BRACKETS[:n_types] for b in pair}
+    for item in items:
+        assert set(item) == {"context", "continuation"} and all(isinstance(v, str) for v in item.values())
+        context, continuation = item["context"], item["continuation"]
+        assert continuation.startswith(" ") and not context.endswith(" ")
+        assert set(context.split()) | set(continuation.split()) <= allowed
+        closing = synthetic.closing_sequence(context)
+        assert closing and continuation.split() == closing  # shortest completion, nothing more
+        assert synthetic.is_balanced(context + continuation)
+        assert not synthetic.is_balanced(context + continuation.rsplit(" ", 1)[0])
+    assert items == synthetic.dyck_items(300, seed=1, n_types=n_types, max_depth=max_depth, max_length=24)
+    assert items != synthetic.dyck_items(300, seed=2, n_types=n_types, max_depth=max_depth, max_length=24)
+
+
+def test_dyck_boundaries_prompt_and_min_open():
+    a = synthetic.dyck_items(20, seed=3, boundary="continuation")
+    b = synthetic.dyck_items(20, seed=3, boundary="context")
+    c = synthetic.dyck_items(20, seed=3, boundary="none", prompt=synthetic.BIGBENCH_DYCK_PROMPT)
+    for x, y, z in zip(a, b, c):
+        assert x["context"] + x["continuation"] == y["context"] + y["continuation"]
+        assert z["context"] == synthetic.BIGBENCH_DYCK_PROMPT + x["context"]
+        assert z["continuation"] == x["continuation"][1:] == y["continuation"]
+    deep = synthetic.dyck_items(50, seed=0, max_depth=5, min_open=3, max_length=30)
+    assert min(len(i["continuation"].split()) for i in deep) >= 3
+    with pytest.raises(ValueError, match="boundary"):
+        synthetic.dyck_items(1, seed=0, boundary="both")
+
+
+def test_dyck_corpus_and_balance_checks():
+    docs = synthetic.dyck_corpus_text(5, seed=0, max_depth=3, words_per_doc=10)
+    assert docs == synthetic.dyck_corpus_text(5, seed=0, max_depth=3, words_per_doc=10)
+    for doc in docs:
+        lines = doc.split("\n")
+        assert len(lines) == 10 and all(synthetic.is_balanced(line) for line in lines)
+        for line in lines:  # nesting never exceeds max_depth
+            depth = np.cumsum([1 if t in "([{<" else -1 for t in line.split()])
+            assert depth.max() <= 3 and depth.min() >= 0
+    for bad in ["( ]", "( (", ") (", "( x )"]:
+        assert not synthetic.is_balanced(bad)
+    assert synthetic.is_balanced("( [ ] { < > } )")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-4096"])
+def test_items_tokenize_the_same_split_or_joined(name):
+    """Scoring tokens(context) + tokens(continuation) must see the tokens training text has."""
+    tok = get_tokenizer(name)
+    items = synthetic.dyck_items(100, seed=0, n_types=4) + synthetic.arithmetic_items(50, seed=0) + synthetic.copy_items(50, seed=0)
+    for item in items:
+        assert tok.encode(item["context"]) + tok.encode(item["continuation"]) == tok.encode(item["context"] + item["continuation"])
+
+
+def test_arithmetic_and_copy_items():
+    for item in synthetic.arithmetic_items(100, seed=0, n_digits=3):
+        a, b = item["context"].rstrip("=").split("+")
+        assert int(item["continuation"]) == int(a) + int(b)
+    for line in synthetic.arithmetic_corpus_text(2, seed=0, op="*")[0].split("\n"):
+        lhs, rhs = line.split("=")
+        assert int(lhs.split("*")[0]) * int(lhs.split("*")[1]) == int(rhs)
+    for item in synthetic.copy_items(50, seed=0):
+        assert item["context"].startswith("copy ") and item["context"].endswith(" :")
+        assert item["continuation"] == item["context"][len("copy"):-2]

@@ -1,0 +1,400 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, MoE, ForwardContext, ModelConfig, execution_plan, save_checkpoint
+
+VOCAB, EOT = 97, 96
+
+
+def tiny(**kw):
+    base = dict(vocab_size=VOCAB, eot_token=EOT, block_size=64, n_layer=4, n_embd=32, n_head=4, n_kv_head=2,
+                head_dim=8, mlp_hidden=48, init="nanogpt")
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def build(seed=0, **kw):
+    torch.manual_seed(seed)
+    return GPT(tiny(**kw)).eval()
+
+
+def tokens(B=2, T=24, seed=1, eot_at=()):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, EOT, (B, T), generator=g)
+    for p in eot_at:
+        idx[:, p] = EOT
+    return idx
+
+
+# ---- layouts
+
+
+@pytest.mark.parametrize("L, first, last", [(10, 3, 7), (12, 4, 9), (20, 6, 15), (30, 8, 22)])
+def test_smelt_loops_the_middle_half(L, first, last):
+    cfg = ModelConfig(n_layer=L, n_embd=64, n_head=4, layout="smelt", n_loops=2)
+    plan = [s for s in execution_plan(cfg) if s.kind == "block"]
+    looped = sorted({s.block + 1 for s in plan if s.visit == 2})  # 1-based
+    assert looped == list(range(first, last + 1))
+    assert len(plan) == L + (last - first + 1) == cfg.executed_layers()
+    # model-loop: the whole span runs, then the whole span again, each update scaled by 1/2
+    order = [s.block + 1 for s in plan]
+    span = list(range(first, last + 1))
+    assert order == list(range(1, first)) + span + span + list(range(last + 1, L + 1))
+    assert all(s.scale == 0.5 for s in plan if s.block + 1 in span)
+
+
+def test_layer_loop_repeats_each_layer_in_place():
+    cfg = tiny(n_layer=4, layout="layer_loop", n_loops=3, loop_span=2)
+    order = [(s.block, s.visit) for s in execution_plan(cfg) if s.kind == "block"]
+    assert order == [(0, 1), (1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3), (3, 1)]
+
+
+@pytest.mark.parametrize("depth, split", [(6, (2, 2, 2)), (7, (2, 3, 2)), (8, (2, 3, 3)), (10, (3, 4, 3))])
+def test_prelude_core_coda_split(depth, split):
+    cfg = ModelConfig(n_layer=depth, n_embd=64, n_head=4, layout="pcc", n_passes=2)
+    assert (cfg.n_prelude, cfg.n_core, cfg.n_coda) == split
+    assert cfg.executed_layers() == split[0] + 2 * split[1] + split[2]  # [X2]
+
+
+def test_smelt_r1_is_the_baseline_bit_for_bit():
+    base = build(layout="plain")
+    looped = GPT(tiny(layout="smelt", n_loops=1)).eval()
+    looped.load_state_dict(base.state_dict())
+    idx = tokens(eot_at=(9,))
+    assert torch.equal(base(idx)[0], looped(idx)[0])
+
+
+def test_smelt_r2_matches_hand_unrolled_S8_S9():
+    model = build(layout="smelt", n_loops=2, n_layer=4, n_expert=6, top_k=2, expert_hidden=16)
+    idx = tokens()
+    T = idx.size(1)
+    ctx = ForwardContext(model.rope_cos[:T], model.rope_sin[:T], None)
+    x = model.wte(idx)
+    for layer in [0, 1, 2, 1, 2, 3]:  # L=4, m=2: prelude 1 layer, layers 2-3 twice, then layer 4
+        block = model.blocks[layer]
+        scale = 0.5 if layer in (1, 2) else 1.0
+        d_attn = scale * block.attn(block.norm1(x), ctx)  # [S8]
+        d_moe = scale * block.ffn(block.norm2(x + d_attn))[0]  # [S9] sees the scaled attention write
+        x = x + d_attn + d_moe
+    expected = model.lm_head(model.norm_f(x))
+    torch.testing.assert_close(model(idx)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- tied vs untied cores, boundary operator
+
+
+def test_untied_copies_of_the_tied_core_compute_the_same_function():
+    K = 3
+    tied = build(layout="pcc", n_layer=5, n_passes=K, tie_core=True)
+    untied = GPT(tiny(layout="pcc", n_layer=5, n_passes=K, tie_core=False)).eval()
+    P, C = tied.config.n_prelude, tied.config.n_core
+    src = tied.state_dict()
+    dst = {}
+    for name in untied.state_dict():
+        if name.startswith("blocks."):
+            i, rest = name.split(".", 2)[1:]
+            i = int(i)
+            if i < P:
+                j = i
+            elif i < P + K * C:
+                j = P + (i - P) % C
+            else:
+                j = i - (K - 1) * C
+            dst[name] = src[f"blocks.{j}.{rest}"]
+        else:
+            dst[name] = src[name]
+    untied.load_state_dict(dst)
+    idx = tokens(eot_at=(5,))
+    torch.testing.assert_close(tied(idx)[0], untied(idx)[0], rtol=1e-5, atol=1e-5)
+    core_params = sum(p.numel() for b in list(tied.blocks)[P:P + C] for p in b.parameters())
+    assert untied.num_params()["total"] - tied.num_params()["total"] == (K - 1) * core_params
+
+
+def pcc_records(boundary="both", inject_before_coda=True, alpha=0.7, K=2):
+    model = build(layout="pcc", n_layer=3, n_passes=K, boundary=boundary, boundary_alpha=alpha,
+                  inject_before_coda=inject_before_coda, norm_gain=False)
+    records = []
+    logits = model(tokens(), probe=records)[0]
+    return model, records, logits
+
+
+def rms(x):
+    return F.rms_norm(x, (x.size(-1),), eps=1e-6)
+
+
+def test_boundary_both_h0_zero_first_pass_sees_alpha_e():
+    model, rec, _ = pcc_records("both", alpha=0.7)
+    prelude_out, pass1_in, pass1_out, pass2_in, coda_in = (rec[0]["resid_out"], rec[1]["resid_in"],
+                                                           rec[1]["resid_out"], rec[2]["resid_in"], rec[3]["resid_in"])
+    e = prelude_out
+    torch.testing.assert_close(pass1_in, 0.7 * e)  # [X] h0 = 0: BO(0, e) = alpha * e
+    torch.testing.assert_close(pass2_in, rms(pass1_out) + 0.7 * e)  # [X3]
+    torch.testing.assert_close(coda_in, rms(rec[2]["resid_out"]) + 0.7 * e)
+
+
+def test_boundary_switches():
+    _, rec, _ = pcc_records("norm")  # no injection: h starts at e and is only renormalised
+    torch.testing.assert_close(rec[1]["resid_in"], rms(rec[0]["resid_out"]))
+    torch.testing.assert_close(rec[3]["resid_in"], rms(rec[2]["resid_out"]))
+    _, rec, _ = pcc_records("inject", alpha=0.5)
+    e = rec[0]["resid_out"]
+    torch.testing.assert_close(rec[1]["resid_in"], 0.5 * e)
+    torch.testing.assert_close(rec[2]["resid_in"], rec[1]["resid_out"] + 0.5 * e)
+    _, rec, _ = pcc_records("none")  # a plain deep transformer
+    assert torch.equal(rec[1]["resid_in"], rec[0]["resid_out"])
+    assert torch.equal(rec[3]["resid_in"], rec[2]["resid_out"])
+    _, rec, _ = pcc_records("both", inject_before_coda=False)
+    torch.testing.assert_close(rec[3]["resid_in"], rms(rec[2]["resid_out"]))
+    outputs = [pcc_records(b)[2] for b in ("both", "norm", "inject", "none")]
+    for i in range(4):
+        for j in range(i):
+            assert not torch.allclose(outputs[i], outputs[j])
+
+
+def test_test_time_passes_override():
+    model = build(layout="pcc", n_layer=3, n_passes=2)
+    idx = tokens()
+    records = []
+    model(idx, n_passes=4, probe=records)
+    assert [r["visit"] for r in records if r["block"] == 1] == [1, 2, 3, 4]
+    assert torch.equal(model(idx, n_passes=2)[0], model(idx)[0])
+    untied = build(layout="pcc", n_layer=3, n_passes=2, tie_core=False)
+    untied(idx, n_passes=1)  # fewer passes than allocated cores is fine
+    with pytest.raises(ValueError, match="untied"):
+        untied(idx, n_passes=3)
+
+
+# ---- masking
+
+
+@pytest.mark.parametrize("layout", ["plain", "smelt", "pcc"])
+def test_causal_and_document_mask(layout):
+    model = build(layout=layout, n_loops=2, n_passes=2, n_layer=4)
+    idx = tokens(B=1, T=30, eot_at=(0, 12))
+    logits = model(idx)[0]
+    later = idx.clone()
+    later[0, 25:] = (later[0, 25:] + 1) % EOT  # changing the future leaves the past unchanged
+    torch.testing.assert_close(model(later)[0][:, :25], logits[:, :25])
+    other = idx.clone()
+    other[0, 1:12] = (other[0, 1:12] + 7) % EOT  # changing document 1 leaves document 2 unchanged
+    changed = model(other)[0]
+    torch.testing.assert_close(changed[:, 12:], logits[:, 12:], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(changed[:, 1:12], logits[:, 1:12])
+
+
+# ---- MoE
+
+
+def naive_moe(moe, x):
+    """Every token through its top-k experts one at a time: the obviously correct reference."""
+    flat = x.reshape(-1, x.size(-1))
+    probs = moe.router(flat).float().softmax(-1)
+    w, ids = probs.topk(moe.top_k, dim=-1)
+    if moe.renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    rows = []
+    for t in range(flat.size(0)):
+        acc = torch.zeros_like(flat[t])
+        for j in range(moe.top_k):
+            e = ids[t, j]
+            h = F.silu(moe.w_gate[e] @ flat[t]) * (moe.w_up[e] @ flat[t])
+            acc = acc + w[t, j] * (moe.w_down[e] @ h)
+        rows.append(acc)
+    return torch.stack(rows).view_as(x)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_sparse_dispatch_equals_naive_reference(renormalize):
+    torch.manual_seed(0)
+    moe = MoE(tiny(n_expert=7, top_k=3, expert_hidden=12, router_renormalize=renormalize))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    out, router = moe(x)
+    ref = naive_moe(moe, x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x] + list(moe.parameters()), g)
+    grads_ref = torch.autograd.grad(ref, [x] + list(moe.parameters()), g)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert router["counts"].sum() == 18 * 3
+
+
+def test_balance_loss_minimum_for_uniform_router():
+    moe = MoE(tiny(n_expert=8, top_k=2, expert_hidden=8))
+    torch.nn.init.zeros_(moe.router.weight)  # uniform router probabilities
+    torch.nn.init.normal_(moe.w_gate)
+    _, router = moe(torch.randn(3, 5, 32))
+    assert router["balance"].item() == pytest.approx(1.0, abs=1e-6)  # E * sum f_e / E = 1
+    assert router["z_loss"].item() == pytest.approx(math.log(8) ** 2, rel=1e-5)
+
+
+def test_fully_activated_reference_runs_every_expert():
+    moe = MoE(tiny(n_expert=4, top_k=4, expert_hidden=8))
+    _, router = moe(torch.randn(2, 5, 32))
+    assert router["counts"].tolist() == [10, 10, 10, 10]
+
+
+# ---- gradients
+
+
+def test_gradients_reach_every_pass_and_every_used_expert():
+    model = build(layout="pcc", n_layer=3, n_passes=3, n_expert=6, top_k=2, expert_hidden=8)
+    model.train()
+    core = model.blocks[model.config.n_prelude]
+    pass_grads = []
+
+    def keep_grad(module, inputs, output):
+        output.register_hook(lambda g: pass_grads.append(g.norm().item()))
+
+    handle = core.register_forward_hook(keep_grad)
+    idx = tokens(B=2, T=32)
+    _, loss = model(idx, idx)
+    loss.backward()
+    handle.remove()
+    assert len(pass_grads) == 3 and all(g > 0 for g in pass_grads)
+    counts = model.last_stats["expert_counts"]  # (MoE executions, E)
+    for i, block in enumerate(model.blocks):
+        used = [s for s in model.plan if s.kind == "block" and s.block == i]
+        rows = [n for n, s in enumerate([s for s in model.plan if s.kind == "block"]) if s.block == i]
+        received = counts[rows].sum(0) > 0
+        got_grad = block.ffn.w_gate.grad.flatten(1).abs().sum(1) > 0
+        assert used and torch.equal(received, got_grad)
+
+
+def test_untied_cores_all_receive_gradients():
+    model = build(layout="pcc", n_layer=3, n_passes=3, tie_core=False)
+    idx = tokens()
+    model(idx, idx)[1].backward()
+    for block in model.blocks:
+        assert block.attn.q_proj.weight.grad.abs().sum() > 0
+
+
+# ---- generation with a KV cache
+
+
+@pytest.mark.parametrize("kw", [dict(layout="plain"),
+                                dict(layout="smelt", n_loops=2, n_expert=5, top_k=2, expert_hidden=8),
+                                dict(layout="layer_loop", n_loops=2),
+                                dict(layout="pcc", n_layer=3, n_passes=2),
+                                dict(layout="pcc", n_layer=3, n_passes=4),
+                                dict(layout="pcc", n_layer=3, n_passes=2, tie_core=False),
+                                dict(layout="pcc", n_layer=3, n_passes=4, tie_core=False, qk_norm=True)])
+def test_kv_cache_generation_equals_recomputation(kw):
+    model = build(**kw)
+    prompt = tokens(B=2, T=10, eot_at=(4,))
+    out = model.generate(prompt, 12, temperature=0)
+    seq = prompt
+    for _ in range(12):  # greedy decoding by recomputing the full forward each step
+        nxt = model(seq)[0][:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+    assert torch.equal(out, seq)
+    # and the cached logits equal the full forward's, including across an eot in the continuation
+    from model import KVCache
+    cache = KVCache()
+    full = tokens(B=2, T=20, eot_at=(4, 13))
+    a = model(full[:, :9], cache=cache)[0]
+    b = model(full[:, 9:], cache=cache)[0]
+    torch.testing.assert_close(torch.cat([a, b], 1), model(full)[0], rtol=1e-4, atol=1e-5)
+    assert len(cache.keys) == model.config.executed_layers()
+
+
+def test_generate_respects_block_size():
+    model = build()
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(tokens(T=60), 10)
+
+
+# ---- probes, params, configs, checkpoints
+
+
+def test_probe_records_every_executed_block_and_changes_nothing():
+    model = build(layout="smelt", n_loops=2, n_expert=4, top_k=2, expert_hidden=8)
+    idx = tokens(eot_at=(7,))
+    records = []
+    logits = model(idx, probe=records)[0]
+    torch.testing.assert_close(logits, model(idx)[0], rtol=1e-5, atol=1e-5)
+    assert [(r["block"], r["visit"]) for r in records] == [(0, 1), (1, 1), (2, 1), (1, 2), (2, 2), (3, 1)]
+    r = records[3]
+    for key in ("resid_in", "attn_in", "q", "k", "v", "attn_probs", "attn_context", "attn_output",
+                "attn_update", "ffn_in", "ffn_update", "resid_out", "expert_ids", "expert_weights"):
+        assert key in r, key
+    assert r["attn_probs"].shape == (2, 4, 24, 24)
+    torch.testing.assert_close(r["attn_probs"].sum(-1), torch.ones(2, 4, 24))
+    assert r["attn_probs"][:, :, 10, :7].abs().max() == 0  # document mask: position 10 is in document 2
+    torch.testing.assert_close(r["resid_out"], r["resid_in"] + r["attn_update"] + r["ffn_update"])
+
+
+def test_num_params_breakdown():
+    model = build(n_expert=6, top_k=2, expert_hidden=8)
+    n = model.num_params()
+    assert n["total"] == sum(p.numel() for p in model.parameters())
+    assert n["embedding"] == 2 * VOCAB * 32
+    per_expert = 3 * 8 * 32
+    assert n["non_embedding"] - n["active"] == 4 * (6 - 2) * per_expert
+    dense = build().num_params()
+    assert dense["active"] == dense["non_embedding"]
+    tied = GPT(tiny(tie_embeddings=True)).num_params()
+    assert tied["embedding"] == VOCAB * 32
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(n_head=4, n_kv_head=3), "n_kv_head"),
+    (dict(n_expert=4, top_k=5), "top_k"),
+    (dict(layout="smelt", loop_span=9), "loop_span"),
+    (dict(layout="pcc", n_passes=0), "n_passes"),
+    (dict(n_loops=0), "n_loops"),
+    (dict(layout="spiral"), "layout"),
+    (dict(boundary="maybe"), "boundary"),
+    (dict(head_dim=7), "head_dim"),
+    (dict(eot_token=500), "eot_token"),
+    (dict(layout="pcc", n_layer=4, n_prelude=1, n_core=1, n_coda=1), "n_layer"),
+    (dict(init="x", tie_embeddings=True), "tie_embeddings"),
+])
+def test_bad_configs_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}="):
+        tiny(**kw)
+
+
+def test_unknown_config_keys():
+    with pytest.raises(ValueError, match="n_experts"):
+        ModelConfig.from_dict(dict(n_experts=4))
+
+
+def test_x_init_zeroes_outputs():
+    model = GPT(tiny(init="x", layout="pcc", n_layer=3, n_passes=2))
+    assert model.lm_head.weight.abs().sum() == 0
+    assert all(b.attn.o_proj.weight.abs().sum() == 0 for b in model.blocks)
+    bound = 3 ** 0.5 / 32 ** 0.5
+    q = model.blocks[0].attn.q_proj.weight
+    assert q.abs().max() <= bound and q.abs().max() > 0.9 * bound
+
+
+def test_checkpoint_round_trip(tmp_path):
+    from dataclasses import asdict
+    model = build(layout="smelt", n_loops=2)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"model_config": asdict(model.config), "model": model.state_dict()}, str(path))
+    loaded, _ = GPT.from_checkpoint(str(path))
+    idx = tokens()
+    assert torch.equal(loaded(idx)[0], model(idx)[0])
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="bad.pt"):
+        GPT.from_checkpoint(str(tmp_path / "bad.pt"))
+    with pytest.raises(FileNotFoundError):
+        GPT.from_checkpoint(str(tmp_path / "missing.pt"))
+
+
+def test_loss_ignores_minus_one_and_includes_router_losses():
+    model = build(n_expert=4, top_k=2, expert_hidden=8, balance_loss_coef=0.5, z_loss_coef=0.1)
+    idx = tokens()
+    targets = idx.clone()
+    targets[:, :5] = -1
+    logits, loss = model(idx, targets)
+    ce = F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-1)
+    s = model.last_stats
+    torch.testing.assert_close(loss, ce + 0.5 * s["balance"] + 0.1 * s["z_loss"])
