@@ -83,6 +83,30 @@ def attention_mask(q_docs, k_docs, q_start):
     return (causal[None] & same_doc)[:, None]
 
 
+_compiled_flex = None
+
+
+def flex_document_attention(q, k, v, block_mask):
+    """FlexAttention with a document block mask: skips fully masked blocks (fast on CUDA, compiled once)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if q.is_cuda:
+        _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
+
+
+def flex_block_mask(docs):
+    """The document mask of attention_mask() as a FlexAttention BlockMask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal_same_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+
+    B, T = docs.shape
+    return create_block_mask(causal_same_document, B, None, T, T, device=docs.device)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -105,7 +129,9 @@ class Attention(nn.Module):
         if ctx.cache is not None:  # one cache entry per *executed* block: each visit has its own
             k, v = ctx.cache.update(ctx.attention_calls, k, v)
         ctx.attention_calls += 1
-        if record is None:
+        if record is None and ctx.block_mask is not None:
+            y = flex_document_attention(q, k, v, ctx.block_mask)
+        elif record is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.mask is None,
                                                enable_gqa=self.n_kv_head != self.n_head)
         else:  # probe mode: explicit softmax so the attention probabilities can be returned [S10]
@@ -323,6 +349,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     embed_norm: bool = False  # RMSNorm right after the token embedding ([X] Table 1)
     tie_embeddings: bool = False
+    attention: str = "auto"  # "sdpa" (boolean mask), "flex" (FlexAttention block mask), "auto": flex on CUDA
     # feed-forward: dense SwiGLU (n_expert == 0) or MoE
     mlp_hidden: int = 0  # 0 -> 256 * ceil(8 n_embd / 3 / 256), as the [X] code
     n_expert: int = 0
@@ -393,6 +420,8 @@ class ModelConfig:
             if self.n_prelude + self.n_core + self.n_coda != self.n_layer:
                 bad("n_layer", f"must equal n_prelude + n_core + n_coda = "
                                f"{self.n_prelude}+{self.n_core}+{self.n_coda}")
+        if self.attention not in ("auto", "sdpa", "flex"):
+            bad("attention", "must be 'auto', 'sdpa' or 'flex'")
         if self.boundary not in ("both", "norm", "inject", "none"):
             bad("boundary", "must be 'both', 'norm', 'inject' or 'none'")
         if self.init not in ("x", "nanogpt"):
@@ -448,6 +477,7 @@ class ForwardContext:
     cos: torch.Tensor
     sin: torch.Tensor
     mask: Optional[torch.Tensor]  # None -> plain causal attention
+    block_mask: object = None  # FlexAttention BlockMask of the same document mask (attention="flex")
     cache: Optional["KVCache"] = None
     attention_calls: int = 0
     router: list = field(default_factory=list)
@@ -550,7 +580,10 @@ class GPT(nn.Module):
             mask = attention_mask(docs, docs, 0)
         else:
             mask = None
-        ctx = ForwardContext(self.rope_cos[start:start + T], self.rope_sin[start:start + T], mask, cache)
+        ctx = ForwardContext(self.rope_cos[start:start + T], self.rope_sin[start:start + T], mask, cache=cache)
+        use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and idx.is_cuda)
+        if mask is not None and cache is None and probe is None and use_flex:
+            ctx.block_mask = flex_block_mask(docs)  # FlexAttention has no backward on CPU: train there with sdpa
 
         plan = self.plan if n_passes is None else execution_plan(cfg, n_passes)
         h = self.wte(idx)

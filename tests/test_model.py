@@ -398,3 +398,17 @@ def test_loss_ignores_minus_one_and_includes_router_losses():
     ce = F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-1)
     s = model.last_stats
     torch.testing.assert_close(loss, ce + 0.5 * s["balance"] + 0.1 * s["z_loss"])
+
+
+def test_flex_attention_path_equals_sdpa_path():
+    """FlexAttention (the CUDA fast path) computes the same document-masked attention as SDPA.
+    Forward only: FlexAttention has no backward on CPU in torch 2.13."""
+    import warnings
+    sdpa = build(layout="smelt", n_loops=2, attention="sdpa")
+    flex = GPT(tiny(layout="smelt", n_loops=2, attention="flex")).eval()
+    flex.load_state_dict(sdpa.state_dict())
+    idx = tokens(B=2, T=40, eot_at=(0, 11, 29))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            torch.testing.assert_close(flex(idx)[0], sdpa(idx)[0], rtol=1e-4, atol=1e-5)
