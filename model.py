@@ -213,7 +213,9 @@ class MoE(nn.Module):
         flat_ids = expert_ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
         token_of = order // self.top_k
-        counts = torch.bincount(flat_ids, minlength=self.n_expert)
+        # tokens per expert (like bincount, but without a host sync on CUDA)
+        counts = torch.zeros(self.n_expert, dtype=torch.long, device=x.device).index_add_(
+            0, flat_ids, torch.ones_like(flat_ids))
         x_sorted = flat[token_of]
         if _use_triton(self.use_triton, x):
             from kernels import moe_experts

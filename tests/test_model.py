@@ -412,3 +412,22 @@ def test_flex_attention_path_equals_sdpa_path():
         warnings.simplefilter("ignore")
         with torch.no_grad():
             torch.testing.assert_close(flex(idx)[0], sdpa(idx)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(layout="smelt", n_loops=2, n_layer=2, n_expert=6, top_k=2, expert_hidden=8),
+                                dict(layout="pcc", n_layer=3, n_passes=2, qk_norm=True, norm_gain=False)])
+def test_triton_kernels_give_the_same_loss_and_gradients(kw):
+    """use_triton on (kernels; the Triton interpreter on CPU) vs off (PyTorch twins)."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    cfg = dict(n_embd=32, n_head=2, n_kv_head=1, head_dim=16, **kw)
+    ref = GPT(tiny(use_triton=False, **cfg))
+    fast = GPT(tiny(use_triton=True, **cfg))
+    fast.load_state_dict(ref.state_dict())
+    idx = tokens(B=2, T=16, eot_at=(6,))
+    loss_ref, loss_fast = ref(idx, idx)[1], fast(idx, idx)[1]
+    torch.testing.assert_close(loss_fast, loss_ref, rtol=1e-5, atol=1e-6)
+    loss_ref.backward()
+    loss_fast.backward()
+    for (name, a), b in zip(ref.named_parameters(), fast.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
