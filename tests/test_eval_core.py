@@ -1,0 +1,522 @@
+import json
+import math
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import eval_core as ec
+
+BUNDLE = os.path.join(os.path.dirname(__file__), "data", "core_bundle")
+
+
+class CharTokenizer:
+    """One token per ASCII character; eot (= BOS, = pad) is 0, which never occurs in text."""
+    eot_token = 0
+    n_vocab = 128
+    name = "char"
+
+    def encode(self, text):
+        assert all(0 < ord(c) < 128 for c in text), text
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+class MergeTokenizer(CharTokenizer):
+    """Char tokenizer that fuses ":A" into one token (100 + ...), so a BPE-like merge crosses the join."""
+    def encode(self, text):
+        out, i = [], 0
+        while i < len(text):
+            if text[i:i + 2] == ":A":
+                out.append(127)
+                i += 2
+            else:
+                out.append(ord(text[i]))
+                i += 1
+        return out
+
+
+class BigramModel(torch.nn.Module):
+    """logits[t] = table[idx[t]]: every loss is a known number -log softmax(table)[prev, next]."""
+    def __init__(self, vocab=128, seed=0, block_size=1024):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab, generator=g) * 3)
+        self.config = type("C", (), {"block_size": block_size})()
+
+    def forward(self, idx):
+        return self.table[idx], None
+
+    def loss(self, prev, nxt):
+        if not hasattr(self, "_logp"):
+            self._logp = F.log_softmax(self.table.detach().double(), dim=-1).tolist()
+        return -self._logp[prev][nxt]
+
+
+class OracleModel(torch.nn.Module):
+    """Copies its input: at position t it puts all mass on the token at t+1 (a perfect next-token oracle)."""
+    def __init__(self, vocab=128, block_size=4096):
+        super().__init__()
+        self.vocab = vocab
+        self.config = type("C", (), {"block_size": block_size})()
+
+    def forward(self, idx):
+        nxt = torch.roll(idx, -1, dims=1)
+        return F.one_hot(nxt, self.vocab).float() * 100.0, None
+
+
+class FirstChoiceModel(torch.nn.Module):
+    """Constant logits peaked on token 0 (never a target): every span token costs exactly 1e4, so all
+    choices tie and the first one wins; LM greedy predictions are always wrong."""
+    def __init__(self, vocab=128, block_size=4096):
+        super().__init__()
+        self.vocab = vocab
+        self.config = type("C", (), {"block_size": block_size})()
+
+    def forward(self, idx):
+        logits = torch.zeros(*idx.shape, self.vocab)
+        logits[..., 0] = 1e4
+        return logits
+
+
+TOK = CharTokenizer()
+MC_ITEM = {"query": "Q: 1+1?", "choices": ["2", "3"], "gold": 0}
+MC_SHOTS = [{"query": "Q: 2+2?", "choices": ["5", "4"], "gold": 1}, {"query": "Q: 0+1?", "choices": ["1"], "gold": 0}]
+
+
+def bos(text):
+    return [0] + [ord(c) for c in text]
+
+
+# ---------------------------------------------------------------- rendering and spans
+
+def test_render_mc_exact_strings_and_spans():
+    prompts = ec.render_mc(MC_ITEM, " ", MC_SHOTS)
+    assert prompts == ["Q: 2+2? 4\n\nQ: 0+1? 1\n\nQ: 1+1? 2", "Q: 2+2? 4\n\nQ: 0+1? 1\n\nQ: 1+1? 3"]
+    ex = ec.build_example(MC_ITEM, "multiple_choice", " ", TOK, MC_SHOTS)
+    n = len(bos("Q: 2+2? 4\n\nQ: 0+1? 1\n\nQ: 1+1? "))
+    assert ex["tokens"] == [bos(p) for p in prompts]
+    assert ex["starts"] == [n, n] and ex["ends"] == [n + 1, n + 1]  # only the differing answer token
+    assert ex["answer_start"] == n and ex["gold"] == 0
+    # choices sharing a first word: the MC span starts after the common prefix, the answer NLL span does not
+    item = {"query": "Pick:", "choices": ["a cat", "a dog"], "gold": 1}
+    ex = ec.build_example(item, "multiple_choice", " ", TOK)
+    assert ex["starts"] == [len(bos("Pick: a ")), len(bos("Pick: a "))]
+    assert ex["answer_start"] == len(bos("Pick: "))
+
+
+def test_render_schema_exact_strings_and_spans():
+    item = {"context_options": ["The cup hit the table", "The cup hit the floor"], "continuation": "and broke.",
+            "gold": 1}
+    shot = {"context_options": ["A dog", "A cat"], "continuation": "meowed.", "gold": 1}
+    prompts = ec.render_schema(item, " ", [shot])
+    assert prompts == ["A cat meowed.\n\nThe cup hit the table and broke.",
+                       "A cat meowed.\n\nThe cup hit the floor and broke."]
+    ex = ec.build_example(item, "schema", " ", TOK, [shot])
+    suffix = len(" and broke.")  # common token suffix: "table"/"floor" differ in their last letter
+    assert ex["ends"] == [len(bos(p)) for p in prompts]
+    assert ex["starts"] == [e - suffix for e in ex["ends"]]
+    assert ex["answer_start"] == len(bos("A cat meowed.\n\nThe cup hit the floor "))
+
+
+def test_render_lm_exact_strings_and_spans():
+    item = {"context": "  Input: ( [  ", "continuation": "] )"}
+    shots = [{"context": "Input: <", "continuation": ">"}]
+    without, with_ = ec.render_lm(item, " ", shots)
+    assert without == "Input: < >\n\nInput: ( ["  # context trimmed, then the whole prompt stripped
+    assert with_ == "Input: < >\n\nInput: ( [ ] )"
+    ex = ec.build_example(item, "language_modeling", " ", TOK, shots)
+    assert ex["tokens"] == [bos(with_)]
+    assert ex["starts"] == [len(bos(without))] and ex["ends"] == [len(bos(with_))]
+    assert TOK.decode(ex["tokens"][0][ex["starts"][0]:]) == " ] )"  # the delimiter's space is scored too
+    assert not ex["boundary_fixed"]
+    # multi-character delimiter (as in "\nAnswer: ")
+    without, with_ = ec.render_lm({"context": "Repeat: x", "continuation": "x x"}, "\nOutput: ")
+    assert (without, with_) == ("Repeat: x\nOutput:", "Repeat: x\nOutput: x x")
+
+
+def test_lm_boundary_moved_by_merge_uses_common_prefix():
+    tok = MergeTokenizer()
+    ex = ec.build_example({"context": "Q:", "continuation": "A"}, "language_modeling", "", tok)
+    # without = "Q:" -> [0, Q, :]; with = "Q:A" -> [0, Q, <:A>]; common prefix 2
+    assert ex["tokens"] == [[0, ord("Q"), 127]] and ex["starts"] == [2] and ex["boundary_fixed"]
+
+
+def test_crop_from_left():
+    item = {"context": "abcdefghij", "continuation": "XY"}
+    ex = ec.build_example(item, "language_modeling", " ", TOK, max_len=6)
+    full = bos("abcdefghij XY")
+    assert ex["tokens"] == [full[-6:]]
+    assert ex["starts"] == [len(bos("abcdefghij")) - (len(full) - 6)] and ex["ends"] == [6]
+    assert TOK.decode(ex["tokens"][0][ex["starts"][0]:]) == " XY"
+    with pytest.raises(ValueError, match="does not fit"):
+        ec.build_example(item, "language_modeling", " ", TOK, max_len=3)
+
+
+def test_shuffle_and_fewshot_seeds_match_nanochat():
+    data = list(range(20))
+    ref = list(data)
+    random.Random(1337).shuffle(ref)
+    assert ec.shuffle_and_cut(data, 5) == ref[:5] and ec.shuffle_and_cut(data) == ref
+    for idx in (0, 7):
+        want = [data[i] for i in random.Random(1234 + idx).sample([i for i in range(20) if i != idx], 4)]
+        got = ec.sample_fewshot(data, idx, 4)
+        assert got == want and idx not in got
+    assert ec.sample_fewshot(data, 3, 4, seed=0) == [data[i] for i in random.Random(3).sample(
+        [i for i in range(20) if i != 3], 4)]
+    assert len(ec.sample_fewshot(data[:3], 0, 32)) == 2  # k larger than the pool: all other items
+
+
+# ---------------------------------------------------------------- scoring
+
+def test_stub_model_known_losses_give_expected_choice_and_nll():
+    model = BigramModel()
+    item = {"query": "Q: 1+1?", "choices": ["2", "3", "11"], "gold": 2}
+    ex = ec.build_example(item, "multiple_choice", " ", TOK)
+    (res,) = ec.score_examples(model, [ex], "multiple_choice", TOK.eot_token)
+
+    def mean_loss(text, start):  # mean of -log p(tok_t | tok_{t-1}) over targets t >= start
+        ids = bos(text)
+        return sum(model.loss(ids[t - 1], ids[t]) for t in range(start, len(ids))) / (len(ids) - start)
+
+    s = len(bos("Q: 1+1? "))
+    expected = [mean_loss("Q: 1+1? " + c, s) for c in item["choices"]]
+    assert res["mean_losses"] == pytest.approx(expected, rel=1e-5)
+    assert res["pred"] == int(np.argmin(expected)) and res["correct"] == (res["pred"] == 2)
+    assert res["answer_nll"] == pytest.approx(mean_loss("Q: 1+1? 11", s), rel=1e-5)
+
+    # a full task: accuracy, centered accuracy [X17] and mean answer NLL [X18]
+    items = [dict(item, gold=g) for g in range(3)] + [{"query": "Z?", "choices": ["a", "b"], "gold": 0}]
+    task = {"label": "t", "icl_task_type": "multiple_choice", "num_fewshot": 0, "continuation_delimiter": " "}
+    r = ec.evaluate_task(model, TOK, task, items)
+    preds = [x["pred"] for x in r["items"]]
+    golds = [it["gold"] for it in items]
+    acc = sum(p == g for p, g in zip(preds, golds)) / 4
+    assert r["accuracy"] == acc
+    z = [mean_loss("Z? " + c, len(bos("Z? "))) for c in "ab"]
+    assert preds == [int(np.argmin(expected))] * 3 + [int(np.argmin(z))]
+    nll = (sum(mean_loss("Q: 1+1? " + c, s) for c in item["choices"]) + z[0]) / 4
+    assert r["answer_nll"] == pytest.approx(nll, rel=1e-5)
+    assert ec.centered_accuracy(acc, 25.0) == pytest.approx((acc - 0.25) / 0.75)
+
+
+def test_lm_scoring_requires_every_greedy_token():
+    model = BigramModel()
+    item = {"context": "ab", "continuation": "cd"}
+    ex = ec.build_example(item, "language_modeling", " ", TOK)
+    (res,) = ec.score_examples(model, [ex], "language_modeling", TOK.eot_token)
+    ids = bos("ab cd")
+    greedy = model.table.argmax(-1)
+    want = all(greedy[ids[t - 1]].item() == ids[t] for t in range(len(bos("ab")), len(ids)))
+    assert res["correct"] == want
+    assert res["answer_nll"] == pytest.approx(
+        sum(model.loss(ids[t - 1], ids[t]) for t in range(3, 6)) / 3, rel=1e-5)
+
+
+def test_batching_does_not_change_results():
+    model = BigramModel()
+    bundle = ec.load_bundle(BUNDLE)
+    a = ec.evaluate_core(model, TOK, bundle, batch_tokens=256, progress=False)
+    b = ec.evaluate_core(model, TOK, bundle, batch_tokens=1 << 16, progress=False)
+    for label in a["tasks"]:
+        assert a["tasks"][label]["accuracy"] == b["tasks"][label]["accuracy"]
+        assert a["tasks"][label]["answer_nll"] == pytest.approx(b["tasks"][label]["answer_nll"], rel=1e-6)
+
+
+def test_oracle_solves_lm_items_and_first_choice_model_centres_to_zero():
+    bundle = ec.load_bundle(BUNDLE)
+    oracle = ec.evaluate_core(OracleModel(), TOK, bundle, progress=False)
+    for label in ("dyck_mini", "copy_mini"):
+        r = oracle["tasks"][label]
+        assert r["accuracy"] == 1.0 and r["centered"] == 1.0 and r["answer_nll"] < 1e-6
+    assert oracle["tasks"]["dyck_mini"]["n"] == 16 and oracle["tasks"]["dyck_mini"]["num_fewshot"] == 3
+    chance = ec.evaluate_core(FirstChoiceModel(), TOK, bundle, progress=False)
+    assert chance["tasks"]["toy_arith_mc"]["accuracy"] == 0.25
+    assert chance["tasks"]["toy_winograd"]["accuracy"] == 0.5
+    for r in chance["tasks"].values():
+        assert r["centered"] == 0.0
+    assert chance["core"] == 0.0 and chance["core17"] is None
+
+
+def test_random_baselines_centre_to_zero_and_versions():
+    for rb in (0.0, 9.1, 20.0, 25.0, 40.3, 50.0, 62.0):
+        assert ec.centered_accuracy(rb / 100, rb) == pytest.approx(0.0, abs=1e-12)
+        assert ec.centered_accuracy(1.0, rb) == pytest.approx(1.0)
+    v1 = {k: old for k, (old, new) in ec.RANDOM_BASELINE_CHANGES.items()}
+    v2 = {k: new for k, (old, new) in ec.RANDOM_BASELINE_CHANGES.items()}
+    assert ec.random_baseline_version(v1) == "v1" and ec.random_baseline_version(v2) == "2025-09-05"
+    assert v2 == {"commonsense_qa": 40.3, "agi_eval_lsat_ar": 25.0, "bigbench_language_identification": 25.0}
+    assert ec.random_baseline_version(dict(v1, commonsense_qa=33.0)).startswith("custom")
+    bundle = {"random_baselines": dict(v1, piqa=50.0), "baseline_version": "v1",
+              "tasks": [{"label": k, "random_baseline": v} for k, v in dict(v1, piqa=50.0).items()]}
+    new = ec.with_baseline_version(bundle, "2025-09-05")
+    assert {t["label"]: t["random_baseline"] for t in new["tasks"]} == dict(v2, piqa=50.0)
+    assert new["baseline_version"].startswith("2025-09-05") and bundle["tasks"][0]["random_baseline"] == 20.0
+
+
+def test_core17_subset_and_summary(tmp_path):
+    assert len(ec.CORE22_LABELS) == 22 and len(ec.CORE17_LABELS) == 17
+    assert not set(ec.CORE17_EXCLUDED) & set(ec.CORE17_LABELS)
+    # a 22-task bundle in the public layout: LM tasks the oracle solves, MC tasks it ties on (first choice)
+    (tmp_path / "eval_data" / "x").mkdir(parents=True)
+    yaml_lines, csv_lines = ["icl_tasks:"], ["Eval Task,Random baseline"]
+    for i, label in enumerate(ec.CORE22_LABELS):
+        lm = i % 2 == 0
+        rows = ([{"context": f"c{j}", "continuation": f"w{j}"} for j in range(3)] if lm else
+                [{"query": f"q{j}", "choices": ["a", "b"], "gold": j % 2} for j in range(2)])
+        (tmp_path / "eval_data" / "x" / f"{label}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        yaml_lines += [f"- label: {label}", f"  dataset_uri: x/{label}.jsonl", "  num_fewshot: [1]",
+                       f"  icl_task_type: {'language_modeling' if lm else 'multiple_choice'}"]
+        csv_lines.append(f"{label},{0 if lm else 50}")
+    (tmp_path / "core.yaml").write_text("\n".join(yaml_lines) + "\n")
+    (tmp_path / "eval_meta_data.csv").write_text("\n".join(csv_lines) + "\n")
+    res = ec.evaluate_core(OracleModel(), TOK, str(tmp_path), progress=False)
+    centered = {l: r["centered"] for l, r in res["tasks"].items()}
+    assert res["core"] == pytest.approx(np.mean(list(centered.values())))
+    assert res["core17"] == pytest.approx(np.mean([centered[l] for l in ec.CORE17_LABELS]))
+    assert res["core17_nll"] == pytest.approx(np.mean([res["tasks"][l]["answer_nll"] for l in ec.CORE17_LABELS]))
+    assert res["core17_missing"] == []
+
+
+def test_fewshot_seeds_average():
+    model = BigramModel()
+    bundle = ec.load_bundle(BUNDLE)
+    res = ec.evaluate_core(model, TOK, bundle, fewshot_seeds=(0, 1, 2), labels=["toy_arith_mc", "toy_winograd"],
+                           progress=False)
+    per_seed = []
+    task = next(t for t in bundle["tasks"] if t["label"] == "toy_arith_mc")
+    data = ec.shuffle_and_cut(ec.load_task_data(task))
+    for s in (0, 1, 2):
+        per_seed.append(ec.evaluate_task(model, TOK, task, data, fewshot_seed=s)["accuracy"])
+    r = res["tasks"]["toy_arith_mc"]
+    assert r["per_seed_accuracy"] == per_seed and r["accuracy"] == pytest.approx(np.mean(per_seed))
+    assert res["tasks"]["toy_winograd"]["accuracy_std"] == 0.0  # zero-shot: seed-independent
+
+
+def test_kshot_sweep_shapes_and_zero_shot_matches_core():
+    model = BigramModel()
+    sweep = ec.kshot_sweep(model, TOK, BUNDLE, ks=(0, 1, 32), progress=False)
+    assert set(sweep["tasks"]) == {"toy_arith_mc", "dyck_mini", "copy_mini"}  # the few-shot tasks
+    core0 = ec.evaluate_core(model, TOK, BUNDLE, num_fewshot=0, progress=False)
+    for label, per_k in sweep["tasks"].items():
+        assert per_k[0]["accuracy"] == core0["tasks"][label]["accuracy"]
+        assert set(per_k) == {0, 1, 32}
+
+
+# ---------------------------------------------------------------- bundle files
+
+def test_yaml_reader_agrees_with_pyyaml(tmp_path):
+    pytest.importorskip("yaml")
+    ours = ec.read_core_yaml(os.path.join(BUNDLE, "core.yaml"), use_yaml=False)
+    theirs = ec.read_core_yaml(os.path.join(BUNDLE, "core.yaml"), use_yaml=True)
+    assert ours == theirs and ours[3]["continuation_delimiter"] == "\nOutput: "
+    public_style = (
+        "# comment\nicl_tasks:\n"
+        "-\n  label: jeopardy\n  dataset_uri: world_knowledge/jeopardy_all.jsonl # a comment\n"
+        "  num_fewshot: [10]\n  icl_task_type: language_modeling\n"
+        "  continuation_delimiter: \"\\nAnswer: \" # this separates questions from answers\n"
+        "  has_categories: true\n"
+        "- label: 'it''s #1'\n  dataset_uri: a/b.jsonl\n  num_fewshot:\n  - 0\n"
+        "  icl_task_type: multiple_choice\n  continuation_delimiter: ' '\n")
+    p = tmp_path / "core.yaml"
+    p.write_text(public_style)
+    ours, theirs = ec.read_core_yaml(str(p), use_yaml=False), ec.read_core_yaml(str(p), use_yaml=True)
+    assert ours == theirs
+    assert ours[0]["continuation_delimiter"] == "\nAnswer: " and ours[0]["num_fewshot"] == 10
+    assert ours[1]["label"] == "it's #1" and ours[1]["num_fewshot"] == 0 and ours[1]["line"] == 10
+
+
+def _copy_bundle(tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(BUNDLE, dst)
+    return dst
+
+
+@pytest.mark.parametrize("use_yaml", [False, True])
+def test_malformed_yaml_names_file_and_line(tmp_path, use_yaml):
+    if use_yaml:
+        pytest.importorskip("yaml")
+    b = _copy_bundle(tmp_path)
+    y = b / "core.yaml"
+    text = y.read_text()
+    y.write_text(text.replace("  dataset_uri: language_understanding/toy_winograd.jsonl\n", ""))
+    with pytest.raises(ValueError, match=r"core\.yaml:11: task is missing required key 'dataset_uri'"):
+        ec.read_core_yaml(str(y), use_yaml=use_yaml)
+    y.write_text(text.replace("icl_task_type: schema", "icl_task_type: generation_task_with_answers"))
+    with pytest.raises(ValueError, match=r"core\.yaml:14: unknown icl_task_type 'generation_task_with_answers'"):
+        ec.read_core_yaml(str(y), use_yaml=use_yaml)
+    y.write_text(text.replace("num_fewshot: [0]", "num_fewshot: 0"))
+    with pytest.raises(ValueError, match=r"core\.yaml:13: num_fewshot must be a list"):
+        ec.read_core_yaml(str(y), use_yaml=use_yaml)
+    y.write_text(text.replace("icl_tasks:", "tasks:"))
+    with pytest.raises(ValueError, match=r"core\.yaml:1: missing top-level key 'icl_tasks'"):
+        ec.read_core_yaml(str(y), use_yaml=use_yaml)
+
+
+def test_our_yaml_reader_rejects_what_it_does_not_know(tmp_path):
+    y = tmp_path / "core.yaml"
+    for bad, line in [("icl_tasks:\n- label: a\n  extra: {x: 1}\n", 3),
+                      ("icl_tasks:\n- label: a\n  extra: |\n", 3),
+                      ("icl_tasks:\n- label: a\n\tdataset_uri: b\n", 3),
+                      ("icl_tasks:\n- label: \"unterminated\n", 2),
+                      ("icl_tasks:\n- label: a\n  label: b\n", 3)]:
+        y.write_text(bad)
+        with pytest.raises(ValueError, match=rf"core\.yaml:{line}: "):
+            ec.parse_core_yaml(bad, str(y))
+
+
+def test_bad_jsonl_and_items_name_file_and_line(tmp_path):
+    b = _copy_bundle(tmp_path)
+    f = b / "eval_data" / "symbolic_problem_solving" / "copy_mini.jsonl"
+    lines = f.read_text().splitlines()
+    f.write_text("\n".join(lines[:2] + ['{"context": "x", "continuation": '] + lines[3:]) + "\n")
+    task = next(t for t in ec.load_bundle(str(b))["tasks"] if t["label"] == "copy_mini")
+    with pytest.raises(ValueError, match=r"copy_mini\.jsonl:3: invalid JSON"):
+        ec.load_task_data(task)
+    f.write_text("\n".join(lines[:4] + ['{"context": "x"}'] + lines[5:]) + "\n")
+    with pytest.raises(ValueError, match=r"copy_mini\.jsonl:5: language_modeling item is missing key 'continuation'"):
+        ec.load_task_data(task)
+    g = b / "eval_data" / "symbolic_problem_solving" / "toy_arith_mc.jsonl"
+    g.write_text('{"query": "q", "choices": ["a", "b"], "gold": 2}\n')
+    task = next(t for t in ec.load_bundle(str(b))["tasks"] if t["label"] == "toy_arith_mc")
+    with pytest.raises(ValueError, match=r"toy_arith_mc\.jsonl:1: gold must be an int index"):
+        ec.load_task_data(task)
+
+
+def test_bundle_errors_and_fingerprint(tmp_path):
+    b = _copy_bundle(tmp_path)
+    fp = ec.bundle_fingerprint(str(b))
+    assert fp == ec.bundle_fingerprint(BUNDLE) and len(fp) == 64
+    assert ec.load_bundle(str(b))["fingerprint"] == fp
+    c = b / "eval_meta_data.csv"
+    c.write_text(c.read_text().replace("copy_mini,symbolic_problem_solving", "other,symbolic_problem_solving"))
+    with pytest.raises(ValueError, match=r"core\.yaml:23: task 'copy_mini' has no row in .*eval_meta_data\.csv"):
+        ec.load_bundle(str(b))
+    assert ec.bundle_fingerprint(str(b)) != fp
+    c.write_text("Eval Task,Random baseline\ncopy_mini,abc\n")
+    with pytest.raises(ValueError, match=r"eval_meta_data\.csv:2: random baseline for 'copy_mini' is not a number"):
+        ec.load_bundle(str(b))
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        ec.load_bundle(str(tmp_path / "nope"))
+    shutil.rmtree(b / "eval_data" / "language_understanding")
+    shutil.copy(os.path.join(BUNDLE, "eval_meta_data.csv"), c)
+    with pytest.raises(FileNotFoundError, match=r"core\.yaml:11: dataset_uri of 'toy_winograd' points to a missing"):
+        ec.load_bundle(str(b))
+
+
+# ---------------------------------------------------------------- length buckets
+
+def test_length_bucket_loss_matches_manual_and_packing(tmp_path):
+    rng = np.random.default_rng(0)
+    eot = 0
+    lengths = [3, 30, 33, 64, 70, 5, 200]
+    stream = []
+    for n in lengths:
+        stream += [eot] + rng.integers(1, 128, size=n).tolist()
+    arr = np.array(stream, dtype=np.uint16)
+    starts = np.flatnonzero(arr == eot)
+    spans = np.stack([starts, np.append(starts[1:], len(arr)), np.zeros_like(starts), np.arange(len(starts))], 1)
+    for split in ("train", "val"):  # the data/prepare.py layout
+        (tmp_path / f"{split}.bin").write_bytes(arr.tobytes())
+        np.save(tmp_path / f"{split}_sources.npy", spans.astype(np.int64))
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "eot_token": eot, "tokenizer": "char",
+                                                    "splits": {s: {"tokens": len(arr)} for s in ("train", "val")}}))
+    tokens, meta, doc_spans = ec.load_token_split(str(tmp_path), "val")
+    assert doc_spans == ec.split_documents(tokens, eot) and doc_spans[:2] == [(1, 4), (5, 35)]
+    model = BigramModel(block_size=64)
+    packed = ec.length_bucket_loss(model, tokens, eot, progress=False)
+    alone = ec.length_bucket_loss(model, tokens, eot, pack=False, progress=False)
+    # manual: each doc = [eot] + doc, windows of 64 targets; a bigram only looks at the previous token,
+    # and a continuation window starts from the previous window's last token
+    sums = {}
+    for a, b in ec.split_documents(tokens, eot):
+        ids = [eot] + [int(x) for x in tokens[a:b]]
+        total = sum(model.loss(ids[t - 1], ids[t]) for t in range(1, len(ids)))
+        lab = ec.bucket_of(b - a)
+        s = sums.setdefault(lab, [0.0, 0])
+        s[0] += total
+        s[1] += b - a
+    for lab, (total, n) in sums.items():
+        assert packed[lab]["loss"] == pytest.approx(total / n, rel=1e-5)
+        assert alone[lab]["loss"] == pytest.approx(total / n, rel=1e-5)
+    assert packed["32"]["n_docs"] == 3 and packed["64"]["n_docs"] == 2 and packed["256"]["n_tokens"] == 200
+    assert packed["4096"]["loss"] is None and list(packed)[-1] == ">4096"
+    assert ec.bucket_of(4097) == ">4096" and ec.bucket_of(32) == "32" and ec.bucket_of(33) == "64"
+
+
+# ---------------------------------------------------------------- CLI
+
+def test_cli_json_and_table(monkeypatch, capsys):
+    monkeypatch.setattr(ec, "load_checkpoint", lambda path, device="cpu": (BigramModel(), TOK))
+    report = ec.main(["--ckpt", "x.pt", "--bundle", BUNDLE, "--max_per_task", "4", "--json", "--no_progress"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["core"]["core"] == pytest.approx(report["core"]["core"])
+    assert all(r["n"] == 4 for r in out["core"]["tasks"].values())
+    ec.main(["--ckpt", "x.pt", "--bundle", BUNDLE, "--no_progress"])
+    text = capsys.readouterr().out
+    for needle in ("toy_arith_mc", "dyck_mini", "CORE (4 tasks)", "answer_nll", "fingerprint sha256"):
+        assert needle in text
+
+
+# ---------------------------------------------------------------- with the real model.py
+
+def _tiny_gpt(vocab=128, eot=0, block_size=256):
+    model_mod = pytest.importorskip("model")
+    cfg = model_mod.ModelConfig(vocab_size=vocab, eot_token=eot, block_size=block_size, n_layer=2, n_embd=32,
+                                n_head=2, init="nanogpt")
+    torch.manual_seed(0)
+    return model_mod.GPT(cfg).eval(), cfg
+
+
+def test_real_model_padding_and_packing_invariance(tmp_path):
+    model, _ = _tiny_gpt()
+    bundle = ec.load_bundle(BUNDLE)
+    a = ec.evaluate_core(model, TOK, bundle, max_per_task=3, batch_tokens=600, progress=False)
+    b = ec.evaluate_core(model, TOK, bundle, max_per_task=3, batch_tokens=1 << 15, progress=False)
+    for label in a["tasks"]:  # right-padding with eot never changes a causal model's scores
+        assert a["tasks"][label]["accuracy"] == b["tasks"][label]["accuracy"]
+        assert a["tasks"][label]["answer_nll"] == pytest.approx(b["tasks"][label]["answer_nll"], rel=1e-4)
+    rng = np.random.default_rng(1)
+    stream = []
+    for n in (5, 40, 150, 17):
+        stream += [0] + rng.integers(1, 128, size=n).tolist()
+    tokens = np.array(stream)
+    packed = ec.length_bucket_loss(model, tokens, 0, block_size=64, progress=False)
+    alone = ec.length_bucket_loss(model, tokens, 0, block_size=64, pack=False, progress=False)
+    for lab in packed:  # the eot document mask keeps packed documents apart
+        if packed[lab]["n_docs"]:
+            assert packed[lab]["loss"] == pytest.approx(alone[lab]["loss"], rel=1e-4)
+
+
+def test_cli_end_to_end_with_checkpoint(tmp_path, capsys):
+    pytest.importorskip("model")
+    prepare = pytest.importorskip("data.prepare")
+    model, cfg = _tiny_gpt(vocab=4096, eot=4095, block_size=128)
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save({"model_config": dict(cfg.__dict__), "model": model.state_dict(), "tokenizer": "gpt2-4096"}, ckpt)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": ("word " * n).strip()}) + "\n" for n in (3, 20, 50, 90, 7, 30)))
+    prepare.prepare([str(corpus)], str(tmp_path / "prep"), val_fraction=0.5, verbose=False)
+    ec.main(["--ckpt", str(ckpt), "--bundle", BUNDLE, "--max_per_task", "2", "--no_progress", "--json",
+             "--length_buckets", str(tmp_path / "prep"), "--kshot_sweep", "--kshot_tasks", "dyck_mini"])
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["core"]["tasks"]) == {"toy_arith_mc", "toy_winograd", "dyck_mini", "copy_mini"}
+    assert math.isfinite(out["core"]["core"]) and math.isfinite(out["core"]["core_nll"])
+    assert sum(b["n_docs"] for b in out["length_buckets"].values()) == 3
+    assert list(out["kshot"]["tasks"]["dyck_mini"]) == [str(k) for k in ec.KSHOT_SWEEP]
+
+
+def test_empty_wrong_choice_never_wins_and_empty_gold_is_rejected(tmp_path):
+    model = BigramModel()
+    item = {"query": "Q:", "choices": ["", "yes"], "gold": 1}
+    ex = ec.build_example(item, "multiple_choice", " ", TOK)
+    (res,) = ec.score_examples(model, [ex], "multiple_choice", TOK.eot_token)
+    assert res["mean_losses"][0] == float("inf") and res["pred"] == 1 and res["correct"]
+    with pytest.raises(ValueError, match=r"x\.jsonl:4: .*gold choice a non-empty string"):
+        ec._check_item(dict(item, gold=0), "multiple_choice", "x.jsonl", 4)
