@@ -275,7 +275,7 @@ class Step:
     """One step of the forward pass.
     kind "block":    run blocks[block]; `visit` counts executions of that physical block (1-based);
                      `scale` multiplies both residual updates ([S8]-[S9] 1/r inside a SMELT loop span).
-    kind "anchor":   the prelude is done: remember its output e; h starts at 0 when e is injected ([X] h0=0).
+    kind "anchor":   the prelude is done: remember its output e; h starts at 0 when `inject` ([X] h0 = 0).
     kind "boundary": h <- RMSNorm(h) (if norm) + alpha*e (if inject) [X3]; before a core pass or the coda."""
     kind: str
     block: int = -1
@@ -312,9 +312,11 @@ def execution_plan(cfg, n_passes=None):
     P, C, D = cfg.n_prelude, cfg.n_core, cfg.n_coda
     norm = cfg.boundary in ("both", "norm")
     inject = cfg.boundary in ("both", "inject")
-    plan = [Step("block", i, 1) for i in range(P)] + [Step("anchor", inject=inject)]
+    h0_zero = inject and cfg.zero_initial_state
+    plan = [Step("block", i, 1) for i in range(P)] + [Step("anchor", inject=h0_zero)]
     for k in range(k_passes):
-        plan.append(Step("boundary", norm=norm, inject=inject))  # [X3] before every core pass
+        if k > 0 or cfg.zero_initial_state:
+            plan.append(Step("boundary", norm=norm, inject=inject))  # [X3] before every core pass
         first = P if cfg.tie_core else P + k * C
         plan += [Step("block", first + j, k + 1 if cfg.tie_core else 1) for j in range(C)]
     plan.append(Step("boundary", norm=norm, inject=inject and cfg.inject_before_coda))  # [X3] before coda
@@ -372,6 +374,8 @@ class ModelConfig:
     boundary: str = "both"  # boundary operator [X3]: "both", "norm", "inject" or "none"
     boundary_alpha: float = 1.0
     inject_before_coda: bool = True  # [X] applies the full BO before the coda too
+    zero_initial_state: bool = True  # [X] Algorithm 1: h0 = 0, the first pass sees BO(0, e) = alpha*e.
+    #   False: the first pass sees the prelude output e itself, as the [X] code does (same when alpha = 1)
     # multipliers and init
     residual_multiplier: float = 1.0  # [X] RM on attention-out and MLP-down
     output_multiplier: float = 1.0  # [X] OM on the logits

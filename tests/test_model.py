@@ -431,3 +431,16 @@ def test_triton_kernels_give_the_same_loss_and_gradients(kw):
     loss_fast.backward()
     for (name, a), b in zip(ref.named_parameters(), fast.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_zero_initial_state_switch():
+    """zero_initial_state=False follows the [X] code: the first core pass sees the raw prelude output e,
+    later passes and the coda still get BO(h, e)."""
+    torch.manual_seed(0)
+    model = build(layout="pcc", n_layer=3, n_passes=2, boundary_alpha=0.7, norm_gain=False, zero_initial_state=False)
+    rec = []
+    model(tokens(), probe=rec)
+    e = rec[0]["resid_out"]
+    assert torch.equal(rec[1]["resid_in"], e)
+    torch.testing.assert_close(rec[2]["resid_in"], rms(rec[1]["resid_out"]) + 0.7 * e)
+    torch.testing.assert_close(rec[3]["resid_in"], rms(rec[2]["resid_out"]) + 0.7 * e)

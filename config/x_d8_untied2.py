@@ -1,0 +1,54 @@
+# [X] Untied-2, d8: two untied cores (stores and executes 11 blocks): Loop-2's compute graph with
+# its own weights per pass.
+# Numbers: the team notes (anchors_facts.md) "ladder hparams (d8 row): untied_grow (shared base recipe)" and the [X] code's
+# ladder_scripts/untied_2.sh (run untied_2_d08; the facts row omits the values marked 'script'); the
+# architecture is Table 1 of the [X] seed.
+# 2796 steps x 524,288 tokens = TPP 6 on N_s = 244.3M.
+# Data: FineWeb with the GPT-2 tokenizer; prepare it yourself (nothing is downloaded):
+#   python data/prepare.py fineweb_docs/ --tokenizer gpt2 --out data/cache/fineweb_gpt2
+# Global batch = batch_size * grad_accum * world_size = 32 x 1 x 8 GPUs = 256 sequences x 2048 tokens;
+# on one GPU add --grad_accum=8.
+# model (Table 1: RoPE, SwiGLU, QK-norm, no biases, no norm gains, RMSNorm after the embedding)
+vocab_size = 50304  # GPT-2 50257 padded to a multiple of 64, as the [X] code
+eot_token = 50256
+block_size = 2048
+n_layer = 8
+n_embd = 1024
+n_head = 8
+head_dim = 128
+n_expert = 0  # dense SwiGLU (say it: train.py's tiny default is an MoE)
+qk_norm = True
+norm_gain = False
+embed_norm = True
+init = "x"  # zero out-projections and lm head, normal embedding, uniform Q/K/V and MLP-in
+layout = "pcc"  # prelude-core-coda [X1]-[X3], the [X] even split of 8: 2 / 3 / 3
+n_prelude = 2
+n_core = 3
+n_coda = 3
+boundary = "both"  # BO(h, e) = RMSNorm(h) + alpha e before every core pass ... [X3]
+inject_before_coda = True  # ... and before the coda (the [X] code's --decoder-inject)
+n_passes = 2
+tie_core = False
+boundary_alpha = 1.0
+residual_multiplier = 0.25
+output_multiplier = 1.0
+embed_init_std = 0.01  # wte_init_std
+uniform_init_scale = 0.353553390593  # U(-s, s), s = uniform_init_scale / sqrt(n_embd)
+# training
+data_dir = "data/cache/fineweb_gpt2"
+run_name = "x_d8_untied2"
+optimizer = "muon"
+matrix_lr = 0.04
+embedding_lr = 0.0064
+unembedding_lr = 0.0064
+weight_decay = 0.0707106781187
+adam_betas = (0.8, 0.99)
+adam_eps = 1e-08
+warmup_steps = 40
+decay_fraction = 1.0  # warmdown_ratio
+decay_shape = "linear"  # assumption: nanochat-style linear warmdown to 0 (the [X] code decays to 0)
+min_lr_fraction = 0.0
+batch_size = 32
+grad_accum = 1
+max_steps = 2796  # script
+eval_interval = 250

@@ -1,0 +1,44 @@
+# [X] Vanilla, d8: a plain pre-norm transformer, 8 blocks, width 128 x 8 = 1024, no boundary operator.
+# Numbers: the team notes (anchors_facts.md) "ladder hparams (d8 row): vanilla" and the [X] code's
+# ladder_scripts/vanilla.sh (run vanilla_d08); Table 1 of the [X] seed for the fixed architecture.
+# 1962 steps x 524,288 tokens = TPP 5 on N_s = 205.8M stored params (token embedding included).
+# Data: FineWeb with the GPT-2 tokenizer; prepare it yourself (nothing is downloaded):
+#   python data/prepare.py fineweb_docs/ --tokenizer gpt2 --out data/cache/fineweb_gpt2
+# Global batch = batch_size * grad_accum * world_size = 32 x 1 x 8 GPUs = 256 sequences x 2048 tokens;
+# on one GPU add --grad_accum=8.
+# model (Table 1: RoPE, SwiGLU, QK-norm, no biases, no norm gains, RMSNorm after the embedding)
+vocab_size = 50304  # GPT-2 50257 padded to a multiple of 64, as the [X] code
+eot_token = 50256
+block_size = 2048
+n_layer = 8
+n_embd = 1024
+n_head = 8
+head_dim = 128
+n_expert = 0  # dense SwiGLU (say it: train.py's tiny default is an MoE)
+qk_norm = True
+norm_gain = False
+embed_norm = True
+init = "x"  # zero out-projections and lm head, normal embedding, uniform Q/K/V and MLP-in
+layout = "plain"
+residual_multiplier = 0.25
+output_multiplier = 0.5
+embed_init_std = 0.00707106781187  # wte_init_std
+uniform_init_scale = 0.0625  # U(-s, s), s = 0.0625 / sqrt(n_embd)
+# training
+data_dir = "data/cache/fineweb_gpt2"
+run_name = "x_d8_vanilla"
+optimizer = "muon"
+matrix_lr = 0.04
+embedding_lr = 0.01810193359836
+unembedding_lr = 0.0045254833996
+weight_decay = 0.0707106781187
+adam_betas = (0.8, 0.95)
+adam_eps = 1e-10
+warmup_steps = 40
+decay_fraction = 0.6  # warmdown_ratio
+decay_shape = "linear"  # assumption: nanochat-style linear warmdown to 0 (the [X] code decays to 0)
+min_lr_fraction = 0.0
+batch_size = 32
+grad_accum = 1
+max_steps = 1962
+eval_interval = 250

@@ -1,0 +1,447 @@
+"""
+Model growth: more core passes mid-training, and the growth-schedule math ([X] Algorithm 1, [X8]-[X15]).
+
+  Loop-Grow (tied core):   K0 -> Kf passes of the SAME core. No new weights: only the pass count changes.
+  Untied-Grow (untied):    cores C1..CK0 are copied after themselves, C1 C2 -> C1 C2 C1 C2 (depthwise
+                           stacking, Du et al. 2024); new core j copies core j % K0 as the [X] code does, so
+                           Kf need not be a multiple of K0 (Algorithm 1 itself uses Kf = m K0).
+  Deep-Vanilla-Grow:       the same copy schedule on plain transformer blocks. Represent a Deep Vanilla as
+                           layout="pcc", tie_core=False, boundary="none" (with the boundary off the
+                           prelude-core-coda model IS a plain transformer of P + K C + D blocks); a
+                           layout="plain" model is converted to exactly that (K0 = 1, the [X] even split)
+                           before growing, without changing its function or its parameter names.
+  SMELT loop / layer-loop: n_passes is the loop count r; only n_loops changes (tied, like Loop-Grow).
+
+Live model (train.py):
+    param_map = grow.grow(model, n_passes=4, untie=False)     # model grown in place
+    state = grow.copy_optimizer_state(state_by_name, param_map)
+Checkpoint:
+    python grow.py --ckpt out/ckpt.pt --passes 4 [--untie] --out out/grown.pt
+
+The parameter map {name_after: name_before} covers EVERY parameter of the grown model, in
+named_parameters order. Inserting cores shifts the coda's block indices, so names change even for
+parameters that are not copies: e.g. P=2, C=3, K 2 -> 4 untied: blocks.8 (first coda block) becomes
+blocks.14, and the new blocks.8 is a copy of blocks.2. Originals come before their copies, so the first name claiming a
+source is the original; `copied_names(param_map)` lists the rest. Tied growth gives the identity map.
+"""
+
+import argparse
+import copy
+import sys
+from dataclasses import asdict, replace
+
+import torch
+import torch.nn as nn
+
+import match
+from model import GPT, core_split, execution_plan, save_checkpoint
+
+
+# ----------------------------------------------------------------------------------------------------
+# Growth of a live model
+
+
+def grow(model, n_passes, untie=False):
+    """Grow `model` (an unwrapped GPT: no DDP / torch.compile wrapper) in place to `n_passes` core passes.
+
+    tied pcc, untie=False:  only model.config.n_passes and model.plan change; every parameter is the same
+                            tensor object with the same values.
+    untied pcc:             new cores are deep copies (j % K0, [X] dep_stack_grow_init) inserted before the
+                            coda; config.n_passes and plan updated.
+    untie=True (tied pcc):  first turn the tied core into K0 untied copies (function unchanged), then grow.
+    plain:                  converted to pcc / tie_core=False / boundary="none" with K0 = 1, then grown.
+    smelt / layer_loop:     n_passes is the loop count r: only config.n_loops and the plan change (the
+                            function changes beyond the extra passes: updates in the span scale by 1/r).
+
+    model.config is REPLACED by an updated copy (the caller's ModelConfig object is not mutated, so other
+    models built from it stay valid): read model.config after growing, not a config held from before.
+    Returns {name_after: name_before} for every parameter (see the module docstring)."""
+    cfg = model.config
+    if not isinstance(n_passes, int) or isinstance(n_passes, bool):
+        raise ValueError(f"n_passes must be an int, got {n_passes!r}")
+    if cfg.layout in ("smelt", "layer_loop"):  # the loop span runs r times: growth = a larger r
+        if untie:
+            raise ValueError(f"untie=True: layout {cfg.layout!r} has no untied form (use layout='pcc')")
+        if n_passes < cfg.n_loops:
+            raise ValueError(f"cannot grow to fewer passes: model has n_loops={cfg.n_loops}, asked for {n_passes}")
+        if n_passes == cfg.n_loops:
+            raise ValueError(f"model already has n_loops={n_passes}; nothing to grow")
+        _set_config(model, n_loops=n_passes)  # NOTE: the [S8]-[S9] 1/r update scale changes with r
+        return {name: name for name, _ in model.named_parameters()}
+    plain = cfg.layout == "plain"
+    k0, tied = (1, False) if plain else (cfg.n_passes, cfg.tie_core)  # a plain model reads as K0 = 1, untied
+    if n_passes < k0:
+        raise ValueError(f"cannot grow to fewer passes: model has n_passes={k0}, asked for {n_passes}")
+    if untie and not tied:
+        raise ValueError(f"untie=True but the model is already untied "
+                         f"({'a plain transformer' if plain else f'tie_core=False, {k0} stored cores'})")
+    if n_passes == k0 and not untie:
+        raise ValueError(f"model already has n_passes={k0}; nothing to grow (pass untie=True to only untie)")
+    if plain:  # validated first: a failed call leaves the model untouched
+        _plain_to_pcc(model)
+        cfg = model.config
+    old_names = [name for name, _ in model.named_parameters()]
+
+    if cfg.tie_core and not untie:  # Loop-Grow: the same core runs more times, no new weights
+        _set_config(model, n_passes=n_passes)
+        return {name: name for name in old_names}
+
+    # untied growth (Algorithm 1 lines 5-7): pass k of the grown model runs a copy of stored core k % K_src
+    P, C, D = cfg.n_prelude, cfg.n_core, cfg.n_coda
+    blocks = list(model.blocks)
+    k_src = 1 if cfg.tie_core else k0  # a tied model stores one core: every pass copies it
+    new_blocks, source_index = [], []  # source_index[i] = index of block i before growth
+    for i in range(P):
+        new_blocks.append(blocks[i])
+        source_index.append(i)
+    for k in range(n_passes):
+        for j in range(C):
+            src = P + (k % k_src) * C + j
+            new_blocks.append(blocks[src] if k < k_src else _copy_block(blocks[src]))
+            source_index.append(src)
+    coda_start = P + k_src * C
+    for j in range(D):
+        new_blocks.append(blocks[coda_start + j])
+        source_index.append(coda_start + j)
+    model.blocks = nn.ModuleList(new_blocks)
+    _set_config(model, tie_core=False, n_passes=n_passes)
+
+    param_map = {}
+    for name, _ in model.named_parameters():
+        if name.startswith("blocks."):
+            _, index, rest = name.split(".", 2)
+            param_map[name] = f"blocks.{source_index[int(index)]}.{rest}"
+        else:
+            param_map[name] = name
+    missing = set(param_map.values()) - set(old_names)
+    assert not missing, f"internal error: parameter map points at unknown names {sorted(missing)}"
+    return param_map
+
+
+def _copy_block(block):
+    """An independent copy of a block: same values, new tensors, no gradient."""
+    new = copy.deepcopy(block)
+    for p in new.parameters():
+        p.grad = None
+    return new
+
+
+def _set_config(model, **changes):
+    """model.config <- an updated copy (re-validated by ModelConfig.__post_init__), and its plan.
+    A copy, not an in-place edit: other models built from the same ModelConfig object stay valid."""
+    model.config = replace(model.config, **changes)
+    model.plan = execution_plan(model.config)
+    assert len(model.blocks) == model.config.n_blocks
+
+
+def _plain_to_pcc(model):
+    """Re-read a plain transformer as prelude-core-coda with K=1, untied, boundary "none" (the [X] even
+    split, remainder first to core then coda). Same blocks, same names, same function."""
+    n_prelude, n_core, n_coda = core_split(model.config.n_layer)
+    _set_config(model, layout="pcc", tie_core=False, n_passes=1, boundary="none",
+                n_prelude=n_prelude, n_core=n_core, n_coda=n_coda)
+
+
+def copied_names(param_map):
+    """Names in a grow() map that are NEW copies (their source is claimed by an earlier name: the original)."""
+    seen, copies = set(), []
+    for name, source in param_map.items():
+        if source in seen:
+            copies.append(name)
+        seen.add(source)
+    return copies
+
+
+def copy_optimizer_state(state_by_name, param_map, copies="fresh"):
+    """Per-parameter optimizer state keyed by the names before growth -> keyed by the names after.
+
+    Originals (also those renamed by the shifted coda) keep their own state. New copies get:
+      "fresh" (default): no state; the optimizer initialises it at its next step (zero momentum, Adam
+          step count 0 with bias correction). This is what the [X] code effectively does: it leaves the
+          state of its dormant cores alone, and a dormant core has only ever seen zero gradients, so its
+          momentum is zero. The copy sits at another depth and gets other gradients; the source's
+          momentum would push it along the source's old direction for its first steps.
+      "source": a deep copy of the source's state (the copy continues the source's trajectory).
+    An empty param_map means the identity (tied growth)."""
+    if copies not in ("fresh", "source"):
+        raise ValueError(f"copies must be 'fresh' or 'source', got {copies!r}")
+    if not param_map:
+        return dict(state_by_name)
+    copy_set = set(copied_names(param_map))
+    out = {}
+    for name, source in param_map.items():
+        if source not in state_by_name:
+            continue  # that parameter had no state yet (or is not handled by this optimizer)
+        if name in copy_set:
+            if copies == "source":
+                out[name] = copy.deepcopy(state_by_name[source])
+        else:
+            out[name] = state_by_name[source]
+    return out
+
+
+def remap_optimizer_checkpoint(opt, param_map, copies="fresh"):
+    """ckpt["optimizer"] (state keyed by parameter name) -> the same layout keyed by the new names.
+    Accepts {"state": {name: {...}}, "param_groups": [{"params" or "param_names": [names], ...}]}
+    (train.py's layout), or a dict / list of several such (one per optimizer). In param_groups every
+    name is replaced by the names that take it as source (original first, then its copies), so the
+    copies join their source's group. Raises ValueError on other layouts."""
+    if isinstance(opt, list):
+        return [remap_optimizer_checkpoint(o, param_map, copies) for o in opt]
+    if not isinstance(opt, dict):
+        raise ValueError(f"unrecognised optimizer state layout: {type(opt).__name__}")
+    if "state" not in opt:
+        if opt and all(isinstance(v, (dict, list)) for v in opt.values()):  # several optimizers by name
+            return {k: remap_optimizer_checkpoint(v, param_map, copies) for k, v in opt.items()}
+        raise ValueError(f"unrecognised optimizer state layout (keys {sorted(opt)[:8]}; expected 'state')")
+    state = opt["state"]
+    if state and not all(isinstance(k, str) for k in state):
+        raise ValueError("optimizer state is keyed by parameter index, not by parameter name")
+    out = dict(opt)
+    out["state"] = copy_optimizer_state(state, param_map, copies)
+    if "param_groups" in opt and param_map:
+        targets = {}
+        for name, source in param_map.items():
+            targets.setdefault(source, []).append(name)
+        groups = []
+        for group in opt["param_groups"]:
+            group = dict(group)
+            for key in ("params", "param_names"):  # train.py keeps the names under "param_names"
+                names = group.get(key)
+                if isinstance(names, list) and all(isinstance(p, str) for p in names):
+                    group[key] = [new for p in names for new in targets.get(p, [])]
+            groups.append(group)
+        out["param_groups"] = groups
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training-schedule helpers (train.py uses these)
+
+
+def growth_step(max_iters, grow_at):
+    """Optimizer step at which to grow. grow_at >= 1: a step; 0 < grow_at < 1: the [X] code's crossover
+    fraction of training, step = int(grow_at * max_iters); the fraction of tokens after growth is then
+    rho = 1 - grow_at [X13]."""
+    if grow_at <= 0:
+        raise ValueError(f"grow_at must be > 0 (a step, or a fraction in (0, 1)), got {grow_at}")
+    step = int(grow_at * max_iters) if grow_at < 1 else int(grow_at)
+    if step > max_iters:
+        raise ValueError(f"grow_at={grow_at} is after the last step max_iters={max_iters}")
+    return step
+
+
+def rewarm_multiplier(step, grow_at_step, rewarm_steps=40):
+    """LR multiplier after growth: 0 at the growth step, linear back to 1 over rewarm_steps ([X] code:
+    min(1, (it - crossover) / 40)). 1 before growth or with rewarm_steps=0."""
+    if rewarm_steps <= 0 or step < grow_at_step:
+        return 1.0
+    return min(1.0, (step - grow_at_step) / rewarm_steps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parameter counts the schedule math needs
+
+
+def _with_passes(cfg, n_passes):
+    """A copy of cfg run with n_passes (K for pcc, tied or untied; r for the loop layouts); cfg is not touched."""
+    if n_passes is None:
+        return cfg
+    key = "n_passes" if cfg.layout == "pcc" else "n_loops"
+    return replace(cfg, **{key: n_passes})
+
+
+def compute_active_params(cfg, n_passes=None):
+    """N_c,K [X8], [X10]: prelude, coda and head matrices once, core matrices K times (even when tied),
+    no input-embedding lookup. Taken from match.py (the one place for params accounting)."""
+    return match.accounting(_with_passes(cfg, n_passes))["params_compute_active"]
+
+
+def stored_params(cfg, n_passes=None):
+    """N_s,K [X10]: every stored parameter, token embedding and lm head included. This is the N of the
+    [X] code's steps = round(TPP * N / tokens_per_step): d8 Vanilla 205.8M at TPP 5 -> its 1962 steps,
+    and [X13]-[X14] with this N reproduce the d8 Loop-Grow / Untied-Grow steps (tests/test_grow.py)."""
+    return match.accounting(_with_passes(cfg, n_passes))["params_stored"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Growth-schedule math [X8]-[X15]. K0 -> Kf defaults to the paper's 2 -> 4.
+
+AFFINE_LAW = {"loop_grow": (0.902, 0.216), "untied_grow": (0.883, 0.103)}  # [X9] (a, b), R^2 > 0.9999
+
+
+def mean_passes(rho, k0=2, kf=4):
+    """[X13] token-weighted mean passes K_bar_rho = (1 - rho) K0 + rho Kf; rho = fraction of tokens after growth."""
+    return (1 - rho) * k0 + rho * kf
+
+
+def grown_compute_active_params(rho, n_c_k0, n_c_kf):
+    """[X13] N_c,K_rho = (1 - rho) N_c,K0 + rho N_c,Kf: token-weighted compute-active parameters."""
+    return (1 - rho) * n_c_k0 + rho * n_c_kf
+
+
+def grown_training_flops(tokens, rho, n_c_k0, n_c_kf):
+    """[X13] leading-order training compute C = 6 D_K_rho N_c,K_rho of a grown run of `tokens` tokens."""
+    return 6 * tokens * grown_compute_active_params(rho, n_c_k0, n_c_kf)
+
+
+def grown_tokens_for_budget(compute, rho, n_c_k0, n_c_kf):
+    """[X13] solved for D: tokens a grown run affords at training compute C."""
+    return compute / (6 * grown_compute_active_params(rho, n_c_k0, n_c_kf))
+
+
+def tokens_per_param(tokens, n_stored):
+    """[X10] TPP_K = D_K / N_s,K."""
+    return tokens / n_stored
+
+
+def expansion_ratio(cfg, n_passes):
+    """[X10] E_K = N_c,K / N_c,1."""
+    return compute_active_params(cfg, n_passes) / compute_active_params(cfg, 1)
+
+
+def storage_ratio(cfg, n_passes):
+    """[X10] S_K = N_s,K / N_s,1 (1 when the core is tied)."""
+    return stored_params(cfg, n_passes) / stored_params(cfg, 1)
+
+
+def tpp_at_passes(tpp_k1, e_k, s_k):
+    """[X11] TPP_K = TPP_K1 / (E_K S_K): at equal compute, K passes cost E_K more per token and an untied
+    model stores S_K more parameters. TPP_K1 = tokens K=1 affords / its stored params."""
+    return tpp_k1 / (e_k * s_k)
+
+
+def optimal_expansion(tpp_k1, tied=True):
+    """[X8] empirical fit at the compute-optimal K: E_K* = 0.82 TPP_K1^0.15 (tied), 0.83 TPP_K1^0.15 (untied)."""
+    return (0.82 if tied else 0.83) * tpp_k1 ** 0.15
+
+
+def optimal_tpp(tpp_k1, tied=True):
+    """[X12] empirical fit: TPP_K* = 1.19 TPP_K1^0.85 (tied), 1.34 TPP_K1^0.74 (untied)."""
+    return 1.19 * tpp_k1 ** 0.85 if tied else 1.34 * tpp_k1 ** 0.74
+
+
+def grown_expansion(rho, e_ratio):
+    """[X14] E_K_rho / E_K0 = 1 + rho (E_Kf / E_K0 - 1); e_ratio = E_Kf / E_K0 (= N_c,Kf / N_c,K0)."""
+    return 1 + rho * (e_ratio - 1)
+
+
+def grown_tpp(tpp_k0, rho, e_ratio):
+    """[X14] TPP_K_rho = (E_K0 / E_K_rho) TPP_K0 at the compute of a fixed-K0 run; both TPPs use the
+    initial stored params N_s,K0 as denominator."""
+    return tpp_k0 / grown_expansion(rho, e_ratio)
+
+
+def optimal_grown_expansion(tpp_k0, a, b):
+    """[X15] with the affine law [X9] TPP_K_rho* = a TPP_K0 + b: E_K_rho* / E_K0 = TPP_K0 / (a TPP_K0 + b)."""
+    return tpp_k0 / (a * tpp_k0 + b)
+
+
+def optimal_growth_fraction(tpp_k0, a, b, e_ratio):
+    """[X15] rho* = (E_K_rho*/E_K0 - 1) / (E_Kf/E_K0 - 1): fraction of tokens trained after growth."""
+    return (optimal_grown_expansion(tpp_k0, a, b) - 1) / (e_ratio - 1)
+
+
+def grown_run_tokens(cfg, tpp_ref, rho, kf=4):
+    """Tokens of a grown run, the [X] Table 9 recipe: the reference TPP t_ref sets the compute of a
+    fixed-K0 run, C = 6 (t_ref N_s,K0) N_c,K0, and the grown run's tokens are recomputed for the chosen
+    rho: D = C / (6 N_c,K_rho) [X13]-[X14]. cfg is the model before growth (K0 = cfg.n_passes).
+    d8: Loop-Grow t_ref 7, rho 0.18 -> 2563 steps; Untied-Grow t_ref 8, rho 0.29 -> 3341 (524,288 tok/step)."""
+    n_c_k0, n_c_kf = compute_active_params(cfg), compute_active_params(cfg, kf)
+    compute = 6 * tpp_ref * stored_params(cfg) * n_c_k0
+    return grown_tokens_for_budget(compute, rho, n_c_k0, n_c_kf)
+
+
+def growth_fraction_limit(a):
+    """[X15] limit b << a TPP and E_4/E_2 -> 3/2 (even thirds, block compute dominant): rho* -> 2 (1/a - 1).
+    a = 0.902 (Loop-Grow) -> 0.217, a = 0.883 (Untied-Grow) -> 0.265."""
+    return 2 * (1 / a - 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI: grow a checkpoint
+
+
+def grow_checkpoint(ckpt_path, n_passes, out_path, untie=False, copies="fresh", log=print):
+    """Load a checkpoint, grow it, remap its optimizer state by name, write it atomically. Returns the
+    parameter map. Everything else (step, tokens_seen, data_position, rng, ...) is kept, so train.py
+    resumes from the grown checkpoint; a record is appended to ckpt["growth"]."""
+    model, ckpt = GPT.from_checkpoint(ckpt_path)
+    layout, tied = model.config.layout, model.config.tie_core
+    k0 = model.config.n_loops if layout in ("smelt", "layer_loop") else model.config.n_passes
+    param_map = grow(model, n_passes, untie=untie)
+    opt = ckpt.get("optimizer")
+    if opt is None:
+        log("no optimizer state in the checkpoint: nothing to remap (the optimizer starts fresh on resume)")
+    else:
+        try:
+            ckpt["optimizer"] = remap_optimizer_checkpoint(opt, param_map, copies)
+        except ValueError as e:
+            log(f"dropping optimizer state ({e}); the optimizer starts fresh on resume")
+            ckpt["optimizer"] = None
+    ckpt["model_config"] = asdict(model.config)
+    ckpt["model"] = model.state_dict()
+    ckpt["grown"] = True  # train.py's flag: a resumed run with grow_at set does not grow a second time
+    ckpt.setdefault("growth", []).append(dict(step=ckpt.get("step"), from_passes=k0, to_passes=n_passes,
+                                              from_layout=layout, from_tied=tied, untie=untie,
+                                              copies=copies, param_map=param_map))
+    save_checkpoint(ckpt, out_path)
+    n_copies = len(copied_names(param_map))
+    log(f"grew {ckpt_path}: {layout} {'tied' if tied else 'untied'} K={k0} -> "
+        f"{'tied' if model.config.tie_core else 'untied'} K={n_passes}, {len(model.blocks)} stored blocks, "
+        f"{n_copies} copied parameter tensors ({copies} optimizer state) -> {out_path}")
+    return param_map
+
+
+def schedule_table(cfg, kf=4, law=None, tpps=(5, 6, 7, 8, 10, 20), tokens_per_step=524288):
+    """The growth schedule of a config (K0 = cfg.n_passes -> kf) as printable lines: parameter counts
+    [X10], the expansion ratio, and per reference TPP: rho* [X15], mean passes [X13], the grown run's
+    TPP [X14], tokens and steps (the Table 9 recipe, grown_run_tokens)."""
+    law = law or ("loop_grow" if cfg.tie_core else "untied_grow")
+    a, b = AFFINE_LAW[law]
+    k0 = cfg.n_passes
+    n_s, n_c0, n_cf = stored_params(cfg), compute_active_params(cfg), compute_active_params(cfg, kf)
+    e_ratio = n_cf / n_c0
+    lines = [f"{cfg.layout} {'tied' if cfg.tie_core else 'untied'} K0={k0} -> Kf={kf}, "
+             f"{cfg.n_prelude}/{cfg.n_core}/{cfg.n_coda} blocks, width {cfg.n_embd}",
+             f"N_s,K0 stored params (token embedding included) [X10]: {n_s:,}",
+             f"N_c,K0 / N_c,Kf compute-active params [X10]:       {n_c0:,} / {n_cf:,}  (E_Kf/E_K0 = {e_ratio:.4f})",
+             f"[X9] affine law {law}: a = {a}, b = {b};  rho* limit 2(1/a - 1) = {growth_fraction_limit(a):.4f}",
+             f"{'TPP_K0':>7} {'rho*':>7} {'K_bar':>6} {'TPP_Krho':>9} {'tokens':>15} {'steps':>8}"]
+    for tpp in tpps:
+        rho = optimal_growth_fraction(tpp, a, b, e_ratio)
+        tokens = grown_run_tokens(cfg, tpp, rho, kf)
+        lines.append(f"{tpp:>7g} {rho:>7.4f} {mean_passes(rho, k0, kf):>6.3f} {grown_tpp(tpp, rho, e_ratio):>9.3f} "
+                     f"{tokens:>15,.0f} {tokens / tokens_per_step:>8.0f}")
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Grow a loopstudy checkpoint to more core passes ([X] Algorithm 1), or print the growth "
+                    "schedule of a config ([X9]-[X15]).")
+    parser.add_argument("--ckpt", help="input checkpoint (train.py / grow.py)")
+    parser.add_argument("--passes", type=int, default=4, help="target number of core passes Kf (default 4)")
+    parser.add_argument("--untie", action="store_true", help="untie a tied core into K copies first (then grow)")
+    parser.add_argument("--copies", choices=("fresh", "source"), default="fresh",
+                        help="optimizer state of new copies: fresh (default, as the [X] code) or the source's")
+    parser.add_argument("--out", help="output checkpoint (written atomically)")
+    parser.add_argument("--schedule", metavar="CONFIG", help="print the growth schedule of a config file instead")
+    parser.add_argument("--law", choices=sorted(AFFINE_LAW), help="affine law [X9] (default: by tie_core)")
+    args = parser.parse_args(argv)
+    try:
+        if args.schedule:
+            from model import ModelConfig
+            print("\n".join(schedule_table(ModelConfig.from_file(args.schedule), args.passes, args.law)))
+            return 0
+        if not args.ckpt or not args.out:
+            parser.error("--ckpt and --out are required (or --schedule CONFIG)")
+        grow_checkpoint(args.ckpt, args.passes, args.out, untie=args.untie, copies=args.copies)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"grow.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,499 @@
+"""grow.py: tied / untied / Deep-Vanilla growth on live models and checkpoints, optimizer-state remapping,
+training across the growth step, and the growth-schedule math [X8]-[X15]."""
+
+import math
+import os
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import grow
+from model import GPT, ModelConfig, execution_plan, save_checkpoint
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: one thread is as fast as two and does not stall on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**overrides):
+    # n_layer 4 -> the [X] split 1/2/1: a two-block core, so copies of multi-block cores are exercised
+    base = dict(vocab_size=64, eot_token=63, block_size=16, n_layer=4, n_embd=32, n_head=2, layout="pcc",
+                n_passes=2, tie_core=True, norm_gain=False, qk_norm=True, embed_norm=True,
+                residual_multiplier=0.5, boundary_alpha=0.7)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def random_model(cfg, seed=0):
+    """The [X] init zeroes the out-projections and the lm head (output would be identically 0); fill
+    every parameter with seeded noise so that outputs depend on every block."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model.eval()
+
+
+def tokens(seed=1, batch=2, length=12, vocab=63):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def params_by_name(model):
+    return dict(model.named_parameters())
+
+
+# ---- tied growth
+
+
+def test_tied_growth_changes_only_the_pass_count():
+    cfg = tiny_config(n_passes=2)
+    model = random_model(cfg)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    config_before = asdict(model.config)
+    idx = tokens()
+    with torch.no_grad():
+        expected = model(idx, n_passes=4)[0]  # a tied core can already run 4 passes
+        two_pass = model(idx)[0]
+    param_map = grow.grow(model, 4)
+    assert param_map == {n: n for n in before}  # identity: no copies, no renames
+    assert grow.copied_names(param_map) == []
+    after = params_by_name(model)
+    assert after.keys() == before.keys()
+    for name, (obj, value) in before.items():
+        assert after[name] is obj and torch.equal(obj, value)
+    changed = {k for k, v in asdict(model.config).items() if v != config_before[k]}
+    assert changed == {"n_passes"} and model.config.n_passes == 4
+    assert cfg.n_passes == 2  # the caller's ModelConfig object is not mutated (model.config is a copy)
+    assert model.plan == execution_plan(model.config, 4)
+    with torch.no_grad():
+        grown = model(idx)[0]
+    assert torch.equal(grown, expected)
+    assert not torch.allclose(grown, two_pass)  # the extra passes do change the output
+
+
+def test_smelt_loop_growth_changes_only_the_loop_count():
+    model = random_model(tiny_config(layout="smelt", n_loops=2, n_layer=4))
+    before = {n: p for n, p in model.named_parameters()}
+    idx = tokens()
+    with torch.no_grad():
+        expected = model(idx, n_passes=3)[0]
+    assert grow.grow(model, 3) == {n: n for n in before}
+    assert model.config.n_loops == 3 and model.plan == execution_plan(model.config)
+    assert all(p is before[n] for n, p in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], expected)
+
+
+# ---- untied growth
+
+
+def hand_built(cfg_dict, blocks_from, source_model):
+    """A fresh GPT whose block i holds the weights of source_model.blocks[blocks_from[i]]."""
+    model = GPT(ModelConfig(**cfg_dict))
+    state = source_model.state_dict()
+    new_state = {}
+    for name in model.state_dict():
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            new_state[name] = state[f"blocks.{blocks_from[int(i)]}.{rest}"]
+        else:
+            new_state[name] = state[name]
+    model.load_state_dict(new_state)
+    return model.eval()
+
+
+@pytest.mark.parametrize("k0,kf,schedule", [(2, 4, [0, 1, 0, 1]), (2, 3, [0, 1, 0]), (1, 3, [0, 0, 0])])
+def test_untied_growth_copies_cores_depthwise(k0, kf, schedule):
+    cfg = tiny_config(n_passes=k0, tie_core=False)
+    model = random_model(cfg)
+    P, C, D = cfg.n_prelude, cfg.n_core, cfg.n_coda
+    old = {n: p.detach().clone() for n, p in model.named_parameters()}
+    old_objects = params_by_name(model)
+    old_blocks = list(model.blocks)
+    idx = tokens()
+    with torch.no_grad():
+        ungrown = model(idx)[0]
+    # reference built by hand: prelude, cores in the [X] order j % K0, coda, with K = kf
+    blocks_from = list(range(P)) + [P + s * C + j for s in schedule for j in range(C)] \
+        + [P + k0 * C + j for j in range(D)]
+    reference = hand_built({**asdict(cfg), "n_passes": kf}, blocks_from, model)
+
+    param_map = grow.grow(model, kf)
+    assert model.config.n_passes == kf and not model.config.tie_core
+    assert len(model.blocks) == P + kf * C + D == len(blocks_from)
+    assert model.plan == execution_plan(model.config)
+    after = params_by_name(model)
+    assert list(param_map) == list(after)  # every parameter, in named_parameters order
+    for name, source in param_map.items():
+        assert torch.equal(after[name], old[source]), name  # each core equals its source
+    # originals are the same objects (optimizer references stay valid); copies are new tensors
+    copies = set(grow.copied_names(param_map))
+    assert len(copies) == (kf - k0) * C * len(list(old_blocks[P].parameters()))
+    for name, source in param_map.items():
+        assert (after[name] is old_objects[source]) == (name not in copies)
+    for i in range(P):
+        assert model.blocks[i] is old_blocks[i]
+    for j in range(D):  # the coda moved to the end, same modules
+        assert model.blocks[P + kf * C + j] is old_blocks[P + k0 * C + j]
+    with torch.no_grad():
+        grown = model(idx)[0]
+    assert torch.equal(grown, reference(idx)[0])  # differs from ungrown only through the extra passes
+    assert not torch.allclose(grown, ungrown)
+
+
+def test_untie_then_grow_from_a_tied_model():
+    cfg = tiny_config(n_passes=2, tie_core=True)
+    model = random_model(cfg)
+    idx = tokens()
+    with torch.no_grad():
+        tied_out, tied_out_4 = model(idx)[0], model(idx, n_passes=4)[0]
+    untied_only = random_model(cfg)
+    untied_only.load_state_dict(model.state_dict())
+    param_map = grow.grow(untied_only, 2, untie=True)  # untie alone: same function, 2 stored cores
+    assert not untied_only.config.tie_core and len(untied_only.blocks) == 1 + 2 * 2 + 1
+    assert len(grow.copied_names(param_map)) == 2 * 7  # one copy of the 2-block core (7 matrices each)
+    with torch.no_grad():
+        assert torch.equal(untied_only(idx)[0], tied_out)
+
+    param_map = grow.grow(model, 4, untie=True)  # untie and grow: 4 copies of the single tied core
+    for name, source in param_map.items():
+        if name.startswith("blocks."):
+            i = int(name.split(".")[1])
+            if 1 <= i < 1 + 4 * 2:
+                assert source.startswith(f"blocks.{1 + (i - 1) % 2}.")
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], tied_out_4)  # unrolled tied model at K=4
+    with pytest.raises(ValueError, match="already untied"):
+        grow.grow(model, 6, untie=True)
+
+
+def test_deep_vanilla_growth_of_a_plain_transformer():
+    cfg = tiny_config(layout="plain", n_layer=5)
+    model = random_model(cfg)
+    names_before = [n for n, _ in model.named_parameters()]
+    idx = tokens()
+    with torch.no_grad():
+        plain_out = model(idx)[0]
+    # the same blocks read as pcc with boundary "none" and K=1 compute the same function
+    as_pcc = hand_built({**asdict(cfg), "layout": "pcc", "tie_core": False, "n_passes": 1, "boundary": "none",
+                         "n_prelude": 1, "n_core": 2, "n_coda": 2}, list(range(5)), model)
+    with torch.no_grad():
+        assert torch.equal(as_pcc(idx)[0], plain_out)
+    param_map = grow.grow(model, 2)
+    c = model.config
+    assert (c.layout, c.boundary, c.tie_core, c.n_passes) == ("pcc", "none", False, 2)
+    assert (c.n_prelude, c.n_core, c.n_coda) == (1, 2, 2)  # core_split(5): remainder to core, then coda
+    reference = hand_built(asdict(c), [0, 1, 2, 1, 2, 3, 4], as_pcc)
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], reference(idx)[0])
+    assert set(param_map.values()) == set(names_before)
+
+
+def test_growth_errors_are_clear():
+    model = random_model(tiny_config(n_passes=3))
+    with pytest.raises(ValueError, match="fewer passes"):
+        grow.grow(model, 2)
+    with pytest.raises(ValueError, match="nothing to grow"):
+        grow.grow(model, 3)
+    untied = random_model(tiny_config(n_passes=2, tie_core=False))
+    with pytest.raises(ValueError, match="already untied"):
+        grow.grow(untied, 4, untie=True)
+    with pytest.raises(ValueError, match="already untied"):
+        grow.grow(random_model(tiny_config(layout="plain")), 2, untie=True)
+    smelt = random_model(tiny_config(layout="smelt", n_loops=2))
+    with pytest.raises(ValueError, match="fewer passes"):
+        grow.grow(smelt, 1)
+    with pytest.raises(ValueError, match="no untied form"):
+        grow.grow(smelt, 3, untie=True)
+    with pytest.raises(ValueError, match="int"):
+        grow.grow(model, 4.0)
+
+
+# ---- optimizer state
+
+
+def test_copy_optimizer_state_fresh_and_source():
+    model = random_model(tiny_config(n_passes=2, tie_core=False))
+    state = {n: {"step": torch.tensor(5.0), "exp_avg": torch.full_like(p, i)}
+             for i, (n, p) in enumerate(model.named_parameters())}
+    param_map = grow.grow(model, 4)
+    copies = set(grow.copied_names(param_map))
+    fresh = grow.copy_optimizer_state(state, param_map)
+    assert set(fresh) == set(param_map) - copies
+    for name in fresh:
+        assert fresh[name] is state[param_map[name]]  # originals keep (renamed) state
+    sourced = grow.copy_optimizer_state(state, param_map, copies="source")
+    assert set(sourced) == set(param_map)
+    for name in copies:
+        src = state[param_map[name]]["exp_avg"]
+        assert torch.equal(sourced[name]["exp_avg"], src) and sourced[name]["exp_avg"] is not src
+    assert grow.copy_optimizer_state(state, {}) == state  # empty map = identity (tied growth)
+    with pytest.raises(ValueError, match="copies"):
+        grow.copy_optimizer_state(state, param_map, copies="zeros")
+
+
+def optimizer_state_by_name(optimizer, model):
+    ids = {id(p): n for n, p in model.named_parameters()}
+    return {ids[id(p)]: s for p, s in optimizer.state.items()}
+
+
+def load_state_by_name(optimizer, model, state_by_name):
+    params = params_by_name(model)
+    for name, s in state_by_name.items():
+        optimizer.state[params[name]] = s
+
+
+@pytest.mark.parametrize("tie_core", [True, False])
+def test_training_continues_after_growth(tie_core):
+    torch.manual_seed(0)
+    cfg = tiny_config(n_passes=1, tie_core=tie_core, n_embd=32, init="x", uniform_init_scale=1.0,
+                      embed_init_std=0.5, residual_multiplier=1.0, boundary_alpha=1.0)
+    model = GPT(cfg)
+    x = torch.randint(0, 63, (2, 16), generator=torch.Generator().manual_seed(3))
+    y = torch.roll(x, -1, dims=1)
+
+    def train(model, optimizer, steps):
+        losses = []
+        for _ in range(steps):
+            _, loss = model(x, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    before = train(model, optimizer, 10)
+    state = optimizer_state_by_name(optimizer, model)
+    with torch.no_grad():
+        loss_at_growth = model(x, y)[1].item()
+    param_map = grow.grow(model, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    load_state_by_name(optimizer, model, grow.copy_optimizer_state(state, param_map))
+    after = train(model, optimizer, 10)
+    assert all(math.isfinite(v) for v in before + after)
+    assert before[-1] < before[0]
+    assert sum(after[-3:]) / 3 < min(after[0], loss_at_growth)  # still learning after the switch
+
+
+# ---- checkpoint CLI
+
+
+def test_cli_grows_a_checkpoint_and_remaps_optimizer_state(tmp_path, capsys):
+    cfg = tiny_config(n_passes=2, tie_core=False)
+    model = random_model(cfg)
+    state = {n: {"step": torch.tensor(3.0), "exp_avg": torch.ones_like(p)} for n, p in model.named_parameters()}
+    names = list(state)
+    ckpt = {"model_config": asdict(cfg), "model": model.state_dict(), "step": 7, "tokens_seen": 123,
+            "optimizer": {"adamw": {"state": state, "param_groups": [{"lr": 0.1, "params": names}]}}}
+    src, dst = str(tmp_path / "in.pt"), str(tmp_path / "out.pt")
+    save_checkpoint(ckpt, src)
+    assert grow.main(["--ckpt", src, "--passes", "4", "--out", dst]) == 0
+    grown, out = GPT.from_checkpoint(dst)
+    assert grown.config.n_passes == 4 and len(grown.blocks) == 1 + 4 * 2 + 1
+    assert out["step"] == 7 and out["tokens_seen"] == 123
+    assert out["growth"][-1]["from_passes"] == 2 and out["growth"][-1]["to_passes"] == 4
+    opt = out["optimizer"]["adamw"]
+    grown_names = [n for n, _ in grown.named_parameters()]
+    assert sorted(opt["param_groups"][0]["params"]) == sorted(grown_names)
+    assert set(opt["state"]) == set(grown_names) - set(grow.copied_names(out["growth"][-1]["param_map"]))
+    idx = tokens()
+    with torch.no_grad():  # same function as growing the live model
+        grow.grow(model, 4)
+        assert torch.equal(grown(idx)[0], model(idx)[0])
+    # no optimizer state: dropped with a message; growing to fewer passes: exit code 1, clear message
+    del ckpt["optimizer"]
+    save_checkpoint(ckpt, src)
+    assert grow.main(["--ckpt", src, "--passes", "3", "--untie", "--out", dst]) == 1
+    assert "already untied" in capsys.readouterr().err
+    assert grow.main(["--ckpt", src, "--passes", "3", "--out", dst]) == 0
+    assert "no optimizer state" in capsys.readouterr().out
+    assert grow.main(["--ckpt", dst, "--passes", "2", "--out", dst]) == 1
+    assert "fewer passes" in capsys.readouterr().err
+
+
+# ---- schedule math [X8]-[X15]
+
+
+def test_growth_fraction_limit():
+    assert round(grow.growth_fraction_limit(0.902), 3) == 0.217  # Loop-Grow
+    assert round(grow.growth_fraction_limit(0.883), 3) == 0.265  # Untied-Grow
+    # [X15] tends to the limit when b << a TPP and E_4/E_2 = 3/2
+    for a, b in grow.AFFINE_LAW.values():
+        assert grow.optimal_growth_fraction(1e9, a, b, 1.5) == pytest.approx(grow.growth_fraction_limit(a), rel=1e-6)
+
+
+def test_param_counts_agree_with_the_model():
+    for cfg in (tiny_config(n_passes=2), tiny_config(n_passes=3, tie_core=False), tiny_config(layout="plain"),
+                tiny_config(n_expert=4, top_k=2)):
+        model = GPT(cfg)
+        assert grow.stored_params(cfg) == model.num_params()["total"]
+        # N_c: every executed block (counted per execution) + the lm head matrix, no input embedding
+        per_block = {i: sum(p.numel() for p in b.parameters()) for i, b in enumerate(model.blocks)}
+        if cfg.n_expert:
+            f = model.blocks[0].ffn
+            inactive = (cfg.n_expert - cfg.top_k) * (f.w_gate[0].numel() + f.w_up[0].numel() + f.w_down[0].numel())
+            per_block = {i: n - inactive for i, n in per_block.items()}
+        direct = sum(per_block[s.block] for s in model.plan if s.kind == "block") + model.lm_head.weight.numel()
+        assert grow.compute_active_params(cfg) == direct
+
+
+def test_x13_x14_against_a_token_weighted_run():
+    """Simulate a 2 -> 4 grown run step by step and compare with the closed forms [X13], [X14]."""
+    cfg = tiny_config(n_passes=2, tie_core=True)
+    n_c = {k: grow.compute_active_params(cfg, k) for k in (1, 2, 4)}
+    n_s2 = grow.stored_params(cfg)
+    steps, tokens_per_step = 1000, 4096
+    for rho in (0.0, 0.18, 0.29, 0.5, 1.0):
+        grow_at = round((1 - rho) * steps)
+        passes = [2 if s < grow_at else 4 for s in range(steps)]
+        tokens = steps * tokens_per_step
+        flops = sum(6 * tokens_per_step * n_c[k] for k in passes)
+        k_bar = sum(passes) / steps
+        assert grow.mean_passes(rho) == pytest.approx(k_bar)
+        assert grow.grown_training_flops(tokens, rho, n_c[2], n_c[4]) == pytest.approx(flops)
+        assert grow.grown_tokens_for_budget(flops, rho, n_c[2], n_c[4]) == pytest.approx(tokens)
+        # [X14] a fixed K=2 run with the same compute sees tokens_k2; both TPPs over N_s,2
+        tokens_k2 = flops / (6 * n_c[2])
+        e2, e4 = n_c[2] / n_c[1], n_c[4] / n_c[1]
+        e_rho = (flops / (6 * tokens)) / n_c[1]  # token-weighted E_K_rho, directly
+        assert grow.grown_expansion(rho, e4 / e2) == pytest.approx(e_rho / e2)
+        assert grow.grown_tpp(tokens_k2 / n_s2, rho, e4 / e2) == pytest.approx(tokens / n_s2)
+        assert grow.tokens_per_param(tokens, n_s2) == tokens / n_s2
+
+
+def test_x15_inverts_x9_and_x14():
+    e_ratio = 1.4
+    for a, b in grow.AFFINE_LAW.values():
+        for tpp_k2 in (5.0, 7.0, 8.0, 30.0):
+            rho = grow.optimal_growth_fraction(tpp_k2, a, b, e_ratio)
+            assert 0 < rho < 1
+            # at rho*, [X14]'s TPP of the grown run equals the affine law [X9]
+            assert grow.grown_tpp(tpp_k2, rho, e_ratio) == pytest.approx(a * tpp_k2 + b)
+
+
+def test_x10_x11_x12_relations():
+    tied, untied = tiny_config(n_passes=1, tie_core=True), tiny_config(n_passes=1, tie_core=False)
+    assert grow.storage_ratio(tied, 4) == 1.0
+    assert grow.storage_ratio(untied, 4) > 1.0
+    assert grow.expansion_ratio(tied, 4) == pytest.approx(grow.expansion_ratio(untied, 4))
+    # [X11]: TPP_K from first principles: same compute, D_K = D_1 / E_K, over N_s,K
+    n_s1, d1 = grow.stored_params(untied), 1e6
+    e4, s4 = grow.expansion_ratio(untied, 4), grow.storage_ratio(untied, 4)
+    assert grow.tpp_at_passes(d1 / n_s1, e4, s4) == pytest.approx((d1 / e4) / grow.stored_params(untied, 4))
+    assert grow.optimal_tpp(10, tied=True) == pytest.approx(1.19 * 10 ** 0.85)
+    assert grow.optimal_tpp(10, tied=False) == pytest.approx(1.34 * 10 ** 0.74)
+    assert grow.optimal_expansion(10, tied=False) == pytest.approx(0.83 * 10 ** 0.15)
+
+
+def test_schedule_helpers():
+    assert grow.growth_step(1000, 0.82) == 820 and grow.growth_step(1000, 500) == 500
+    with pytest.raises(ValueError, match="grow_at"):
+        grow.growth_step(1000, 0)
+    with pytest.raises(ValueError, match="after the last step"):
+        grow.growth_step(1000, 2000)
+    assert [grow.rewarm_multiplier(s, 100, 40) for s in (50, 100, 120, 140, 500)] == [1.0, 0.0, 0.5, 1.0, 1.0]
+    assert grow.rewarm_multiplier(100, 100, 0) == 1.0
+
+
+# ---- the [X] d8 configs and the Table 9 recipe
+
+
+@pytest.mark.parametrize("name,tpp_ref,rho", [("loop_grow", 7, 0.18), ("untied_grow", 8, 0.29)])
+def test_x_d8_grow_configs_follow_x13_x14(name, tpp_ref, rho):
+    """The [X] code's d8 step counts (2563 Loop-Grow, 3341 Untied-Grow) are the Table 9 recipe: a fixed
+    K=2 run at TPP t_ref over the initial stored params sets the compute, [X13] gives the grown tokens."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", f"x_d8_{name}.py")
+    cfg = ModelConfig.from_file(path)
+    settings = {}
+    exec(open(path).read(), {}, settings)
+    assert (cfg.n_prelude, cfg.n_core, cfg.n_coda, cfg.n_passes, cfg.n_embd) == (2, 3, 3, 2, 1024)
+    assert settings["grow_to"] == 4 and settings["grow_at"] == pytest.approx(1 - rho)
+    tokens_per_step = settings["batch_size"] * 8 * cfg.block_size  # 8 GPUs -> 524,288
+    assert tokens_per_step == 524288
+    assert round(grow.grown_run_tokens(cfg, tpp_ref, rho) / tokens_per_step) == settings["max_steps"]
+    # and the [X] d8 crossover is the [X15] optimum at that reference TPP, to the 2 decimals the code uses
+    e_ratio = grow.compute_active_params(cfg, 4) / grow.compute_active_params(cfg)
+    a, b = grow.AFFINE_LAW[name]
+    assert round(grow.optimal_growth_fraction(tpp_ref, a, b, e_ratio), 2) == rho
+    assert grow.main(["--schedule", path]) == 0
+
+
+# ---- resume across the growth step through train.py
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    """A small slice of the embedded corpus, prepared like the real thing."""
+    import json
+    from data import prepare as prep
+    root = tmp_path_factory.mktemp("grow_data")
+    lines = []
+    with open(prep.DEFAULT_CORPUS) as f:
+        for i, line in enumerate(f):
+            if i >= 6:
+                break
+            doc = json.loads(line)
+            lines.append(json.dumps({"text": doc["text"][:6000], "source": doc["source"]}))
+    (root / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    return prep.prepare([str(root / "corpus.jsonl")], str(root / "prepared"), val_fraction=0.34, seed=0,
+                        verbose=False)
+
+
+def test_resume_across_growth_is_exact_through_train_py(tmp_path, small_data):
+    """A straight run that grows (untied 2 -> 4 cores) at step 2 of 4, against: a run stopped at step 2
+    (just before the switch) and resumed; and the same step-2 checkpoint grown by the grow.py CLI and
+    resumed (train.py then skips its own growth but keeps the LR re-warm). Losses must match bitwise."""
+    import shutil
+    train = pytest.importorskip("train")
+    common = dict(layout="pcc", n_layer=3, n_passes=2, tie_core=False, n_expert=0, n_embd=32, n_head=2, block_size=32,
+                  batch_size=4, max_steps=4, grow_at=2.0, grow_to=4, grow_rewarm_steps=2, warmup_steps=1,
+                  optimizer="adamw",  # Muon's Newton-Schulz is slow on 2 CPU cores; state is remapped the same
+                  eval_interval=100, eval_tokens=256, progress=False, data_dir=small_data)
+    straight = train.train(dict(common, out_dir=str(tmp_path / "a")))
+    first = train.train(dict(common, out_dir=str(tmp_path / "b"), stop_at_step=2))
+    assert first["step"] == 2
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    resumed = train.train(dict(out_dir=str(tmp_path / "b"), resume=True, progress=False))
+    assert first["train_losses"] + resumed["train_losses"] == straight["train_losses"]
+    ckpt_path = os.path.join(str(tmp_path / "c"), "tiny", "ckpt.pt")
+    assert grow.main(["--ckpt", ckpt_path, "--passes", "4", "--out", ckpt_path]) == 0
+    via_cli = train.train(dict(out_dir=str(tmp_path / "c"), resume=True, progress=False))
+    assert first["train_losses"] + via_cli["train_losses"] == straight["train_losses"]
+    grown, _ = GPT.from_checkpoint(straight["ckpt_path"])
+    assert grown.config.n_passes == 4 and len(grown.blocks) == 1 + 4 + 1
+    assert all(math.isfinite(v) for v in straight["train_losses"])
+
+
+def test_schedule_helpers():
+    assert grow.growth_step(1000, 0.82) == 820 and grow.growth_step(1000, 500) == 500
+    with pytest.raises(ValueError, match="grow_at"):
+        grow.growth_step(1000, 0)
+    with pytest.raises(ValueError, match="after the last step"):
+        grow.growth_step(1000, 2000)
+    assert [grow.rewarm_multiplier(s, 100, 40) for s in (50, 100, 120, 140, 500)] == [1.0, 0.0, 0.5, 1.0, 1.0]
+    assert grow.rewarm_multiplier(100, 100, 0) == 1.0
+
+
+@pytest.mark.parametrize("name", ["vanilla", "operator1", "loop2", "untied2", "loop_grow", "untied_grow"])
+def test_x_d8_configs_give_the_same_model_through_train_py(name):
+    """train.py fills keys a config leaves out from its tiny default (an MoE): the d8 files must say
+    everything, so train.py and ModelConfig.from_file build the same model."""
+    train = pytest.importorskip("train")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", f"x_d8_{name}.py")
+    via_train = asdict(train.model_config_from(train.resolve_settings(train.read_config_file(path))))
+    cfg = ModelConfig.from_file(path)
+    unused = {"top_k", "expert_hidden", "n_loops", "loop_span"}  # dense, not a SMELT / layer loop
+    assert {k: v for k, v in via_train.items() if k not in unused} == \
+        {k: v for k, v in asdict(cfg).items() if k not in unused}
+    assert (cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.vocab_size, cfg.block_size, cfg.n_expert) == \
+        (1024, 8, 128, 50304, 2048, 0)
+    assert cfg.layout == ("plain" if name == "vanilla" else "pcc")
