@@ -1,0 +1,296 @@
+"""probe.py: every statistic on constructed inputs with a known answer, run_probes on tiny models, and the
+CLI end to end on a tiny looped MoE checkpoint and a non-looped one."""
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import probe
+from data.prepare import prepare
+from model import GPT, ModelConfig, save_checkpoint
+
+VOCAB, EOT = 512, 511
+
+
+# ---- statistics on constructed inputs
+
+
+def random_topk_sets(n_tokens, k, n, generator):
+    return torch.rand(n_tokens, n, generator=generator).argsort(dim=-1)[:, :k]
+
+
+def test_routing_overlap_identical_is_k_and_independent_is_k2_over_n():
+    g = torch.Generator().manual_seed(0)
+    k, n = 8, 64
+    ids = random_topk_sets(20000, k, n, g)
+    assert probe.routing_overlap(ids, ids) == k
+    assert probe.routing_overlap(ids, ids.flip(-1)) == k  # order inside a top-k set does not matter
+    other = random_topk_sets(20000, k, n, g)
+    expected = probe.random_routing_overlap(k, n)
+    assert expected == 1.0
+    assert abs(probe.routing_overlap(ids, other) - expected) < 0.05
+    disjoint = torch.arange(8).expand(5, 8), torch.arange(8, 16).expand(5, 8)
+    assert probe.routing_overlap(*disjoint) == 0
+
+
+def test_norm_ratio_and_cosine():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, 32, generator=g)
+    assert probe.norm_ratio(x, x) == pytest.approx(1.0)
+    assert probe.mean_cosine(x, x) == pytest.approx(1.0)
+    assert probe.norm_ratio(3 * x, x) == pytest.approx(3.0)
+    assert probe.mean_cosine(x, 3 * x) == pytest.approx(1.0)
+    assert probe.mean_cosine(x, -x) == pytest.approx(-1.0)
+    # ratio of mean norms, not mean of ratios: token norms 1 and 3 -> 2 and 2 gives 4/4
+    a = torch.tensor([[1.0, 0.0], [3.0, 0.0]])
+    b = torch.tensor([[0.0, 2.0], [0.0, 2.0]])
+    assert probe.norm_ratio(b, a) == pytest.approx(1.0)
+    assert probe.mean_cosine(a, b) == pytest.approx(0.0)
+
+
+def test_cross_visit_cosine_matrix_same_vs_mismatched():
+    e = torch.eye(4)
+    u1 = [e[0].expand(3, 5, 4), e[1].expand(3, 5, 4), e[2].expand(3, 5, 4)]
+    matrix = probe.cross_visit_cosine_matrix(u1, [2 * u for u in u1])
+    assert torch.allclose(matrix, torch.eye(3, dtype=torch.float64))
+    assert probe.same_and_mismatched(matrix) == pytest.approx((1.0, 0.0))
+    # the second visit adds an orthogonal direction of equal size: cosine 1/sqrt(2) on the diagonal
+    u2 = [u + e[3] for u in u1]
+    same, mismatched = probe.same_and_mismatched(probe.cross_visit_cosine_matrix(u1, u2))
+    assert same == pytest.approx(1 / math.sqrt(2)) and mismatched == pytest.approx(0.0)
+    assert probe.same_and_mismatched(probe.cross_visit_cosine_matrix(u1[:1], u1[:1]))[1] is None
+
+
+def test_document_starts_and_attendable_keys():
+    idx = torch.tensor([[5, 6, EOT, 7, 8, EOT, 9], [EOT, 1, 2, 3, 4, 5, 6]])
+    starts = probe.document_starts(idx, EOT)
+    assert starts.tolist() == [[0, 0, 2, 2, 2, 5, 5], [0, 0, 0, 0, 0, 0, 0]]
+    assert probe.attendable_keys(starts).tolist() == [[1, 2, 1, 2, 3, 1, 2], [1, 2, 3, 4, 5, 6, 7]]
+
+
+def hand_set_attention(idx, sink_by_head):
+    """Head h puts sink_by_head[h] on the document start and the rest uniformly on the other keys it
+    may attend to (causal, same document)."""
+    starts = probe.document_starts(idx, EOT)
+    B, T = idx.shape
+    probs = torch.zeros(B, len(sink_by_head), T, T)
+    for b in range(B):
+        for t in range(T):
+            s = int(starts[b, t])
+            for h, mass in enumerate(sink_by_head):
+                if s == t:
+                    probs[b, h, t, t] = 1.0
+                else:
+                    probs[b, h, t, s] = mass
+                    probs[b, h, t, s + 1:t + 1] = (1 - mass) / (t - s)
+    return probs, starts
+
+
+def test_sink_mass_of_a_hand_set_pattern():
+    idx = torch.tensor([[3, 4, 5, EOT, 6, 7, 8, 9], [EOT, 1, EOT, 2, 3, EOT, 4, 5]])
+    probs, starts = hand_set_attention(idx, [0.6, 0.1, 0.0])
+    assert torch.allclose(probs.sum(-1), torch.ones(2, 3, 8))
+    mass, n_queries = probe.sink_mass(probs, starts)
+    assert n_queries == 16 - 5  # the 5 document starts (positions 0 and 3; 0, 2 and 5) do not count
+    assert torch.allclose(mass, torch.tensor([0.6, 0.1, 0.0], dtype=torch.float64))
+    # uniform attention over the document: mean of 1/(t - s + 1) over non-start queries
+    uniform = torch.zeros(1, 1, 4, 4)
+    for t in range(4):
+        uniform[0, 0, t, :t + 1] = 1 / (t + 1)
+    mass, n_queries = probe.sink_mass(uniform, torch.zeros(1, 4, dtype=torch.long))
+    assert n_queries == 3 and mass.item() == pytest.approx((1 / 2 + 1 / 3 + 1 / 4) / 3)
+
+
+def test_topk_attention_overlap_same_head_vs_other_head():
+    g = torch.Generator().manual_seed(2)
+    B, H, T, k = 2, 3, 40, 4
+    scores = torch.randn(B, H, T, T, generator=g)
+    probs = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    n_keys = torch.arange(1, T + 1).expand(B, T)
+    matrix, n_queries = probe.topk_attention_overlap(probs, probs, n_keys, k)
+    assert n_queries == B * (T - (2 * k - 1))  # queries with fewer than 2k keys are left out
+    assert torch.allclose(matrix.diagonal(), torch.ones(H, dtype=torch.float64))
+    same, control = probe.diagonal_and_control(matrix)
+    assert (control < 0.5).all()  # independent random heads share few of their top-k keys
+    # heads that attend to disjoint key sets: the other-head control is exactly 0
+    disjoint = torch.zeros(1, 2, 2 * k + 1, 2 * k + 1)
+    disjoint[0, 0, -1, :k] = 1 / k
+    disjoint[0, 1, -1, k:2 * k] = 1 / k
+    n_keys = torch.tensor([[0] * 2 * k + [2 * k + 1]])
+    matrix, n_queries = probe.topk_attention_overlap(disjoint, disjoint, n_keys, k)
+    assert n_queries == 1
+    assert torch.allclose(matrix, torch.eye(2, dtype=torch.float64))
+
+
+def test_kl_to_final():
+    logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(3))
+    assert probe.kl_to_final(logits, logits) == pytest.approx(0.0, abs=1e-6)
+    p, q = torch.tensor([0.8, 0.2]), torch.tensor([0.5, 0.5])
+    expected = 0.8 * math.log(0.8 / 0.5) + 0.2 * math.log(0.2 / 0.5)
+    assert probe.kl_to_final(p.log(), q.log()) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("curve, depth, peak, status", [
+    ([5, 9, 6, 3, 1.5, 0.5, 0], 5, 2, "ok"),          # peak after block 2; block 5 first within 2 nats
+    ([1, 9, 5, 2.0, 3, 0], 4, 2, "ok"),               # "within" includes exactly 2 nats
+    ([9, 9, 1, 0], 3, 1, "ok"),                       # ties: the first maximum is the peak
+    ([1, 9, 5, 4, 3], None, 2, "never"),
+    ([0, 1, 2, 9], None, 4, "peak_is_last"),
+    ([0.1, 0.3, 0.2, 0], 3, 2, "peak_within_threshold"),
+])
+def test_kl_effective_depth_on_constructed_curves(curve, depth, peak, status):
+    result = probe.kl_effective_depth(curve, threshold=2.0)
+    assert (result["depth"], result["peak"], result["status"]) == (depth, peak, status)
+    assert result["peak_kl"] == max(curve)
+
+
+def test_kl_effective_depth_rejects_empty_curve():
+    with pytest.raises(ValueError, match="empty"):
+        probe.kl_effective_depth([])
+
+
+# ---- run_probes on tiny models
+
+
+def tiny_config(**overrides):
+    base = dict(vocab_size=VOCAB, eot_token=EOT, block_size=64, n_layer=4, n_embd=64, n_head=4, init="nanogpt")
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_tokens(rows=4, seq_len=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, VOCAB - 1, (rows, seq_len), generator=g)
+    idx[:, 0] = EOT
+    idx[1::2, seq_len // 2] = EOT
+    return idx
+
+
+def test_run_probes_identical_visits_give_overlap_k_and_cosine_1():
+    """With zero out-projections in the loop span the stream entering visit 2 equals visit 1's: every
+    routing set, attention pattern and projection repeats exactly."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(layout="smelt", n_loops=2, n_expert=8, top_k=2))
+    start, stop = model.config.loop_start, model.config.loop_start + model.config.loop_span
+    with torch.no_grad():
+        for block in model.blocks[start:stop]:
+            block.attn.o_proj.weight.zero_()
+            block.ffn.w_down.zero_()
+    result = probe.run_probes(model, tiny_tokens(), attn_topk=4)
+    assert result["looped"] and result["loop_layers"] == [1, 2]
+    for layer in result["layers"]:
+        assert layer["routing_overlap"] == pytest.approx(2.0)
+        assert layer["routing_random"] == pytest.approx(2 * 2 / 8)
+        for name in ("X", "Q", "K", "V", "PV"):
+            assert layer["cosine"][name] == pytest.approx(1.0, abs=1e-5)
+        assert layer["norm_ratio"]["ffn_in"] == pytest.approx(1.0, abs=1e-5)
+        assert layer["topk_overlap_same_head"] == pytest.approx(1.0)
+        assert layer["sink_visit_a"] == pytest.approx(layer["sink_visit_b"], abs=1e-6)
+
+
+def test_run_probes_micro_batches_agree_and_last_lens_is_final():
+    torch.manual_seed(1)
+    model = GPT(tiny_config(layout="smelt", n_loops=2, n_expert=8, top_k=2))
+    idx = tiny_tokens(rows=4)
+    whole = probe.run_probes(model, idx, batch_size=4, attn_topk=4)
+    split = probe.run_probes(model, idx, batch_size=1, attn_topk=4)
+    assert whole["executed_blocks"] == model.config.executed_layers() == 6
+    assert [e["visit"] for e in whole["execution"]] == [1, 1, 1, 2, 2, 1]
+    assert np.allclose(whole["kl"]["curve"], split["kl"]["curve"], atol=1e-6)
+    assert whole["kl"]["curve"][-1] == pytest.approx(0.0, abs=1e-5)  # lens after the last block = output
+    for a, b in zip(whole["layers"], split["layers"]):
+        for key in ("routing_overlap", "topk_overlap_same_head", "topk_overlap_other_head", "sink_visit_b"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6)
+        assert a["norm_ratio"] == pytest.approx(b["norm_ratio"], abs=1e-6)
+    assert whole["update_cosine"]["same_layer"] == pytest.approx(split["update_cosine"]["same_layer"], abs=1e-6)
+    json.dumps(whole)  # JSON-ready: no tensors, no NaN
+
+
+def test_run_probes_non_looped_and_pcc():
+    torch.manual_seed(2)
+    plain = probe.run_probes(GPT(tiny_config()), tiny_tokens(rows=2), attn_topk=4)
+    assert not plain["looped"] and plain["layers"] is None and plain["summary"] is None
+    assert len(plain["kl"]["curve"]) == 4 and len(plain["sink"]) == 4
+    assert "n/a" in probe.format_report(plain)
+    tied = probe.run_probes(GPT(tiny_config(layout="pcc", n_passes=3)), tiny_tokens(rows=2), visits=(2, 3),
+                            attn_topk=4)
+    assert tied["loop_layers"] == [1, 2] and tied["visits"] == [2, 3]
+    untied = probe.run_probes(GPT(tiny_config(layout="pcc", n_passes=2, tie_core=False)), tiny_tokens(rows=2))
+    assert not untied["looped"] and untied["executed_blocks"] == 6
+
+
+# ---- CLI end to end
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(REPO, "data", "corpus", "shakespeare.jsonl")
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    """A tiny prepared data directory: 8 short documents from the embedded corpus, half held out."""
+    with open(CORPUS) as f:
+        text = json.loads(f.readline())["text"]
+    docs = tmp_path / "docs.jsonl"
+    with open(docs, "w") as f:
+        for i in range(8):
+            f.write(json.dumps(dict(text=text[i * 600:(i + 1) * 600], source=["a", "b"][i % 2])) + "\n")
+    return prepare([str(docs)], str(tmp_path / "data"), tokenizer="gpt2-512", val_fraction=0.5, seed=0,
+                   verbose=False)
+
+
+def write_checkpoint(tmp_path, data_dir, name, **overrides):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(**overrides))
+    path = str(tmp_path / f"{name}.pt")
+    save_checkpoint(dict(model_config=dataclasses.asdict(model.config), model=model.state_dict(), step=0,
+                         data_dir=data_dir, tokenizer="gpt2-512"), path)
+    return path
+
+
+def test_cli_looped_moe_json_and_text(tmp_path, data_dir, capsys):
+    ckpt = write_checkpoint(tmp_path, data_dir, "looped", layout="smelt", n_loops=2, n_expert=8, top_k=2)
+    run = subprocess.run([sys.executable, "probe.py", "--ckpt", ckpt, "--tokens", "256", "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)  # exactly one JSON object on stdout
+    assert result["looped"] and result["loop_layers"] == [1, 2] and result["n_tokens"] == 256
+    assert result["summary"]["routing_random"] == pytest.approx(0.5)
+    assert 0 <= result["summary"]["routing_overlap"] <= 2
+    assert set(result["summary"]["norm_ratio"]) == {"update", "attn", "ffn", "ffn_in"}
+    assert len(result["layers"][0]["sink_per_head_visit_b"]) == 4
+    assert result["kl"]["status"] in ("ok", "peak_within_threshold", "never", "peak_is_last")
+    assert probe.main(["--ckpt", ckpt, "--tokens", "128", "--plot", str(tmp_path / "plots")]) == 0
+    captured = capsys.readouterr()
+    assert "loop layers [1, 2]" in captured.out and "KL effective depth" in captured.out
+    try:
+        import matplotlib  # noqa: F401
+        assert os.path.exists(tmp_path / "plots" / "sink_heatmap.png")
+    except ImportError:
+        assert "matplotlib is not installed" in captured.err
+
+
+def test_cli_non_looped_reports_not_applicable(tmp_path, data_dir, capsys):
+    ckpt = write_checkpoint(tmp_path, data_dir, "plain")
+    assert probe.main(["--ckpt", ckpt, "--tokens", "128", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["looped"] is False and result["layers"] is None and len(result["kl"]["curve"]) == 4
+    assert probe.main(["--ckpt", ckpt, "--tokens", "128"]) == 0
+    assert "n/a" in capsys.readouterr().out
+
+
+def test_cli_clear_errors(tmp_path, data_dir, capsys):
+    ckpt = write_checkpoint(tmp_path, str(tmp_path / "missing"), "nodata")
+    assert probe.main(["--ckpt", ckpt]) == 2
+    assert "no validation split" in capsys.readouterr().err
+    assert probe.main(["--ckpt", str(tmp_path / "absent.pt")]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err
+    ckpt = write_checkpoint(tmp_path, data_dir, "othervocab", vocab_size=1024, eot_token=1023)
+    assert probe.main(["--ckpt", ckpt]) == 2
+    assert "prepared with eot_token=511" in capsys.readouterr().err
