@@ -20,27 +20,35 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import GPT, MLP, MoE, ModelConfig  # noqa: E402
 
 
-def time_fwd_bwd(module, x, repeats):
-    """Median seconds of forward + backward (after one warm-up)."""
-    times = []
-    for i in range(repeats + 1):
-        x_in = x.detach().requires_grad_(True)
-        t0 = time.perf_counter()
-        out = module(x_in)
-        out = out[0] if isinstance(out, tuple) else out
-        out.float().square().mean().backward()
-        if i:
-            times.append(time.perf_counter() - t0)
-        module.zero_grad(set_to_none=True)
-    return sorted(times)[len(times) // 2]
+def time_fwd_bwd(module, x):
+    """(wall, cpu) seconds of one forward + backward. CPU time is the steadier figure on a shared machine."""
+    x_in = x.detach().requires_grad_(True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = module(x_in)
+    out = out[0] if isinstance(out, tuple) else out
+    out.float().square().mean().backward()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    module.zero_grad(set_to_none=True)
+    return wall, cpu
 
 
 def interleaved(a, b, xa, xb, repeats):
+    """Median (wall, cpu) of a and of b, alternating runs so both see the same machine load."""
+    time_fwd_bwd(a, xa), time_fwd_bwd(b, xb)  # warm-up
     ta, tb = [], []
-    for _ in range(repeats):  # alternate so both see the same machine load
-        ta.append(time_fwd_bwd(a, xa, 1))
-        tb.append(time_fwd_bwd(b, xb, 1))
-    return sorted(ta)[len(ta) // 2], sorted(tb)[len(tb) // 2]
+    for _ in range(repeats):
+        ta.append(time_fwd_bwd(a, xa))
+        tb.append(time_fwd_bwd(b, xb))
+
+    def median(ts, i):
+        return sorted(t[i] for t in ts)[len(ts) // 2]
+    return (median(ta, 0), median(ta, 1)), (median(tb, 0), median(tb, 1))
+
+
+def report(bench, a_name, b_name, ta, tb, target, **info):
+    print(json.dumps(dict(bench=bench, **info, **{f"{a_name}_wall_s": round(ta[0], 4), f"{b_name}_wall_s": round(tb[0], 4),
+                                                  f"{a_name}_cpu_s": round(ta[1], 4), f"{b_name}_cpu_s": round(tb[1], 4)},
+                          ratio_wall=round(ta[0] / tb[0], 3), ratio_cpu=round(ta[1] / tb[1], 3), target=target)))
 
 
 def main():
@@ -62,10 +70,9 @@ def main():
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(args.tokens // 512, 512, args.n_embd)
     t_moe, t_dense = interleaved(moe, dense, x, x, args.repeats)
-    print(json.dumps(dict(bench="moe_vs_dense_fwd_bwd", tokens=args.tokens, n_embd=args.n_embd,
-                          n_expert=args.n_expert, top_k=args.top_k, expert_hidden=args.expert_hidden,
-                          dense_hidden=args.top_k * args.expert_hidden, moe_s=round(t_moe, 4),
-                          dense_s=round(t_dense, 4), ratio=round(t_moe / t_dense, 3), target=1.5)))
+    report("moe_vs_dense_fwd_bwd", "moe", "dense", t_moe, t_dense, 1.5, tokens=args.tokens, n_embd=args.n_embd,
+           n_expert=args.n_expert, top_k=args.top_k, expert_hidden=args.expert_hidden,
+           dense_hidden=args.top_k * args.expert_hidden, threads=torch.get_num_threads())
 
     # looped r=2 (SMELT layout) vs unrolled untied model with the same executed blocks
     common = dict(vocab_size=512, eot_token=511, block_size=512, n_embd=args.n_embd, n_head=4, init="nanogpt",
@@ -83,9 +90,8 @@ def main():
             return self.m(ids.long(), ids.long())[1]
 
     t_loop, t_unrolled = interleaved(Loss(looped), Loss(unrolled), idx.float(), idx.float(), args.repeats)
-    print(json.dumps(dict(bench="looped_vs_unrolled_fwd_bwd", tokens=args.tokens,
-                          executed_layers=looped.config.executed_layers(), looped_s=round(t_loop, 4),
-                          unrolled_s=round(t_unrolled, 4), ratio=round(t_loop / t_unrolled, 3), target=1.05)))
+    report("looped_vs_unrolled_fwd_bwd", "looped", "unrolled", t_loop, t_unrolled, 1.05, tokens=args.tokens,
+           executed_layers=looped.config.executed_layers())
 
 
 if __name__ == "__main__":

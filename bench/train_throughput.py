@@ -1,0 +1,87 @@
+"""
+Training throughput of the tiny default (a SMELT-looped MoE, train.py's defaults) beside a dense model
+with the same active size (same layout and width, one SwiGLU of hidden top_k * expert_hidden instead of
+the experts), one full training step each (forward, backward, Muon + AdamW step). One JSON line per
+model: tokens/s (median over the timed steps), ms/step (wall) and CPU ms/step (process time summed
+over threads: less sensitive to other processes on a shared machine), active params, analytic
+FLOPs/token and the achieved FLOP/s.
+
+    python bench/train_throughput.py                       # CPU, a few steps
+    python bench/train_throughput.py --steps 20 --device cuda --compile
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train  # noqa: E402
+from model import GPT  # noqa: E402
+
+
+def dense_twin(settings):
+    """The same model with a dense SwiGLU of the MoE's active hidden size (top_k * expert_hidden)."""
+    cfg = train.model_config_from(settings)
+    return settings | dict(n_expert=0, mlp_hidden=cfg.top_k * cfg.expert_hidden if cfg.n_expert else cfg.mlp_hidden)
+
+
+def measure(settings, steps, warmup, device, compile_model):
+    cfg = train.model_config_from(settings)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    optimizers = train.build_optimizers(model, settings)
+    step_model = torch.compile(model) if compile_model else model
+    use_bf16 = device.type == "cuda"
+    B, T = settings["batch_size"], cfg.block_size
+    x = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
+    y = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
+    times, cpu_times = [], []
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0, c0 = time.perf_counter(), time.process_time()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            _, loss = step_model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), settings["grad_clip"])
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
+    seconds = sorted(times)[len(times) // 2]
+    flops_per_token = train.flops_per_token(cfg)
+    tokens = B * T
+    return dict(bench="train_throughput", model="moe" if cfg.n_expert else "dense", layout=cfg.layout,
+                n_expert=cfg.n_expert, top_k=cfg.top_k if cfg.n_expert else None, device=str(device),
+                compile=compile_model, batch_size=B, block_size=T, params_total=model.num_params()["total"],
+                params_active=model.num_params()["active"], flops_per_token=flops_per_token,
+                ms_per_step=round(seconds * 1e3, 2),
+                cpu_ms_per_step=round(sorted(cpu_times)[len(cpu_times) // 2] * 1e3, 2), tokens_per_s=round(tokens / seconds, 1),
+                achieved_gflops=round(flops_per_token * tokens / seconds / 1e9, 2), timed_steps=steps,
+                threads=torch.get_num_threads())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch_size", type=int, default=None, help="default: train.py's batch_size")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    settings = train.resolve_settings({} if args.batch_size is None else {"batch_size": args.batch_size})
+    for s in (settings, dense_twin(settings)):
+        print(json.dumps(measure(s, args.steps, args.warmup, device, args.compile)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
