@@ -443,58 +443,12 @@ def default_budgets(C):
     return [float(np.exp(np.mean(np.log([C.min(), C.max()])))), float(C.max())]
 
 
-def draw_counts(n_cells, seed, draw):
-    """Cell multiplicities of one bootstrap draw, seeded exactly as fit.cell_bootstrap seeds it."""
-    rng = np.random.default_rng([seed, draw])
-    return np.bincount(rng.integers(0, n_cells, n_cells), minlength=n_cells).astype(float)
-
-
-def surface_bootstrap(runs, ref, target, budgets, sparsities, n_draws, seed=0, full_fits=None, progress=True,
-                      min_points=7, force_serial=False):
-    """fit.cell_bootstrap, tolerant of small grids. With few cells some draws hold fewer than
-    `min_points` distinct points for an architecture (a six-coefficient surface is then
-    underdetermined and fit_surface refuses it). When no draw is underdetermined this is exactly
-    fit.cell_bootstrap (parallel). Otherwise the underdetermined draws are skipped and the rest are
-    refitted here, serially, with the same per-draw seeds, warm starts and centring; the number
-    skipped is returned as "skipped" (percentiles are then over the feasible draws only).
-    force_serial: take the serial path even when no draw is skipped (tests compare the two)."""
-    arch = np.asarray(runs["arch"]).astype(str)
-    cell = np.asarray(runs["cell"]).astype(str)
-    cell_names = sorted(set(cell[(arch == ref) | (arch == target)]))
-    cell_id = {c: i for i, c in enumerate(cell_names)}
-    ids = {a: np.array([cell_id[c] for c in cell[arch == a]]) for a in (ref, target)}
-    bad = [d for d in range(n_draws)
-           if any(np.count_nonzero(draw_counts(len(cell_names), seed, d)[ids[a]]) < min_points for a in (ref, target))]
-    if not bad and not force_serial:
-        out = fit.cell_bootstrap(runs, ref, target, budgets, sparsities, n_draws=n_draws, seed=seed,
-                                 n_workers=1 if n_draws <= 50 else None, full_fits=full_fits, progress=progress)
-        out["skipped"] = 0
-        return out
-    full_fits = dict(full_fits or {})
-    data = {}
-    for a in (ref, target):
-        m = arch == a
-        F, S, D, loss = (np.asarray(runs[k], dtype=float)[m] for k in ("F", "S", "D", "loss"))
-        if a not in full_fits:
-            full_fits[a] = fit.fit_surface(F, S, D, loss)
-        data[a] = (F, S, D, loss, ids[a], full_fits[a])
-    C, Sg = np.meshgrid(np.asarray(budgets, dtype=float), np.asarray(sparsities, dtype=float), indexing="ij")
-    draws = {"ce_gain": [], "ref.tpp": [], "target.tpp": [], "ref.gamma": [], "target.gamma": []}
-    keep = [d for d in range(n_draws) if d not in set(bad)]
-    for d in tqdm(keep, desc="cell bootstrap", disable=not progress, file=sys.stderr):
-        counts = draw_counts(len(cell_names), seed, d)
-        fits = {}
-        for a, (F, S, D, loss, cid, init) in data.items():
-            # all rows are passed (zero weight = not drawn), so the centring equals the full fit's
-            fits[a] = fit.fit_surface(F, S, D, loss, weights=counts[cid], init=init, grid=None)
-        draws["ce_gain"].append(fit.ce_gain(fits[ref], fits[target], C, Sg))
-        for role, a in (("ref", ref), ("target", target)):
-            draws[f"{role}.tpp"].append(fit.tpp(fits[a], C, Sg))
-            draws[f"{role}.gamma"].append(np.array(fits[a].gamma))
-    out = {"lo": {}, "hi": {}, "n_draws": n_draws, "skipped": len(bad)}
-    for k, v in draws.items():
-        if v:
-            out["lo"][k], out["hi"][k] = np.nanpercentile(np.stack(v), [2.5, 97.5], axis=0)
+def surface_bootstrap(runs, ref, target, budgets, sparsities, n_draws, seed=0, full_fits=None, progress=True):
+    """fit.cell_bootstrap on a small grid: with few cells some draws leave a six-coefficient surface
+    underdetermined; fit.cell_bootstrap leaves those out (counted here as "skipped")."""
+    out = fit.cell_bootstrap(runs, ref, target, budgets, sparsities, n_draws=n_draws, seed=seed,
+                             n_workers=1 if n_draws <= 50 else None, full_fits=full_fits, progress=progress)
+    out["skipped"] = out["n_failed"]
     return out
 
 
