@@ -30,7 +30,6 @@ import copy
 import sys
 from dataclasses import asdict, replace
 
-import torch
 import torch.nn as nn
 
 import match

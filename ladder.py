@@ -71,7 +71,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 from tqdm import tqdm
@@ -79,6 +79,7 @@ from tqdm import tqdm
 import fit
 import match
 import train
+from grow import growth_step
 from model import ModelConfig
 
 # ----------------------------------------------------------------------------------------------------
@@ -253,11 +254,8 @@ def _canonical(obj):
 
 
 def setting_default(key):
-    """The value a setting has when nobody sets it: the ModelConfig field default or train.py's."""
-    model_defaults = {f.name: f.default for f in fields(ModelConfig)}
-    if key in model_defaults:
-        return model_defaults[key]
-    return train.TRAIN_DEFAULTS.get(key, ...)
+    """The value a setting has when nobody sets it: train.py's default (model fields included)."""
+    return train.DEFAULTS.get(key, ...)
 
 
 def same_settings(stored, now):
@@ -611,10 +609,10 @@ def x_config(preset, arch, depth):
 
 
 def x_flops_per_token(cfg, grow, steps):
-    """Mean training FLOPs per token over `steps` steps: growth at round(grow_at x steps) as train.py."""
+    """Mean training FLOPs per token over `steps` steps, growing at the step train.py grows at."""
     if not grow:
         return train.flops_per_token(cfg)
-    g = round(grow["grow_at"] * steps) if grow["grow_at"] < 1 else int(grow["grow_at"])
+    g = growth_step(steps, grow["grow_at"])
     grown = replace(cfg, n_passes=grow["grow_to"])  # untied growth copies cores: the grown stored model
     return (g * train.flops_per_token(cfg) + (steps - g) * train.flops_per_token(grown)) / steps
 

@@ -105,7 +105,7 @@ def block_shapes(cfg):
 
 def block_forward_flops(cfg, attended):
     """Forward FLOPs of one block execution for one token, itemised."""
-    H, q, kv = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    H, q = cfg.n_embd, cfg.n_head * cfg.head_dim
     shapes = block_shapes(cfg)
     norms = 2 * _norm_flops(cfg, H)
     if cfg.qk_norm:

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import match
 from model import GPT, ModelConfig, execution_plan, save_checkpoint
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -117,6 +118,7 @@ TRAIN_DEFAULTS = dict(
     grow_to=0,  # passes after growth (K for pcc, r for smelt / layer_loop)
     grow_untie=False,  # untie the core: copies C1 C2 -> C1 C2 C1 C2 (grow.py)
     grow_rewarm_steps=0,  # LR re-warm after growth: 0 at the growth step, linear to 1 ([X] code: 40)
+    avg_doc_len=0,  # mean document length for the attention term of the logged FLOPs; 0 -> block_size
     # system
     device="auto",  # "auto": cuda if available else cpu
     dtype="auto",  # "auto": bfloat16 autocast on CUDA, float32 on CPU; or "float32" / "bfloat16"
@@ -450,26 +452,11 @@ def current_passes(cfg):
     return cfg.n_passes if cfg.layout == "pcc" else cfg.n_loops if cfg.layout != "plain" else 1
 
 
-def flops_per_token(cfg, n_passes=None):
-    """Training FLOPs per token (forward + backward) of the executed plan. match.py is the reference;
-    the fallback counts the same way: 6 x (params each executed block touches, summed over the plan,
-    + the lm head) + 12 x n_head x head_dim x mean attended keys per executed block."""
-    attended = (cfg.block_size + 1) / 2  # mean keys per query under the causal mask
-    try:
-        import match
-    except ImportError:
-        match = None
-    if match is not None and hasattr(match, "flops_per_token"):
-        return float(match.flops_per_token(cfg, attended=attended, n_passes=n_passes))
-    # FALLBACK until match.py lands (same convention as nanoGPT's estimate_mfu and the [X] code)
-    d, hd = cfg.n_embd, cfg.head_dim
-    attn = 2 * d * cfg.n_head * hd + 2 * d * cfg.n_kv_head * hd
-    if cfg.n_expert:
-        ffn = d * cfg.n_expert + cfg.top_k * 3 * d * cfg.expert_hidden
-    else:
-        ffn = 3 * d * cfg.mlp_hidden
-    executed = cfg.executed_layers(n_passes)
-    return 6.0 * (executed * (attn + ffn) + d * cfg.vocab_size) + 12.0 * cfg.n_head * hd * attended * executed
+def flops_per_token(cfg, n_passes=None, avg_doc_len=0):
+    """Training FLOPs per token (forward + backward) of the executed plan, every block execution
+    counted (match.py): attention at the causal average of avg_doc_len keys (what the document mask
+    leaves), or of a full block_size context when avg_doc_len is 0."""
+    return float(match.flops_per_token(cfg, n_passes=n_passes, avg_doc_len=avg_doc_len or None))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -825,7 +812,7 @@ def train(overrides=None):
             opt.zero_grad(set_to_none=True)
         # bookkeeping
         if k not in flops_cache:
-            flops_cache[k] = flops_per_token(raw_model.config, n_passes)
+            flops_cache[k] = flops_per_token(raw_model.config, n_passes, S["avg_doc_len"])
         state["step"] += 1
         state["tokens_seen"] += tokens_per_step
         state["data_position"] += seqs_per_step

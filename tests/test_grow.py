@@ -394,16 +394,6 @@ def test_x10_x11_x12_relations():
     assert grow.optimal_expansion(10, tied=False) == pytest.approx(0.83 * 10 ** 0.15)
 
 
-def test_schedule_helpers():
-    assert grow.growth_step(1000, 0.82) == 820 and grow.growth_step(1000, 500) == 500
-    with pytest.raises(ValueError, match="grow_at"):
-        grow.growth_step(1000, 0)
-    with pytest.raises(ValueError, match="after the last step"):
-        grow.growth_step(1000, 2000)
-    assert [grow.rewarm_multiplier(s, 100, 40) for s in (50, 100, 120, 140, 500)] == [1.0, 0.0, 0.5, 1.0, 1.0]
-    assert grow.rewarm_multiplier(100, 100, 0) == 1.0
-
-
 # ---- the [X] d8 configs and the Table 9 recipe
 
 
