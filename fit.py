@@ -412,14 +412,16 @@ def ce_gain(ref_fit, tgt_fit, C, S):
     loss L*_tgt(C, S). 0 for identical surfaces, > 0 when the target frontier is lower, 1 when the
     reference can never reach that loss."""
     C = np.asarray(C, dtype=float)
-    C_ref = frontier_compute(ref_fit, frontier_loss(tgt_fit, C, S), S)
-    return 1.0 - C / C_ref
+    with np.errstate(divide="ignore", invalid="ignore"):  # a degenerate surface (a or c = 0) gives nan
+        C_ref = frontier_compute(ref_fit, frontier_loss(tgt_fit, C, S), S)
+        return 1.0 - C / C_ref
 
 
 def tpp(fit, C, S):
     """Tokens per dense-equivalent parameter at the optimum: TPP = D* / (F*/6), D* = C / F*."""
-    F_opt = optimal_flops(fit, C, S)
-    return (np.asarray(C, dtype=float) / F_opt) / (F_opt / 6.0)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a degenerate surface (a or c = 0) gives nan/inf
+        F_opt = optimal_flops(fit, C, S)
+        return (np.asarray(C, dtype=float) / F_opt) / (F_opt / 6.0)
 
 
 def fit_subsets(full_fit, F, S, D, loss, subset, weights=None):
