@@ -298,7 +298,7 @@ def unigram_entropy(tokens, n_vocab):
 # Optimizers: Muon for hidden matrices, AdamW for the rest
 
 
-def orthogonalize(update, steps=5, eps=1e-7):
+def orthogonalize(update, steps=5, eps=1e-7, gram=lambda x: x @ x.mT):
     """Newton-Schulz quintic iteration (Keller Jordan's Muon, as in modded-nanogpt and nanochat):
     X <- a X + (b A + c A^2) X with A = X X^T and (a, b, c) = (3.4445, -4.7750, 2.0315), `steps` = 5
     times, after X = G / ||G||_F (so every singular value starts <= 1). The coefficients maximise the
@@ -313,8 +313,8 @@ def orthogonalize(update, steps=5, eps=1e-7):
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
     for _ in range(steps):
-        A = x @ x.mT
-        x = a * x + (b * A + c * A @ A) @ x
+        A = gram(x)  # X X^T (kernels.newton_schulz passes its Triton Gram kernel)
+        x = a * x + (b * A + c * gram(A)) @ x  # A A = A A^T: A is symmetric
     if transposed:
         x = x.mT
     return x.to(update.dtype)

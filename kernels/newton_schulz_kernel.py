@@ -93,19 +93,10 @@ def gram_reference(x):
 
 
 def newton_schulz(update, steps=5, eps=1e-7, gram_fn=gram):
-    """train.orthogonalize with A = X X^T and A A = A A^T computed by `gram_fn` (A is symmetric)."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = update.to(torch.bfloat16 if update.is_cuda else torch.float32)
-    transposed = x.size(-2) > x.size(-1)
-    if transposed:  # iterate on the smaller Gram matrix
-        x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):
-        A = gram_fn(x)
-        x = a * x + (b * A + c * gram_fn(A)) @ x
-    if transposed:
-        x = x.mT
-    return x.to(update.dtype)
+    """train.orthogonalize with both Gram products (A = X X^T, and A A = A A^T since A is symmetric)
+    computed by `gram_fn`: the Triton kernel by default."""
+    from train import orthogonalize  # the one Newton-Schulz iteration of the project
+    return orthogonalize(update, steps, eps, gram=gram_fn)
 
 
 def newton_schulz_reference(update, steps=5, eps=1e-7):
