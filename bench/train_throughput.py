@@ -8,6 +8,7 @@ FLOPs/token and the achieved FLOP/s.
 
     python bench/train_throughput.py                       # CPU, a few steps
     python bench/train_throughput.py --steps 20 --device cuda --compile
+    python bench/train_throughput.py --config config/smelt_200m_base.py --batch_size 1 --device cuda  # + MFU
 """
 import argparse
 import json
@@ -28,7 +29,7 @@ def dense_twin(settings):
     return settings | dict(n_expert=0, mlp_hidden=cfg.top_k * cfg.expert_hidden if cfg.n_expert else cfg.mlp_hidden)
 
 
-def measure(settings, steps, warmup, device, compile_model):
+def measure(settings, steps, warmup, device, compile_model, peak_flops=None):
     cfg = train.model_config_from(settings)
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
@@ -65,7 +66,8 @@ def measure(settings, steps, warmup, device, compile_model):
                 ms_per_step=round(seconds * 1e3, 2),
                 cpu_ms_per_step=round(sorted(cpu_times)[len(cpu_times) // 2] * 1e3, 2), tokens_per_s=round(tokens / seconds, 1),
                 achieved_gflops=round(flops_per_token * tokens / seconds / 1e9, 2), timed_steps=steps,
-                threads=torch.get_num_threads())
+                threads=torch.get_num_threads(),
+                mfu=round(flops_per_token * tokens / seconds / peak_flops, 4) if peak_flops else None)
 
 
 def main(argv=None):
@@ -75,12 +77,19 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=None, help="default: train.py's batch_size")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--config", default="", help="a config file (default: the tiny default)")
+    parser.add_argument("--peak_tflops", type=float, default=989.0,
+                        help="bf16 dense peak for MFU on CUDA (989: H100/H200 SXM, as the [X] code)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
-    settings = train.resolve_settings({} if args.batch_size is None else {"batch_size": args.batch_size})
+    overrides = train.read_config_file(args.config) if args.config else {}
+    if args.batch_size is not None:
+        overrides["batch_size"] = args.batch_size
+    settings = train.resolve_settings(overrides)
+    peak = args.peak_tflops * 1e12 if device.type == "cuda" else None
     for s in (settings, dense_twin(settings)):
-        print(json.dumps(measure(s, args.steps, args.warmup, device, args.compile)), flush=True)
+        print(json.dumps(measure(s, args.steps, args.warmup, device, args.compile, peak)), flush=True)
 
 
 if __name__ == "__main__":
