@@ -16,6 +16,7 @@ One ModelConfig is the single source of truth for a model's shape; match.py read
 import math
 import os
 import tempfile
+import types
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -460,17 +461,22 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path, **overrides):
-        """Read a nanoGPT-style config file (python assignments); keys that are not model fields
-        (training settings) are ignored here."""
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"config file not found: {path}")
-        namespace = {}
-        with open(path) as f:
-            exec(compile(f.read(), path, "exec"), {}, namespace)
+        """Read a nanoGPT-style config file; keys that are not model fields (training settings) are
+        ignored here (train.py checks them)."""
         known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in namespace.items() if k in known}
+        values = {k: v for k, v in read_config_file(path).items() if k in known}
         values.update(overrides)
         return cls(**values)
+
+
+def read_config_file(path):
+    """The assignments of a nanoGPT-style config file (plain python) as {name: value}."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config file not found: {path}")
+    namespace = {}
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), {}, namespace)
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
 
 
 # ----------------------------------------------------------------------------------------------------

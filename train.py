@@ -49,7 +49,6 @@ import os
 import sys
 import time
 from dataclasses import asdict, fields
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -58,6 +57,7 @@ from tqdm import tqdm
 
 import match
 from model import GPT, ModelConfig, execution_plan, save_checkpoint
+from model import read_config_file as read_assignments
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -174,12 +174,7 @@ def check_setting(key, value, where="setting"):
 
 def read_config_file(path):
     """A nanoGPT-style config file (python assignments) -> {key: value}, every key checked."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"config file not found: {path}")
-    namespace = {}
-    with open(path) as f:
-        exec(compile(f.read(), path, "exec"), {}, namespace)
-    values = {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, ModuleType)}
+    values = read_assignments(path)
     return {k: check_setting(k, v, where=f"key in {path}") for k, v in values.items()}
 
 
