@@ -100,6 +100,21 @@ X_MODEL = dict(TOKENIZER_MODEL, norm_gain=False, qk_norm=True, embed_norm=True, 
 GPU_DATA = "data/cache/fineweb"
 X_ARCHS = ("vanilla", "operator-1", "loop-2", "untied-2", "loop-grow", "untied-grow")
 
+SMELT_GPU_1NODE = dict(
+    kind="smelt", about="one 8-GPU node (documented, not run): 4 scales x 3 sparsities, 6 branches",
+    model=dict(TOKENIZER_MODEL, n_head=8, n_kv_head=4, head_dim=64, top_k=8, layout="plain", n_loops=1,
+               block_size=1024),
+    scales={"L8w512": dict(n_layer=8, n_embd=512, expert_hidden=176),
+            "L10w640": dict(n_layer=10, n_embd=640, expert_hidden=208),
+            "L12w768": dict(n_layer=12, n_embd=768, expert_hidden=256),
+            "L16w1024": dict(n_layer=16, n_embd=1024, expert_hidden=336)},
+    cells=[(s, e) for s in ("L8w512", "L10w640", "L12w768", "L16w1024") for e in (48, 96, 128)],
+    recipe="smelt", match_kwargs=dict(width_multiple=(32, 16), expert_multiple=4),
+    train=dict(optimizer="adamw", batch_size=16, grad_accum=1, warmup_steps=200, eval_tokens=1 << 20,
+               data_dir=GPU_DATA),
+    branch_steps=[500, 1000, 2000, 4000, 8000, 12000], decay_tokens=1000 * 16 * 1024 * 8, gpus=8,
+    budgets=None, bootstrap=2000, seed=1337)
+
 PRESETS = {
     # ---- [S] SMELT
     "smelt-micro": dict(
@@ -123,34 +138,10 @@ PRESETS = {
         recipe="smelt", match_kwargs=SMELT_MATCH,
         train=dict(optimizer="adamw", batch_size=8, warmup_steps=10, eval_tokens=1 << 15),
         branch_steps=[40, 80, 160], decay_tokens=40960, budgets=None, bootstrap=2000, seed=1337, threads=1),
-    "smelt-gpu-1node": dict(
-        kind="smelt", about="one 8-GPU node (documented, not run): 4 scales x 3 sparsities, 6 branches",
-        model=dict(TOKENIZER_MODEL, n_head=8, n_kv_head=4, head_dim=64, top_k=8, layout="plain", n_loops=1,
-                   block_size=1024),
-        scales={"L8w512": dict(n_layer=8, n_embd=512, expert_hidden=176),
-                "L10w640": dict(n_layer=10, n_embd=640, expert_hidden=208),
-                "L12w768": dict(n_layer=12, n_embd=768, expert_hidden=256),
-                "L16w1024": dict(n_layer=16, n_embd=1024, expert_hidden=336)},
-        cells=[(s, e) for s in ("L8w512", "L10w640", "L12w768", "L16w1024") for e in (48, 96, 128)],
-        recipe="smelt", match_kwargs=dict(width_multiple=(32, 16), expert_multiple=4),
-        train=dict(optimizer="adamw", batch_size=16, grad_accum=1, warmup_steps=200, eval_tokens=1 << 20,
-                   data_dir=GPU_DATA),
-        branch_steps=[500, 1000, 2000, 4000, 8000, 12000], decay_tokens=1000 * 16 * 1024 * 8, gpus=8,
-        budgets=None, bootstrap=2000, seed=1337),
-    "smelt-gpu-2node": dict(
-        kind="smelt", about="two 8-GPU nodes (documented, not run): the 1-node grid, 2x the tokens per step",
-        model=dict(TOKENIZER_MODEL, n_head=8, n_kv_head=4, head_dim=64, top_k=8, layout="plain", n_loops=1,
-                   block_size=1024),
-        scales={"L8w512": dict(n_layer=8, n_embd=512, expert_hidden=176),
-                "L10w640": dict(n_layer=10, n_embd=640, expert_hidden=208),
-                "L12w768": dict(n_layer=12, n_embd=768, expert_hidden=256),
-                "L16w1024": dict(n_layer=16, n_embd=1024, expert_hidden=336)},
-        cells=[(s, e) for s in ("L8w512", "L10w640", "L12w768", "L16w1024") for e in (48, 96, 128)],
-        recipe="smelt", match_kwargs=dict(width_multiple=(32, 16), expert_multiple=4),
-        train=dict(optimizer="adamw", batch_size=16, grad_accum=1, warmup_steps=200, eval_tokens=1 << 20,
-                   data_dir=GPU_DATA),
-        branch_steps=[500, 1000, 2000, 4000, 8000, 12000], decay_tokens=1000 * 16 * 1024 * 16, gpus=16,
-        budgets=None, bootstrap=2000, seed=1337),
+    "smelt-gpu-1node": SMELT_GPU_1NODE,
+    "smelt-gpu-2node": dict(SMELT_GPU_1NODE, about="two 8-GPU nodes (documented, not run): the 1-node grid, "
+                                                  "2x the tokens per step",
+                            decay_tokens=1000 * 16 * 1024 * 16, gpus=16),
     # ---- [X] scaling exponents
     "x-micro": dict(
         kind="x", about="pipeline check in seconds (tests); the numbers mean nothing",
