@@ -65,12 +65,12 @@ ckpt.pt when finished unless --keep-checkpoints (stable checkpoints are kept: br
 import argparse
 import contextlib
 import csv
+import io
 import json
 import math
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -79,6 +79,7 @@ from tqdm import tqdm
 import fit
 import match
 import train
+from data.prepare import write_atomic
 from grow import growth_step
 from model import ModelConfig
 
@@ -198,18 +199,11 @@ class RunSpec:
 
 
 def write_json_atomic(path, obj):
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, default=_json_default)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    """JSON through a temp file and a rename (data.prepare.write_atomic): never half a result file."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    text = json.dumps(obj, indent=1, default=_json_default)
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def _json_default(v):
@@ -731,21 +725,14 @@ def x_report(preset, rows, ref="vanilla", plot_path=None):
 def write_csv(path, rows):
     """Atomic CSV with the union of the rows' keys (first-seen order) as the header."""
     columns = list(dict.fromkeys(k for r in rows for k in r))
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".csv")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=columns)
-            w.writeheader()
-            for r in rows:
-                w.writerow({k: ("" if r.get(k) is None else r[k]) for k in columns})
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    buffer = io.StringIO()
+    w = csv.DictWriter(buffer, fieldnames=columns)
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else r[k]) for k in columns})
+    write_atomic(path, lambda f: f.write(buffer.getvalue().encode()))
 
 
 def planned_compute(preset, specs, world=None):
@@ -815,24 +802,11 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
         text += f"\n(partial: {len(finished)}/{len(specs)} runs finished)"
     write_csv(os.path.join(out_dir, "runs.csv"), rows)
     write_json_atomic(os.path.join(out_dir, "report.json"), report)
-    _write_text_atomic(os.path.join(out_dir, "report.txt"), text + "\n")
+    write_atomic(os.path.abspath(os.path.join(out_dir, "report.txt")), lambda f: f.write((text + "\n").encode()))
     log(text)
     log(f"wrote {os.path.join(out_dir, 'runs.csv')}, report.txt, report.json "
         f"({report['train_seconds']:.0f} s of training in the finished runs)")
     return report
-
-
-def _write_text_atomic(path, text):
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".txt")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def describe_presets():
