@@ -57,6 +57,7 @@ from tqdm import tqdm
 
 import match
 from model import GPT, ModelConfig, execution_plan, save_checkpoint
+from muon import Muon
 from model import read_config_file as read_assignments
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -291,63 +292,6 @@ def unigram_entropy(tokens, n_vocab):
 
 # ----------------------------------------------------------------------------------------------------
 # Optimizers: Muon for hidden matrices, AdamW for the rest
-
-
-def orthogonalize(update, steps=5, eps=1e-7, gram=lambda x: x @ x.mT):
-    """Newton-Schulz quintic iteration (Keller Jordan's Muon, as in modded-nanogpt and nanochat):
-    X <- a X + (b A + c A^2) X with A = X X^T and (a, b, c) = (3.4445, -4.7750, 2.0315), `steps` = 5
-    times, after X = G / ||G||_F (so every singular value starts <= 1). The coefficients maximise the
-    slope at 0, so small singular values grow fast; the result is U S' V^T with S' in ~[0.7, 1.2],
-    not exactly 1, which is all Muon needs. Batched over leading dims: a stacked expert tensor
-    (E, out, in) is orthogonalised per expert, each expert's (out, in) matrix on its own.
-    bfloat16 on CUDA (as the references), float32 on CPU (no fast bf16 there)."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = update.to(torch.bfloat16 if update.is_cuda else torch.float32)
-    transposed = x.size(-2) > x.size(-1)
-    if transposed:  # iterate on the smaller Gram matrix
-        x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):
-        A = gram(x)  # X X^T (kernels.newton_schulz passes its Triton Gram kernel)
-        x = a * x + (b * A + c * gram(A)) @ x  # A A = A A^T: A is symmetric
-    if transposed:
-        x = x.mT
-    return x.to(update.dtype)
-
-
-class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-Schulz: SGD momentum (Nesterov by default), the update
-    orthogonalised (orthogonalize above), scaled by lr * max(1, rows/cols)^0.5 so tall matrices get the
-    same RMS update per element. rows/cols are the last two dims (out, in): per expert for (E, out, in).
-    Decoupled weight decay p <- p (1 - lr wd)."""
-
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
-                 use_triton=None):
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                                      weight_decay=weight_decay))
-        self.use_triton = use_triton  # None: kernels.newton_schulz (half-tile Gram kernel) on CUDA
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                buf.mul_(momentum).add_(p.grad)
-                update = p.grad.add(buf, alpha=momentum) if group["nesterov"] else buf
-                if update.is_cuda if self.use_triton is None else self.use_triton:
-                    from kernels import newton_schulz  # the same iteration, Gram products on Triton
-                    update = newton_schulz(update, group["ns_steps"]).to(p.dtype)
-                else:
-                    update = orthogonalize(update, group["ns_steps"])
-                if group["weight_decay"]:
-                    p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5)
 
 
 def param_groups(model, settings):

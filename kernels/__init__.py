@@ -73,11 +73,11 @@ def gram_reference(x):
     return _module("newton_schulz_kernel").gram_reference(x)
 
 
-def newton_schulz(update, steps=5, eps=1e-7):
-    """Muon's quintic Newton-Schulz orthogonalisation (= train.orthogonalize) with both Gram products on
+def newton_schulz(update, steps=5, eps=1e-7, dtype=None):
+    """Muon's quintic Newton-Schulz orthogonalisation (= muon.orthogonalize) with both Gram products on
     the kernel."""
-    return _module("newton_schulz_kernel", update.device).newton_schulz(update, steps, eps)
+    return _module("newton_schulz_kernel", update.device).newton_schulz(update, steps, eps, dtype)
 
 
-def newton_schulz_reference(update, steps=5, eps=1e-7):
-    return _module("newton_schulz_kernel").newton_schulz_reference(update, steps, eps)
+def newton_schulz_reference(update, steps=5, eps=1e-7, dtype=None):
+    return _module("newton_schulz_kernel").newton_schulz_reference(update, steps, eps, dtype)

@@ -1,7 +1,7 @@
 """
 The Gram product X X^T of Muon's Newton-Schulz iteration, computing only half of the tiles.
 
-Muon's quintic iteration (train.orthogonalize) runs, `steps` times,
+Muon's quintic iteration (muon.orthogonalize) runs, `steps` times,
     A = X X^T ;   X <- a X + (b A + c A A) X
 A is symmetric, so A A = A A^T is a Gram product too: two of the three matmuls per step have symmetric
 outputs. `gram` launches one program per tile pair (i <= j) of the output, computes X_i X_j^T and
@@ -10,13 +10,15 @@ Batched over leading dims (stacked expert weights (E, out, in) are one launch).
 
 `gram` is an autograd.Function whose forward is the kernel; its backward, dX = (dC + dC^T) X, is a torch
 matmul (Muon runs under no_grad, so it exists for completeness, not speed).
-`newton_schulz` is train.orthogonalize with both Gram products on the kernel; its twin is the plain code.
+`newton_schulz` is muon.orthogonalize with both Gram products on the kernel; its twin is the plain code.
 """
 import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from muon import orthogonalize  # the one Newton-Schulz iteration of the project
 
 
 @triton.jit
@@ -92,13 +94,12 @@ def gram_reference(x):
     return x @ x.mT
 
 
-def newton_schulz(update, steps=5, eps=1e-7, gram_fn=gram):
-    """train.orthogonalize with both Gram products (A = X X^T, and A A = A A^T since A is symmetric)
+def newton_schulz(update, steps=5, eps=1e-7, dtype=None, gram_fn=gram):
+    """muon.orthogonalize with both Gram products (A = X X^T, and A A = A A^T since A is symmetric)
     computed by `gram_fn`: the Triton kernel by default."""
-    from train import orthogonalize  # the one Newton-Schulz iteration of the project
-    return orthogonalize(update, steps, eps, gram=gram_fn)
+    return orthogonalize(update, steps, eps, dtype=dtype, gram=gram_fn)
 
 
-def newton_schulz_reference(update, steps=5, eps=1e-7):
-    """PyTorch twin of newton_schulz (= train.orthogonalize: plain matmuls)."""
-    return newton_schulz(update, steps, eps, gram_fn=gram_reference)
+def newton_schulz_reference(update, steps=5, eps=1e-7, dtype=None):
+    """PyTorch twin of newton_schulz (= muon.orthogonalize: plain matmuls)."""
+    return newton_schulz(update, steps, eps, dtype=dtype, gram_fn=gram_reference)

@@ -1,0 +1,69 @@
+"""
+Small helpers every tool shares, each in one place: atomic file writes, one-line CLI errors, and
+reading JSON lines with errors that name the file and line. Standard library only.
+"""
+
+import glob
+import json
+import os
+import sys
+import tempfile
+
+TEMP_MARK = ".tmp-"  # temp files are named .<final name>.tmp-<random> beside the final file
+
+
+def write_atomic(path, write):
+    """write(f) into a temp file beside `path`, then rename it over `path`: a reader (or a crash at any
+    moment) never sees half a file, and the previous file stays intact until the rename. The file gets
+    the permissions any new file would get (0666 minus the umask), not mkstemp's 0600."""
+    path = os.path.abspath(path)
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}{TEMP_MARK}")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def stale_temp_files(path):
+    """Temp files that write_atomic(path, ...) left behind when its process was killed mid-write."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return sorted(glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}{TEMP_MARK}*")))
+
+
+def cli_error(prog, error):
+    """A user mistake (missing file, bad value) as one line on stderr; returns exit status 2, the
+    convention argparse uses for bad usage."""
+    message = error.strerror + f": {error.filename}" if isinstance(error, OSError) and error.filename \
+        and error.strerror else str(error)
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def read_jsonl(path):
+    """Yield (line number, object) for every non-blank line of a JSON-lines file; a malformed line
+    raises ValueError naming the file and the line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid UTF-8 ({e})") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
