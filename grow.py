@@ -30,10 +30,12 @@ import copy
 import sys
 from dataclasses import asdict, replace
 
+import torch
 import torch.nn as nn
 
 import match
-from model import GPT, core_split, execution_plan, save_checkpoint
+from common import cli_error, write_atomic
+from model import GPT, core_split, execution_plan
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -384,7 +386,7 @@ def grow_checkpoint(ckpt_path, n_passes, out_path, untie=False, copies="fresh", 
     ckpt.setdefault("growth", []).append(dict(step=ckpt.get("step"), from_passes=k0, to_passes=n_passes,
                                               from_layout=layout, from_tied=tied, untie=untie,
                                               copies=copies, param_map=param_map))
-    save_checkpoint(ckpt, out_path)
+    write_atomic(out_path, lambda f: torch.save(ckpt, f))
     n_copies = len(copied_names(param_map))
     log(f"grew {ckpt_path}: {layout} {'tied' if tied else 'untied'} K={k0} -> "
         f"{'tied' if model.config.tie_core else 'untied'} K={n_passes}, {len(model.blocks)} stored blocks, "
@@ -436,9 +438,8 @@ def main(argv=None):
         if not args.ckpt or not args.out:
             parser.error("--ckpt and --out are required (or --schedule CONFIG)")
         grow_checkpoint(args.ckpt, args.passes, args.out, untie=args.untie, copies=args.copies)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"grow.py: error: {e}", file=sys.stderr)
-        return 1
+    except (ValueError, OSError) as e:
+        return cli_error("grow.py", e)
     return 0
 
 

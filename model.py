@@ -15,7 +15,6 @@ One ModelConfig is the single source of truth for a model's shape; match.py read
 
 import math
 import os
-import tempfile
 import types
 from dataclasses import dataclass, field, fields
 from typing import Optional
@@ -25,11 +24,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def _use_triton(flag, x):
-    """use_triton=None means: kernels on CUDA, PyTorch reference on CPU."""
-    return x.is_cuda if flag is None else flag
-
-
 # ----------------------------------------------------------------------------------------------------
 # Norms and RoPE
 
@@ -37,14 +31,14 @@ def _use_triton(flag, x):
 class RMSNorm(nn.Module):
     """RMSNorm with an optional learnable gain ([X] Table 1 trains without norm gains)."""
 
-    def __init__(self, dim, eps=1e-6, gain=True, use_triton=None):
+    def __init__(self, dim, eps=1e-6, gain=True, use_triton=False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if gain else None
         self.use_triton = use_triton
 
     def forward(self, x):
-        if _use_triton(self.use_triton, x):
+        if self.use_triton:
             from kernels import rmsnorm
             return rmsnorm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
@@ -119,33 +113,27 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gain, cfg.use_triton) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gain, cfg.use_triton) if cfg.qk_norm else None
 
-    def forward(self, x, ctx, record=None):
+    def qkv(self, x, ctx):
+        """Queries (B, n_head, T, head_dim), keys and values (B, n_kv_head, T, head_dim), rotated."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:  # QK-norm before RoPE (identical to after RoPE when norms have no gain)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        return apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin), v
+
+    def forward(self, x, ctx):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, ctx)
         if ctx.cache is not None:  # one cache entry per *executed* block: each visit has its own
             k, v = ctx.cache.update(ctx.attention_calls, k, v)
         ctx.attention_calls += 1
-        if record is None and ctx.block_mask is not None:
+        if ctx.block_mask is not None:
             y = flex_document_attention(q, k, v, ctx.block_mask)
-        elif record is None:
+        else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.mask is None,
                                                enable_gqa=self.n_kv_head != self.n_head)
-        else:  # probe mode: explicit softmax so the attention probabilities can be returned [S10]
-            rep = self.n_head // self.n_kv_head
-            kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            scores = (q @ kk.transpose(-2, -1)) / math.sqrt(self.head_dim)
-            mask = ctx.mask
-            if mask is None:  # plain causal
-                mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-            y = probs @ vv
-            record.update(q=q.detach(), k=k.detach(), v=v.detach(), attn_probs=probs.detach(),
-                          attn_context=y.detach())
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.o_proj(y)
 
@@ -170,7 +158,7 @@ class MLP(nn.Module):
         self.use_triton = cfg.use_triton
 
     def forward(self, x):
-        h = swiglu(self.w_gate(x), self.w_up(x), _use_triton(self.use_triton, x))
+        h = swiglu(self.w_gate(x), self.w_up(x), self.use_triton)
         return self.w_down(h), None
 
 
@@ -218,13 +206,14 @@ class MoE(nn.Module):
         counts = torch.zeros(self.n_expert, dtype=torch.long, device=x.device).index_add_(
             0, flat_ids, torch.ones_like(flat_ids))
         x_sorted = flat[token_of]
-        if _use_triton(self.use_triton, x):
+        if self.use_triton:
             from kernels import moe_experts
             y_sorted = moe_experts(x_sorted, counts, self.w_gate, self.w_up, self.w_down)
         else:
             y_sorted = run_experts(x_sorted, counts, self.w_gate, self.w_up, self.w_down)
         y_sorted = y_sorted * weights.reshape(-1)[order].unsqueeze(1).to(y_sorted.dtype)
-        out = torch.zeros_like(flat).index_add_(0, token_of, y_sorted)
+        # scatter back in the experts' dtype (bf16 under autocast, whatever dtype the norm handed in)
+        out = y_sorted.new_zeros(flat.shape).index_add_(0, token_of, y_sorted)
         # load-balancing loss (Switch): E * sum_e f_e P_e, minimum 1 for a uniform router
         fraction = counts.float() / (n_tokens * self.top_k)
         balance = self.n_expert * (fraction * probs.mean(dim=0)).sum()
@@ -248,23 +237,13 @@ class Block(nn.Module):
         self.ffn = MoE(cfg) if cfg.n_expert > 0 else MLP(cfg)
         self.residual_multiplier = cfg.residual_multiplier  # [X] RM on attention-out and MLP-down
 
-    def forward(self, x, scale, ctx, record=None):
-        attn_in = self.norm1(x)
-        attn_out = self.attn(attn_in, ctx, record)
-        attn_update = (scale * self.residual_multiplier) * attn_out  # [S8] attention write scaled by 1/r
-        h = x + attn_update
-        ffn_in = self.norm2(h)  # [S9] the FFN/MoE sublayer sees the already scaled attention write
-        ffn_out, router = self.ffn(ffn_in)
-        ffn_update = (scale * self.residual_multiplier) * ffn_out  # [S9] MoE write scaled by 1/r
+    def forward(self, x, scale, ctx):
+        update_scale = scale * self.residual_multiplier
+        h = x + update_scale * self.attn(self.norm1(x), ctx)  # [S8] attention write scaled by 1/r
+        ffn_out, router = self.ffn(self.norm2(h))  # [S9] the FFN/MoE sublayer sees the scaled attention write
         if router is not None:
             ctx.router.append(router)
-        if record is not None:
-            record.update(resid_in=x.detach(), attn_in=attn_in.detach(), attn_update=attn_update.detach(),
-                          attn_output=attn_out.detach(), ffn_in=ffn_in.detach(),
-                          ffn_update=ffn_update.detach(), resid_out=(h + ffn_update).detach())
-            if router is not None:
-                record.update(expert_ids=router["expert_ids"].detach(), expert_weights=router["weights"].detach())
-        return h + ffn_update
+        return h + update_scale * ffn_out  # [S9] MoE write scaled by 1/r
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -336,44 +315,55 @@ def core_split(depth):
 # Config
 
 
+class Derived(int):
+    """A size the config derived from other fields because it was given as 0 / -1 ("derive it"). It is
+    an int everywhere; dataclasses.replace() hands it back to __init__, which derives it again from
+    the new fields, so replace(cfg, n_embd=256) never keeps the old width's head_dim or mlp_hidden."""
+
+
+def derive(given, sentinel, value):
+    """`given` when it was set explicitly, else `value` marked as Derived."""
+    return Derived(value) if given == sentinel or isinstance(given, Derived) else given
+
+
 @dataclass
 class ModelConfig:
     # vocabulary and context
-    vocab_size: int = 4096
-    block_size: int = 256
+    vocab_size: int = 4096  # token ids 0 .. vocab_size - 1 (rows of the embedding and the lm head)
+    block_size: int = 256  # the longest sequence (context length)
     eot_token: int = 4095  # document separator: each eot starts a new document (document mask)
     # width and attention
     n_layer: int = 4  # physical depth L (SMELT, layer-loop, plain) or nominal depth P+C+D (prelude-core-coda)
-    n_embd: int = 128
-    n_head: int = 4
+    n_embd: int = 128  # width of the residual stream
+    n_head: int = 4  # query heads
     n_kv_head: int = 0  # 0 -> n_head (no GQA)
     head_dim: int = 0  # 0 -> n_embd // n_head; independent of n_embd ([S] matches KV by head size)
-    qk_norm: bool = False
-    rope_base: float = 10000.0
+    qk_norm: bool = False  # RMSNorm on queries and keys per head ([X] Table 1)
+    rope_base: float = 10000.0  # RoPE frequency base
     norm_gain: bool = True  # learnable RMSNorm gains ([X]: none)
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # RMSNorm epsilon
     embed_norm: bool = False  # RMSNorm right after the token embedding ([X] Table 1)
-    tie_embeddings: bool = False
+    tie_embeddings: bool = False  # the lm head shares the token embedding's weights
     attention: str = "auto"  # "sdpa" (boolean mask), "flex" (FlexAttention block mask), "auto": flex on CUDA
     # feed-forward: dense SwiGLU (n_expert == 0) or MoE
     mlp_hidden: int = 0  # 0 -> 256 * ceil(8 n_embd / 3 / 256), as the [X] code
-    n_expert: int = 0
-    top_k: int = 8
+    n_expert: int = 0  # experts per MoE layer; 0 -> a dense SwiGLU FFN
+    top_k: int = 8  # experts each token is routed to
     expert_hidden: int = 0  # 0 -> mlp_hidden // top_k (fine-grained experts)
-    router_renormalize: bool = True
-    balance_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
-    # depth layout: "plain", "smelt" (model-loop of the middle span), "layer_loop", "pcc" (prelude-core-coda)
-    layout: str = "plain"
+    router_renormalize: bool = True  # top-k router weights rescaled to sum to 1 (Mixtral / OLMoE)
+    balance_loss_coef: float = 0.01  # weight of the Switch load-balancing loss
+    z_loss_coef: float = 0.001  # weight of the router z-loss (ST-MoE)
+    # depth layout
+    layout: str = "plain"  # "plain", "smelt" (model-loop of the middle span), "layer_loop", "pcc" (prelude-core-coda)
     n_loops: int = 1  # r, times the loop span is executed (smelt / layer_loop)
     loop_span: int = -1  # m, -1 -> n_layer // 2; prelude is floor((L - m) / 2)
     n_prelude: int = -1  # -1 -> core_split(n_layer)
-    n_core: int = -1
-    n_coda: int = -1
+    n_core: int = -1  # -1 -> core_split(n_layer)
+    n_coda: int = -1  # -1 -> core_split(n_layer)
     n_passes: int = 1  # K, core passes (pcc)
     tie_core: bool = True  # one set of core weights (looped) or K independent cores (untied)
     boundary: str = "both"  # boundary operator [X3]: "both", "norm", "inject" or "none"
-    boundary_alpha: float = 1.0
+    boundary_alpha: float = 1.0  # alpha of BO(h, e) = RMSNorm(h) + alpha * e [X3]
     inject_before_coda: bool = True  # [X] applies the full BO before the coda too
     zero_initial_state: bool = True  # [X] Algorithm 1: h0 = 0, the first pass sees BO(0, e) = alpha*e.
     #   False: the first pass sees the prelude output e itself, as the [X] code does (same when alpha = 1)
@@ -382,9 +372,9 @@ class ModelConfig:
     output_multiplier: float = 1.0  # [X] OM on the logits
     init: str = "x"  # "x": zero out-projections and lm head, normal embedding, uniform Q/K/V and MLP-in;
     #                  "nanogpt": normal(0.02), out-projections scaled by 1/sqrt(2 * executed layers)
-    embed_init_std: float = 0.02
+    embed_init_std: float = 0.02  # std of the normal token-embedding init ('x' init)
     uniform_init_scale: float = 3 ** 0.5  # U(-s, s) with s = uniform_init_scale / sqrt(n_embd)
-    use_triton: Optional[bool] = None  # None: Triton kernels on CUDA, PyTorch on CPU
+    use_triton: bool = False  # Triton kernels (kernels/) instead of the PyTorch code; train.py turns them on on CUDA
 
     def __post_init__(self):
         def bad(name, why):
@@ -395,33 +385,34 @@ class ModelConfig:
                 bad(name, "must be >= 1")
         if not 0 <= self.eot_token < self.vocab_size:
             bad("eot_token", f"must be a token id in [0, vocab_size={self.vocab_size})")
-        self.n_kv_head = self.n_kv_head or self.n_head
-        self.head_dim = self.head_dim or self.n_embd // self.n_head
+        self.n_kv_head = derive(self.n_kv_head, 0, self.n_head)
+        self.head_dim = derive(self.head_dim, 0, self.n_embd // self.n_head)
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
             bad("n_kv_head", f"n_head={self.n_head} must be divisible by n_kv_head")
         if self.head_dim < 2 or self.head_dim % 2:
             bad("head_dim", "must be even and >= 2 (RoPE rotates pairs)")
-        self.mlp_hidden = self.mlp_hidden or 256 * math.ceil(8 * self.n_embd / 3 / 256)
+        self.mlp_hidden = derive(self.mlp_hidden, 0, 256 * math.ceil(8 * self.n_embd / 3 / 256))
         if self.n_expert < 0:
             bad("n_expert", "must be >= 0 (0 means a dense SwiGLU)")
         if self.n_expert:
             if not 1 <= self.top_k <= self.n_expert:
                 bad("top_k", f"must be in [1, n_expert={self.n_expert}]")
-            self.expert_hidden = self.expert_hidden or max(1, self.mlp_hidden // self.top_k)
+            self.expert_hidden = derive(self.expert_hidden, 0, max(1, self.mlp_hidden // self.top_k))
         if self.layout not in ("plain", "smelt", "layer_loop", "pcc"):
             bad("layout", "must be 'plain', 'smelt', 'layer_loop' or 'pcc'")
         if self.n_loops < 1:
             bad("n_loops", "must be >= 1")
-        if self.loop_span == -1:
-            self.loop_span = self.n_layer // 2
+        self.loop_span = derive(self.loop_span, -1, self.n_layer // 2)
         if not 0 <= self.loop_span <= self.n_layer:
             bad("loop_span", f"must be in [0, n_layer={self.n_layer}]")
         if self.n_passes < 1:
             bad("n_passes", "must be >= 1")
         if self.layout == "pcc":
             split = core_split(self.n_layer)
-            self.n_prelude, self.n_core, self.n_coda = (v if v >= 0 else s for v, s in
-                                                         zip((self.n_prelude, self.n_core, self.n_coda), split))
+            self.n_prelude, self.n_core, self.n_coda = (derive(v, -1, part) for v, part in
+                                                        zip((self.n_prelude, self.n_core, self.n_coda), split))
+            if min(self.n_prelude, self.n_coda) < 0:
+                bad("n_prelude", "n_prelude and n_coda must be >= 0 (-1 derives the [X] even split)")
             if self.n_core < 1:
                 bad("n_core", "must be >= 1")
             if self.n_prelude + self.n_core + self.n_coda != self.n_layer:
@@ -470,12 +461,19 @@ class ModelConfig:
 
 
 def read_config_file(path):
-    """The assignments of a nanoGPT-style config file (plain python) as {name: value}."""
-    if not os.path.exists(path):
+    """The assignments of a nanoGPT-style config file (plain python) as {name: value}; a file that does
+    not exist or does not run raises ValueError naming the file and line."""
+    if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path}")
     namespace = {}
     with open(path) as f:
-        exec(compile(f.read(), path, "exec"), {}, namespace)
+        source = f.read()
+    try:
+        exec(compile(source, path, "exec"), {}, namespace)
+    except SyntaxError as e:
+        raise ValueError(f"{path}:{e.lineno}: syntax error in config file: {e.msg}") from None
+    except Exception as e:  # the file runs python: NameError, ImportError, ...
+        raise ValueError(f"{path}: config file failed: {type(e).__name__}: {e}") from None
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
 
 
@@ -571,11 +569,11 @@ class GPT(nn.Module):
 
     # ---- forward
 
-    def forward(self, idx, targets=None, n_passes=None, probe=None, cache=None):
+    def forward(self, idx, targets=None, n_passes=None, cache=None):
         """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
         targets: (B, T), -1 is ignored. n_passes: override K (pcc) or r (loops) for this call.
-        probe: a list to fill with one dict per executed block (see Block.forward); None costs nothing.
-        cache: a KVCache; idx are then the new tokens that follow the cached ones."""
+        cache: a KVCache; idx are then the new tokens that follow the cached ones.
+        (probe.py looks inside with forward hooks: the forward pass itself keeps no probe state.)"""
         cfg = self.config
         B, T = idx.shape
         start = cache.length if cache is not None else 0
@@ -594,7 +592,7 @@ class GPT(nn.Module):
             mask = None
         ctx = ForwardContext(self.rope_cos[start:start + T], self.rope_sin[start:start + T], mask, cache=cache)
         use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and idx.is_cuda)
-        if mask is not None and cache is None and probe is None and use_flex:
+        if mask is not None and cache is None and use_flex:
             ctx.block_mask = flex_block_mask(docs)  # FlexAttention has no backward on CPU: train there with sdpa
 
         plan = self.plan if n_passes is None else execution_plan(cfg, n_passes)
@@ -604,11 +602,7 @@ class GPT(nn.Module):
         anchor = None
         for step in plan:
             if step.kind == "block":
-                record = None
-                if probe is not None:
-                    record = dict(block=step.block, visit=step.visit, scale=step.scale)
-                    probe.append(record)
-                h = self.blocks[step.block](h, step.scale, ctx, record)
+                h = self.blocks[step.block](h, step.scale, ctx)
             elif step.kind == "anchor":  # e = prelude output; h0 = 0 when e is injected ([X] Algorithm 1)
                 anchor = h
                 if step.inject:
@@ -630,7 +624,7 @@ class GPT(nn.Module):
         return logits, loss
 
     def boundary(self, h, anchor, norm, inject):
-        if norm and inject and _use_triton(self.config.use_triton, h):
+        if norm and inject and self.config.use_triton:
             from kernels import boundary_operator
             return boundary_operator(h, anchor, self.config.boundary_alpha, self.boundary_norm.weight,
                                      self.config.norm_eps)
@@ -689,31 +683,30 @@ class GPT(nn.Module):
     # ---- checkpoints
 
     @classmethod
-    def from_checkpoint(cls, path, map_location="cpu"):
-        """Load a checkpoint written by train.py or grow.py -> (model, checkpoint dict)."""
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"checkpoint not found: {path}")
+    def from_checkpoint(cls, path, map_location="cpu", use_triton=False):
+        """A model from a checkpoint written by train.py or grow.py -> (model, checkpoint dict).
+        Kernels are off unless asked for (a checkpoint trained on a GPU loads on a CPU)."""
+        ckpt = load_checkpoint(path, map_location)
+        model = cls(ModelConfig.from_dict(ckpt["model_config"] | dict(use_triton=use_triton)))
         try:
-            ckpt = torch.load(path, map_location=map_location, weights_only=False)
-        except Exception as e:  # truncated or not a torch file
-            raise ValueError(f"cannot read checkpoint {path}: {e}") from e
-        if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model" not in ckpt:
-            raise ValueError(f"{path} is not a loopstudy checkpoint (needs 'model_config' and 'model')")
-        model = cls(ModelConfig.from_dict(ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
+            model.load_state_dict(ckpt["model"])
+        except RuntimeError as e:  # weights that do not fit the stored config
+            raise ValueError(f"{path}: the weights do not match the model config stored with them: "
+                             f"{str(e).splitlines()[0]}") from None
         return model, ckpt
 
 
-def save_checkpoint(ckpt, path):
-    """Write atomically: a crash mid-write never destroys the previous checkpoint at `path`."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pt")
+def load_checkpoint(path, map_location="cpu"):
+    """A checkpoint file -> its dict ({"model_config", "model", ...}), with a clear error when it is
+    missing, unreadable or not a loopstudy checkpoint."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory, not a checkpoint file")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(ckpt, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:  # truncated or not a torch file
+        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+    if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model" not in ckpt:
+        raise ValueError(f"{path} is not a loopstudy checkpoint (needs 'model_config' and 'model')")
+    return ckpt

@@ -7,7 +7,8 @@ What the second visit does: SMELT's mechanistic probes [S §6] and the KL effect
 
 Held-out tokens are evenly spaced, non-overlapping windows of the checkpoint's validation split
 (data.prepare.load_split(data_dir, "val"); --data_dir overrides the checkpoint's). One forward with
-model(idx, probe=records) gives one record per executed block, labelled (physical block, visit).
+record_blocks(model) hooks into every block and gives one record per executed block, labelled
+(physical block, visit); the model's forward pass itself carries no probe code.
 A physical block executed at visits a and b (default 1 and 2) is a "loop layer"; for each we report
 
   1. routing   |topk(visit a) ∩ topk(visit b)| per token, against k^2/n for independent routing
@@ -32,17 +33,18 @@ depth are still computed. Every statistic is a pure function of tensors so it ca
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
-import tempfile
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from common import cli_error, write_atomic
 from model import GPT
 
 ATTENTION_QUANTITIES = (("X", "attn_in"), ("Q", "q"), ("K", "k"), ("V", "v"), ("PV", "attn_context"),
@@ -183,6 +185,66 @@ def kl_effective_depth(kl_curve, threshold=2.0):
     return dict(result, status="never")
 
 
+@contextlib.contextmanager
+def record_blocks(model):
+    """Forward hooks that fill a list with one record per executed block, in execution order:
+    block, visit (1-based count of that physical block's executions in this forward), resid_in,
+    resid_out, attn_in (the normed input X), q/k/v (rotated), attn_probs and attn_context (softmax(q k^T)
+    and its product with v, recomputed explicitly from the block's own q/k/v: SDPA returns neither),
+    attn_output (O), attn_update and ffn_update (the scaled residual writes [S8]-[S9]), ffn_in, and
+    expert_ids / expert_weights for MoE blocks. Use one `with` per forward."""
+    records, handles = [], []
+    index = {id(block): i for i, block in enumerate(model.blocks)}
+
+    def open_record(block, args):
+        i = index[id(block)]
+        visit = 1 + sum(r["block"] == i for r in records)
+        records.append(dict(block=i, visit=visit))
+
+    def close_record(block, args, output):
+        x, scale, _ = args
+        r = records[-1]
+        update_scale = scale * block.residual_multiplier  # as Block.forward scales both writes
+        r.update(resid_in=x.detach(), resid_out=output.detach(), attn_update=update_scale * r["attn_output"],
+                 ffn_update=update_scale * r.pop("ffn_output"))
+
+    def attention(attn, args, output):
+        x, ctx = args
+        q, k, v = attn.qkv(x, ctx)
+        rep = attn.n_head // attn.n_kv_head
+        scores = q @ k.repeat_interleave(rep, dim=1).transpose(-2, -1) / math.sqrt(attn.head_dim)
+        mask = ctx.mask
+        if mask is None:  # plain causal
+            mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=x.device).tril()
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        records[-1].update(q=q.detach(), k=k.detach(), v=v.detach(), attn_probs=probs.detach(),
+                           attn_context=(probs @ v.repeat_interleave(rep, dim=1)).detach(),
+                           attn_output=output.detach())
+
+    def ffn(module, args, output):
+        out, router = output
+        records[-1]["ffn_output"] = out.detach()
+        if router is not None:
+            records[-1].update(expert_ids=router["expert_ids"].detach(), expert_weights=router["weights"].detach())
+
+    def store(key):
+        def hook(module, args, output):
+            records[-1][key] = output.detach()
+        return hook
+
+    for block in model.blocks:
+        handles += [block.register_forward_pre_hook(open_record), block.register_forward_hook(close_record),
+                    block.norm1.register_forward_hook(store("attn_in")),
+                    block.attn.register_forward_hook(attention),
+                    block.norm2.register_forward_hook(store("ffn_in")),
+                    block.ffn.register_forward_hook(ffn)]
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def logit_lens(model, resid):
     """Decode a residual stream with the model's own final norm and head (and [X] output multiplier)."""
     return model.lm_head(model.norm_f(resid)) * model.config.output_multiplier
@@ -232,8 +294,8 @@ def run_probes(model, idx, visits=(1, 2), n_passes=None, batch_size=8, attn_topk
     for start in tqdm(batches, desc="probe", disable=not progress):
         x = idx[start:start + batch_size].to(device)
         n_tok = x.numel()
-        records = []
-        final_logits, _ = model(x, n_passes=n_passes, probe=records)
+        with record_blocks(model) as records:
+            final_logits, _ = model(x, n_passes=n_passes)
         if executed is None:
             executed = [(r["block"], r["visit"]) for r in records]
             layers = loop_layers(executed, visits)
@@ -412,15 +474,8 @@ def format_report(result):
 
 
 def _savefig(fig, path):
-    """Write a figure atomically (temp file in the same directory, then rename)."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Write a figure atomically (common.write_atomic: temp file beside it, then rename)."""
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
 
 
 def plot_probes(result, out_dir):
@@ -518,9 +573,8 @@ def main(argv=None):
         result = run_probes(model, idx, visits=tuple(args.visits), n_passes=args.n_passes,
                             batch_size=args.batch_size, attn_topk=args.attn_topk, kl_threshold=args.kl_threshold,
                             progress=not args.json)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"probe: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as e:
+        return cli_error("probe.py", e)
     result.update(ckpt=args.ckpt, data_dir=data_dir, step=ckpt.get("step"))
     if args.plot:
         result["plots"] = plot_probes(result, args.plot)

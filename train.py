@@ -5,7 +5,8 @@ below train the tiny looped MoE (config/tiny.py) on the embedded Shakespeare cor
 
     python train.py                                     # tiny default on CPU, a few minutes
     python train.py config/tiny.py --max_steps=100      # a config file, then --key=value overrides
-    python train.py --optimizer=adamw --n_loops=1       # any setting below and any ModelConfig field
+    python train.py --optimizer=adamw --run_name=adamw  # any setting below and any ModelConfig field
+    python train.py --help                              # every setting, its default and what it means
 
     # DDP, one node (gloo on CPU, nccl on CUDA); same results as one process with the same global batch
     torchrun --standalone --nproc_per_node=8 train.py config/tiny.py
@@ -26,12 +27,15 @@ line per eval: step, tokens, flops (cumulative analytic training FLOPs, every bl
 counted), flops_by_passes (the same split by the number of passes the steps ran: the phases before
 and after growth), lr, train_loss, val_loss (token-weighted CE), val_loss_by_source, router
 statistics for MoE (balance, z_loss, expert_load_max/min: largest and smallest fraction of routed
-assignments one expert got in any MoE layer; 1/n_expert is perfect balance), n_passes, seconds.
+assignments one expert got in any MoE layer; 1/n_expert is perfect balance), epochs (passes over the
+data region read so far), n_passes, seconds. A checkpoint is written before its log line, and a
+resumed run cuts the log back to its checkpoint, so the two always agree.
 
 Data order: the train split is cut into windows of block_size + 1 tokens, read in a seeded random
 order per epoch; the data position (windows consumed) is in the checkpoint. The last
 branch_data_fraction of the train split is held back: stable runs never read it, decay branches
-read only it, so a branch always trains on data its stable phase has not seen.
+read only it, so a branch always trains on data its stable phase has not seen ([S]: no repetition;
+a branch that would need more than the held-back data is refused).
 
 Growth (grow_at, grow_to, grow_untie): at the growth step grow.grow changes the live model in place,
 the optimizers are rebuilt for the new parameter list and every parameter's state is carried over by
@@ -43,104 +47,161 @@ In-process use (the ladder): `summary = train.train({"max_steps": 100, "n_embd":
 
 import ast
 import contextlib
+import errno
+import inspect
 import json
 import math
 import os
+import re
+import shutil
+import socket
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import grow
 import match
-from model import GPT, ModelConfig, execution_plan, save_checkpoint
+from common import TEMP_MARK, cli_error, write_atomic
+from data.tokenizer import get_tokenizer
+from model import GPT, ModelConfig, load_checkpoint, read_config_file
 from muon import Muon
-from model import read_config_file as read_assignments
-
-REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+from sample import sample_text
 
 # ----------------------------------------------------------------------------------------------------
-# Settings: training defaults + every ModelConfig field (one source of truth: the dataclass), with the
-# tiny default model (config/tiny.py states the same values) on top.
+# Settings: the training settings below, plus every ModelConfig field (model.py), with the tiny default
+# model on top. The comment beside each default is its --help text.
 
-TRAIN_DEFAULTS = dict(
+
+@dataclass
+class TrainConfig:
     # I/O
-    out_dir="out",  # the run lives in out_dir/run_name/
-    run_name="",  # "" -> "tiny", or "<source run>_decay<step>" for a decay branch
-    eval_interval=50,  # eval + log + ckpt.pt every this many steps (and at the end)
-    eval_tokens=8192,  # validation tokens per eval (fixed windows spread evenly over the val split)
-    save_steps=[],  # extra checkpoints ckpt_step<N>.pt after N steps, to branch from later
-    progress=True,  # tqdm bar
+    out_dir: str = "out"  # the run lives in out_dir/run_name/
+    run_name: str = ""  # "" -> the config file's name, "tiny" without one, "<source>_decay<step>" for a branch
+    eval_interval: int = 50  # eval + checkpoint + log line every this many steps (and at the end)
+    eval_tokens: int = 8192  # validation tokens per eval (the same windows every eval, spread over the split)
+    save_steps: list = field(default_factory=list)  # extra checkpoints ckpt_step<N>.pt after these steps
+    progress: bool = True  # tqdm progress bar
+    sample: bool = True  # print one short text sample from the final model
     # data
-    data_dir="",  # "" -> the embedded corpus, prepared into data/cache/default when missing
-    branch_data_fraction=0.1,  # tail of the train split reserved for decay branches
-    seed=1337,
-    # batch: global batch = batch_size * grad_accum * world_size sequences of block_size tokens
-    batch_size=16,
-    grad_accum=1,
-    max_steps=200,
-    max_tokens=0,  # > 0: max_steps = ceil(max_tokens / tokens per step)
-    stop_at_step=0,  # > 0: save and stop after this step without changing the schedule (preemption)
+    data_dir: str = ""  # a data/prepare.py folder; "" -> the embedded corpus (prepared on first use)
+    branch_data_fraction: float = 0.1  # tail of the train split held back for decay branches
+    seed: int = 1337  # model init, data order, random passes
+    # batch: one optimizer step reads batch_size * grad_accum * world_size sequences of block_size tokens
+    batch_size: int = 16  # sequences per micro-batch per process
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: int = 200  # optimizer steps of the whole run
+    max_tokens: int = 0  # > 0: max_steps = ceil(max_tokens / tokens per step)
+    stop_at_step: int = 0  # > 0: save and stop after this step without changing the schedule (preemption)
     # optimizer
-    optimizer="muon",  # "muon": Muon on hidden matrices + AdamW on the rest; "adamw": AdamW on all
-    matrix_lr=0.02,  # Muon LR of hidden matrices (attention, dense MLP, experts)
-    adamw_matrix_lr=3e-3,  # AdamW LR of hidden matrices when optimizer="adamw"
-    embedding_lr=0.1,
-    unembedding_lr=0.004,
-    router_lr=3e-3,  # MoE routers always use AdamW (see param_groups)
-    scalar_lr=0.01,  # norm gains and other vectors
-    weight_decay=0.0,  # decoupled, on hidden matrices only
-    adam_betas=(0.8, 0.95),
-    adam_eps=1e-10,
-    muon_momentum=0.95,
-    muon_nesterov=True,
-    muon_ns_steps=5,
-    grad_clip=1.0,  # 0 -> off
-    # [X16] LR scaling rule: every LR x (N / lr_anchor_params)^lr_scaling_beta, N = initial stored
-    # non-embedding params; lr_anchor_params=0 -> off
-    lr_anchor_params=0,
-    lr_scaling_beta=0.0,
+    optimizer: str = "muon"  # "muon": Muon on hidden matrices + AdamW on the rest; "adamw": AdamW on all
+    matrix_lr: float = 0.02  # Muon LR of the hidden matrices (attention, dense MLP, experts)
+    adamw_matrix_lr: float = 3e-3  # AdamW LR of the hidden matrices when optimizer="adamw"
+    embedding_lr: float = 0.1  # AdamW LR of the token embedding
+    unembedding_lr: float = 0.004  # AdamW LR of the lm head
+    router_lr: float = 3e-3  # AdamW LR of the MoE routers (always AdamW: see param_groups)
+    scalar_lr: float = 0.01  # AdamW LR of norm gains and other vectors
+    weight_decay: float = 0.0  # decoupled weight decay of the hidden matrices
+    adam_betas: tuple = (0.8, 0.95)  # AdamW (beta1, beta2)
+    adam_eps: float = 1e-10  # AdamW epsilon
+    muon_momentum: float = 0.95  # Muon momentum
+    muon_nesterov: bool = True  # Nesterov momentum in Muon
+    muon_ns_steps: int = 5  # Newton-Schulz steps per Muon update
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 -> off
+    lr_anchor_params: int = 0  # [X16] every LR x (N / lr_anchor_params)^lr_scaling_beta, N = stored params
+    #   at initialisation (token embedding included, as the [X] code); 0 -> off
+    lr_scaling_beta: float = 0.0  # [X16] exponent of the LR scaling rule
     # WSD schedule [S]
-    warmup_steps=20,
-    decay_fraction=0.3,  # last fraction of max_steps decays; 0.0 -> stable to the end (branch later)
-    decay_shape="cosine",  # "cosine" or "linear"
-    min_lr_fraction=0.0,  # the floor: LR at the last step = min_lr_fraction * peak LR
+    warmup_steps: int = 20  # linear LR warmup from 0
+    decay_fraction: float = 0.3  # last fraction of max_steps decays; 0.0 -> stable to the end (branch later)
+    decay_shape: str = "cosine"  # "cosine" or "linear"
+    min_lr_fraction: float = 0.0  # the floor: LR at the last step = min_lr_fraction * peak LR
     # decay branches: fork from a stable checkpoint, decay over decay_tokens on held-back data
-    init_from="",  # checkpoint path to start from (weights, optimizer state, step, tokens, flops)
-    decay_branch=False,
-    decay_tokens=0,
-    resume=False,  # continue out_dir/run_name/ckpt.pt
+    init_from: str = ""  # checkpoint to start from (weights, optimizer state, step, tokens, flops), as a new run
+    decay_branch: bool = False  # this run is a decay branch of init_from [S]
+    decay_tokens: int = 0  # tokens of the decay branch
+    resume: bool = False  # continue out_dir/run_name/ckpt.pt
     # number of passes
-    n_passes_choices=[],  # e.g. [1, 2, 3]: each step runs K (or r) drawn uniformly, seeded by (seed, step)
-    grow_at=0.0,  # growth step (>= 1) or fraction of max_steps (< 1); 0 -> no growth
-    grow_to=0,  # passes after growth (K for pcc, r for smelt / layer_loop)
-    grow_untie=False,  # untie the core: copies C1 C2 -> C1 C2 C1 C2 (grow.py)
-    grow_rewarm_steps=0,  # LR re-warm after growth: 0 at the growth step, linear to 1 ([X] code: 40)
-    avg_doc_len=0,  # mean document length for the attention term of the logged FLOPs; 0 -> block_size
+    n_passes_choices: list = field(default_factory=list)  # e.g. [1, 2, 3]: each step runs K (or r) drawn
+    #   uniformly, seeded by (seed, step)
+    grow_at: float = 0.0  # growth step (>= 1) or fraction of max_steps (< 1); 0 -> no growth
+    grow_to: int = 0  # passes after growth (K for pcc, r for smelt / layer_loop)
+    grow_untie: bool = False  # untie the core at growth: copies C1 C2 -> C1 C2 C1 C2 (grow.py)
+    grow_rewarm_steps: int = 0  # LR re-warm after growth: 0 at the growth step, linear to 1 ([X] code: 40)
+    avg_doc_len: int = 0  # mean document length for the attention term of the logged FLOPs; 0 -> block_size
     # system
-    device="auto",  # "auto": cuda if available else cpu
-    dtype="auto",  # "auto": bfloat16 autocast on CUDA, float32 on CPU; or "float32" / "bfloat16"
-    compile=False,  # torch.compile the model
-)
+    device: str = "auto"  # "auto": cuda if available else cpu; or "cpu", "cuda", "cuda:1"
+    dtype: str = "auto"  # "auto": bfloat16 autocast on CUDA, float32 on CPU; or "float32" / "bfloat16"
+    compile: bool = False  # torch.compile the model
 
-# the tiny default: a SMELT-looped MoE [S] that trains on 2 CPU cores in a few minutes
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+        choices = dict(optimizer=("muon", "adamw"), decay_shape=("cosine", "linear"),
+                       dtype=("auto", "float32", "bfloat16"))
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                bad(name, f"must be one of {', '.join(map(repr, allowed))}")
+        if not self.run_name == os.path.basename(self.run_name) or self.run_name in (".", ".."):
+            bad("run_name", "must be a plain folder name (no path separators); the run lives in out_dir/run_name")
+        for name in ("eval_interval", "eval_tokens", "batch_size", "grad_accum", "muon_ns_steps"):
+            if getattr(self, name) < 1:
+                bad(name, "must be >= 1")
+        if self.max_steps < 1 and self.max_tokens <= 0:
+            bad("max_steps", "must be >= 1 (or set max_tokens > 0)")
+        for name in ("max_tokens", "stop_at_step", "warmup_steps", "grad_clip", "weight_decay", "decay_tokens",
+                     "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len", "lr_anchor_params"):
+            if getattr(self, name) < 0:
+                bad(name, "must be >= 0")
+        for name in ("matrix_lr", "adamw_matrix_lr", "embedding_lr", "unembedding_lr", "router_lr", "scalar_lr",
+                     "adam_eps"):
+            if not getattr(self, name) > 0:
+                bad(name, "must be > 0 (a learning rate <= 0 does not descend)")
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            bad("adam_betas", "must be two numbers in [0, 1)")
+        if not 0 <= self.muon_momentum < 1:
+            bad("muon_momentum", "must be in [0, 1)")
+        for name in ("decay_fraction", "min_lr_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                bad(name, "must be in [0, 1]")
+        if not 0.0 <= self.branch_data_fraction < 1.0:
+            bad("branch_data_fraction", "must be in [0, 1)")
+        if any(not isinstance(s, int) or s < 1 for s in self.save_steps):
+            bad("save_steps", "must be a list of steps >= 1")
+        if any(not isinstance(k, int) or k < 1 for k in self.n_passes_choices):
+            bad("n_passes_choices", "must be a list of pass counts >= 1")
+        if self.decay_branch and (not self.init_from or self.decay_tokens <= 0):
+            bad("decay_branch", "needs init_from=<stable checkpoint> and decay_tokens > 0")
+        if self.decay_branch and self.branch_data_fraction == 0.0:
+            bad("decay_branch", "needs branch_data_fraction > 0 (the held-back data it reads)")
+        if self.grow_at and self.grow_to < 1:
+            bad("grow_at", "needs grow_to >= 1 (passes after growth)")
+        if self.resume and self.init_from:
+            bad("resume", "use either resume=True (continue out_dir/run_name/ckpt.pt) or init_from, not both")
+
+
+# the tiny default: a SMELT-looped MoE [S] that trains on 2 CPU cores in a few minutes (= config/tiny.py)
 TINY_MODEL = dict(
     vocab_size=4096, eot_token=4095, block_size=128,
     n_layer=4, n_embd=128, n_head=4,
     n_expert=8, top_k=2,
     layout="smelt", n_loops=2,  # the middle 2 of 4 layers run twice, updates scaled by 1/2 [S8]-[S9]
+    use_triton=None,  # None: the Triton kernels on CUDA, the PyTorch code elsewhere
 )
 
-MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)} | TINY_MODEL
-DEFAULTS = TRAIN_DEFAULTS | MODEL_DEFAULTS
+TRAIN_KEYS = frozenset(f.name for f in fields(TrainConfig))
 MODEL_KEYS = frozenset(f.name for f in fields(ModelConfig))
+DEFAULTS = asdict(TrainConfig()) | {f.name: f.default for f in fields(ModelConfig)} | TINY_MODEL
 # per command: never carried over from the checkpoint a run forks (init_from) / continues (resume)
 NOT_INHERITED_FORK = ("run_name", "init_from", "decay_branch", "decay_tokens", "resume", "stop_at_step",
-                      "save_steps", "progress")
-NOT_INHERITED_RESUME = ("resume", "stop_at_step", "progress")
+                      "save_steps", "progress", "sample")
+NOT_INHERITED_RESUME = ("resume", "stop_at_step", "progress", "sample")
 
 
 def check_setting(key, value, where="setting"):
@@ -150,9 +211,8 @@ def check_setting(key, value, where="setting"):
         hint = f" (similar: {', '.join(close)})" if close else ""
         raise ValueError(f"unknown {where} {key!r}{hint}; run `python train.py --help` for the list")
     default = DEFAULTS[key]
-    if default is None:  # Optional[bool] model fields (use_triton)
-        ok = value is None or isinstance(value, bool)
-        expected = "None or bool"
+    if default is None:  # use_triton: None (auto) or a bool
+        ok, expected = value is None or isinstance(value, bool), "None or bool"
     elif isinstance(default, bool):
         ok, expected = isinstance(value, bool), "bool"
     elif isinstance(default, int):
@@ -173,19 +233,15 @@ def check_setting(key, value, where="setting"):
     return value
 
 
-def read_config_file(path):
-    """A nanoGPT-style config file (python assignments) -> {key: value}, every key checked."""
-    values = read_assignments(path)
-    return {k: check_setting(k, v, where=f"key in {path}") for k, v in values.items()}
-
-
 def parse_args(argv):
     """[config/NAME.py ...] [--key=value ...] -> overrides dict. Values are python literals
-    (literal_eval), anything else is a string; unknown keys and wrong types raise ValueError."""
+    (literal_eval), anything else is a string; unknown keys and wrong types raise ValueError.
+    A config file without a run_name names the run after itself (config/x_d8_loop2.py -> x_d8_loop2)."""
     overrides = {}
     for arg in argv:
         if not arg.startswith("--"):
-            overrides.update(read_config_file(arg))
+            values = {k: check_setting(k, v, where=f"key in {arg}") for k, v in read_config_file(arg).items()}
+            overrides.update({"run_name": os.path.splitext(os.path.basename(arg))[0]} | values)
             continue
         key, eq, text = arg[2:].partition("=")
         if not eq:
@@ -199,36 +255,54 @@ def parse_args(argv):
 
 
 def resolve_settings(overrides, base=None, not_inherited=NOT_INHERITED_FORK):
-    """DEFAULTS, then `base` (a checkpoint's train_config), then overrides; every key checked."""
+    """DEFAULTS, then `base` (a checkpoint's train_config), then overrides -> one flat settings dict;
+    every key checked, every value validated (ValueError naming the setting)."""
     settings = dict(DEFAULTS)
     for key, value in (base or {}).items():
         if key in DEFAULTS and key not in not_inherited:
             settings[key] = value
     for key, value in overrides.items():
         settings[key] = check_setting(key, value)
-    s = settings
-    if s["optimizer"] not in ("muon", "adamw"):
-        raise ValueError(f"optimizer={s['optimizer']!r}: must be 'muon' or 'adamw'")
-    if s["decay_shape"] not in ("cosine", "linear"):
-        raise ValueError(f"decay_shape={s['decay_shape']!r}: must be 'cosine' or 'linear'")
-    if not 0.0 <= s["decay_fraction"] <= 1.0 or not 0.0 <= s["min_lr_fraction"] <= 1.0:
-        raise ValueError("decay_fraction and min_lr_fraction must be in [0, 1]")
-    if not 0.0 <= s["branch_data_fraction"] < 1.0:
-        raise ValueError(f"branch_data_fraction={s['branch_data_fraction']}: must be in [0, 1)")
-    for key in ("batch_size", "grad_accum", "eval_interval"):
-        if s[key] < 1:
-            raise ValueError(f"{key}={s[key]}: must be >= 1")
-    if s["decay_branch"] and (not s["init_from"] or s["decay_tokens"] <= 0):
-        raise ValueError("decay_branch=True needs init_from=<stable checkpoint> and decay_tokens > 0")
-    if s["decay_branch"] and s["branch_data_fraction"] == 0.0:
-        raise ValueError("decay_branch=True needs branch_data_fraction > 0 (the held-back data it reads)")
-    if s["grow_at"] and s["grow_to"] < 1:
-        raise ValueError(f"grow_at={s['grow_at']} needs grow_to >= 1 (passes after growth)")
+    train_config_from(settings), model_config_from(settings)  # validate both halves now
     return settings
 
 
-def model_config_from(settings):
-    return ModelConfig.from_dict({k: settings[k] for k in MODEL_KEYS})
+def train_config_from(settings):
+    return TrainConfig(**{k: settings[k] for k in TRAIN_KEYS})
+
+
+def model_config_from(settings, device_type="cpu"):
+    """A ModelConfig from settings (the model keys of a settings dict); use_triton=None -> the Triton
+    kernels on CUDA only."""
+    model_settings = {k: settings[k] for k in MODEL_KEYS}
+    if model_settings["use_triton"] is None:
+        model_settings["use_triton"] = device_type == "cuda"
+    return ModelConfig.from_dict(model_settings)
+
+
+def described_fields(cls):
+    """{field: the comment beside its default, with the indented comment lines that continue it}."""
+    descriptions, last = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        if m := re.match(r"\s+(\w+): [^=]+= .*?  # (.*)$", line):
+            descriptions[m[1]], last = m[2], m[1]
+        elif (m := re.match(r"\s+#\s{2,}(.*)$", line)) and last:
+            descriptions[last] += " " + m[1]
+        else:
+            last = None
+    return descriptions
+
+
+def usage():
+    lines = ["usage: python train.py [config/NAME.py ...] [--key=value ...]", ""]
+    for title, cls, keys in (("training settings", TrainConfig, TRAIN_KEYS), ("model settings (model.ModelConfig)",
+                                                                             ModelConfig, MODEL_KEYS)):
+        described = described_fields(cls)
+        lines.append(f"{title}:")
+        for key in (f.name for f in fields(cls)):
+            lines.append(f"  --{key}={DEFAULTS[key]!r}".ljust(34) + f" {described.get(key, '')}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -240,12 +314,14 @@ class TokenStream:
     Window number n (counting from 0 over the whole run) is deterministic given (seed, n), so a
     checkpoint only needs n (the data position) and every DDP rank computes the same order."""
 
-    def __init__(self, tokens, seq_len, seed, start=0, stop=None, name="train"):
+    def __init__(self, tokens, seq_len, seed, start=0, stop=None, name="stable"):
         stop = len(tokens) if stop is None else stop
         self.tokens, self.seq_len, self.seed, self.start, self.stop = tokens, seq_len, seed, start, stop
+        self.name = name
         self.n_windows = (stop - start - 1) // seq_len
         if self.n_windows < 1:
-            raise ValueError(f"{name} data has {stop - start} tokens: fewer than block_size + 1 = {seq_len + 1}")
+            raise ValueError(f"the {name} region of the data has {stop - start} tokens: fewer than block_size + 1 "
+                             f"= {seq_len + 1}")
         self._perms = {}
 
     def permutation(self, epoch):
@@ -270,17 +346,34 @@ class TokenStream:
         return rows[:, :-1], rows[:, 1:], offsets
 
 
+@dataclass
+class Data:
+    """A data/prepare.py folder, opened: token memmaps, the val split's sources, the unigram baseline."""
+    data_dir: str
+    meta: dict
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    val_sources: Optional[np.ndarray]  # source id per val token (None without several sources)
+    unigram_entropy: float  # of the train split: the loss of the best context-free model
+
+    @property
+    def source_names(self):
+        return self.meta.get("sources", [])
+
+
 def load_data(data_dir):
-    """(train tokens, val tokens, meta, val source id per token or None) of a data/prepare.py folder."""
+    """Open a data/prepare.py folder ("" -> the embedded corpus, prepared once, offline); clear errors
+    (file named) for missing or corrupt files and out-of-range token ids."""
     from data import prepare as prep
     if not data_dir:
-        data_dir = prep.prepare_default(prep.DEFAULT_OUT)  # builds it once, offline
-    meta = prep.load_meta(data_dir)  # FileNotFoundError / ValueError naming the file when missing/corrupt
+        data_dir = prep.prepare_default(prep.DEFAULT_OUT)
+    meta = prep.load_meta(data_dir)
     train_tokens, val_tokens = prep.load_split(data_dir, "train"), prep.load_split(data_dir, "val")
     val_sources = None
     if len(meta.get("sources", [])) > 1:
         val_sources = prep.token_source_ids(prep.load_sources(data_dir, "val"), len(val_tokens))
-    return train_tokens, val_tokens, meta, val_sources, data_dir
+    entropy = meta.get("unigram_entropy_train_nats") or unigram_entropy(train_tokens, meta["n_vocab"])
+    return Data(data_dir, meta, train_tokens, val_tokens, val_sources, float(entropy))
 
 
 def unigram_entropy(tokens, n_vocab):
@@ -291,23 +384,23 @@ def unigram_entropy(tokens, n_vocab):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Optimizers: Muon for hidden matrices, AdamW for the rest
+# Optimizers: Muon (muon.py) for hidden matrices, AdamW for the rest
 
 
-def param_groups(model, settings):
+def param_groups(model, config):
     """Every parameter in exactly one named group: (name, optimizer kind, lr, weight decay, [(name, p)]).
     Muon takes the hidden matrices (2-D, and 3-D stacked experts). AdamW takes the token embedding,
     the lm head (their rows are per-token vectors, not operators between hidden states), norm gains
     and other vectors, and the MoE routers: a router's few rows set the routing logits' scale, which
     Muon's fixed spectral-norm steps would push around; AdamW keeps them small and adaptive."""
-    s = settings
-    muon = s["optimizer"] == "muon"
+    muon = config.optimizer == "muon"
     groups = {
-        "matrix": ("muon" if muon else "adamw", s["matrix_lr"] if muon else s["adamw_matrix_lr"], s["weight_decay"]),
-        "embedding": ("adamw", s["embedding_lr"], 0.0),
-        "unembedding": ("adamw", s["unembedding_lr"], 0.0),
-        "router": ("adamw", s["router_lr"], 0.0),
-        "scalar": ("adamw", s["scalar_lr"], 0.0),
+        "matrix": ("muon" if muon else "adamw", config.matrix_lr if muon else config.adamw_matrix_lr,
+                   config.weight_decay),
+        "embedding": ("adamw", config.embedding_lr, 0.0),
+        "unembedding": ("adamw", config.unembedding_lr, 0.0),
+        "router": ("adamw", config.router_lr, 0.0),
+        "scalar": ("adamw", config.scalar_lr, 0.0),
     }
     members = {name: [] for name in groups}
     for name, p in model.named_parameters():  # named_parameters() lists a tied weight once
@@ -326,18 +419,19 @@ def param_groups(model, settings):
     return [(name, *groups[name], members[name]) for name in groups if members[name]]
 
 
-def build_optimizers(model, settings):
-    """[AdamW, Muon (if any)]; each group remembers base_lr and its parameters' names."""
-    s = settings
+def build_optimizers(model, config, ns_dtype=None):
+    """[AdamW, Muon (if any)]; each group remembers base_lr and its parameters' names.
+    ns_dtype: Muon's Newton-Schulz dtype (None: bf16 on CUDA, fp32 on CPU; see muon.orthogonalize)."""
     adamw, muon = [], []
-    for name, kind, lr, wd, named in param_groups(model, s):
+    for name, kind, lr, wd, named in param_groups(model, config):
         group = dict(params=[p for _, p in named], param_names=[n for n, _ in named], name=name,
                      lr=lr, base_lr=lr, weight_decay=wd)
         (muon if kind == "muon" else adamw).append(group)
-    optimizers = [torch.optim.AdamW(adamw, betas=tuple(s["adam_betas"]), eps=s["adam_eps"], fused=False)]
+    optimizers = [torch.optim.AdamW(adamw, betas=tuple(config.adam_betas), eps=config.adam_eps, fused=False)]
     if muon:
-        optimizers.append(Muon(muon, momentum=s["muon_momentum"], nesterov=s["muon_nesterov"],
-                               ns_steps=s["muon_ns_steps"], use_triton=s["use_triton"]))
+        optimizers.append(Muon(muon, momentum=config.muon_momentum, nesterov=config.muon_nesterov,
+                               ns_steps=config.muon_ns_steps, ns_dtype=ns_dtype,
+                               use_triton=bool(model.config.use_triton)))
     return optimizers
 
 
@@ -364,6 +458,13 @@ def load_optimizer_state(optimizers, state_by_name):
                                     for k, v in state_by_name[name].items()}
 
 
+def set_learning_rates(optimizers, multiplier):
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * multiplier
+    return optimizers[-1].param_groups[0]["lr"]  # the hidden matrices' LR (logged)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Schedule and accounting
 
@@ -386,9 +487,35 @@ def lr_scaling(n_params, anchor_params, beta):
     return 1.0 if anchor_params <= 0 else (n_params / anchor_params) ** beta
 
 
+@dataclass
+class Schedule:
+    """The step numbers of a run and the LR multiplier of every step."""
+    max_steps: int
+    decay_start: int
+    grow_step: Optional[int]  # None: no growth
+    lr_scale: float  # [X16]
+    config: TrainConfig
+
+    def lr_multiplier(self, step):
+        """WSD x [X16] scaling x re-warm after growth ([X] code: 0 at the growth step, linear back to 1)."""
+        c = self.config
+        multiplier = wsd_multiplier(step, c.warmup_steps, self.decay_start, self.max_steps, c.decay_shape,
+                                    c.min_lr_fraction) * self.lr_scale
+        if self.grow_step is not None:
+            multiplier *= grow.rewarm_multiplier(step, self.grow_step, c.grow_rewarm_steps)
+        return multiplier
+
+
 def current_passes(cfg):
     """The configured K (pcc) or r (smelt, layer_loop); 1 for plain."""
     return cfg.n_passes if cfg.layout == "pcc" else cfg.n_loops if cfg.layout != "plain" else 1
+
+
+def passes_of_step(config, step):
+    """None (the model's own passes), or K drawn uniformly from n_passes_choices, seeded by (seed, step)."""
+    if not config.n_passes_choices:
+        return None
+    return int(np.random.default_rng([config.seed, step, 1]).choice(config.n_passes_choices))
 
 
 def flops_per_token(cfg, n_passes=None, avg_doc_len=0):
@@ -424,17 +551,27 @@ def all_reduce_sum(tensor, world):
     return tensor
 
 
+def wrap_model(model, config, device, world):
+    """torch.compile and / or DDP around the model (the unwrapped model stays the one to save)."""
+    if config.compile:
+        model = torch.compile(model)
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
 # ----------------------------------------------------------------------------------------------------
 # Evaluation
 
 
 @torch.no_grad()
-def evaluate(model, val_tokens, val_sources, source_names, seq_len, eval_tokens, batch_size, device,
-             autocast, rank=0, world=1):
+def evaluate(model, data, seq_len, eval_tokens, batch_size, autocast, rank=0, world=1):
     """Token-weighted validation CE over eval_tokens of the val split (the same windows every eval, evenly
     spread over the split so every source is in; split across ranks), per source when sources exist,
     and router statistics for MoE."""
-    raw = model
+    device = next(model.parameters()).device
+    val_tokens, val_sources, source_names = data.val_tokens, data.val_sources, data.source_names
     total = (len(val_tokens) - 1) // seq_len
     n_windows = max(1, min(eval_tokens // seq_len, total))
     starts = np.linspace(0, total - 1, n_windows).round().astype(np.int64) * seq_len  # spread over all sources
@@ -445,14 +582,14 @@ def evaluate(model, val_tokens, val_sources, source_names, seq_len, eval_tokens,
     n_batches = torch.zeros(1, dtype=torch.float64)
     expert_counts = None
     mine = list(range(rank, n_windows, world))
-    was_training = raw.training
-    raw.eval()
+    was_training = model.training
+    model.eval()
     for i in range(0, len(mine), batch_size):
         offsets = starts[mine[i:i + batch_size]]
         rows = torch.from_numpy(np.stack([np.asarray(val_tokens[o:o + seq_len + 1], dtype=np.int64) for o in offsets]))
         x, y = rows[:, :-1].to(device), rows[:, 1:].to(device)
         with autocast:
-            logits, _ = raw(x, y)
+            logits, _ = model(x, y)
         ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double().cpu()
         loss_sum[0] += ce.sum()
         count[0] += ce.numel()
@@ -460,22 +597,22 @@ def evaluate(model, val_tokens, val_sources, source_names, seq_len, eval_tokens,
             src = torch.from_numpy(np.stack([val_sources[o + 1:o + seq_len + 1] for o in offsets])).flatten()
             loss_sum[1:] += torch.zeros(n_sources, dtype=torch.float64).index_add_(0, src, ce)
             count[1:] += torch.bincount(src, minlength=n_sources).double()
-        stats = raw.last_stats
+        stats = model.last_stats
         if "balance" in stats:
             router += torch.tensor([stats["balance"].item(), stats["z_loss"].item()], dtype=torch.float64)
             n_batches += 1
             c = stats["expert_counts"].double().cpu()
             expert_counts = c if expert_counts is None else expert_counts + c
-    raw.train(was_training)
+    model.train(was_training)
     all_reduce_sum(loss_sum, world), all_reduce_sum(count, world)
     out = {"val_loss": (loss_sum[0] / count[0]).item()}
     if n_sources:
         out["val_loss_by_source"] = {name: (loss_sum[1 + j] / count[1 + j]).item()
                                      for j, name in enumerate(source_names) if count[1 + j] > 0}
-    if raw.config.n_expert:
+    if model.config.n_expert:
         all_reduce_sum(router, world), all_reduce_sum(n_batches, world)
         if expert_counts is None:
-            expert_counts = torch.zeros(1, raw.config.n_expert, dtype=torch.float64)
+            expert_counts = torch.zeros(1, model.config.n_expert, dtype=torch.float64)
         all_reduce_sum(expert_counts, world)
         fraction = expert_counts / expert_counts.sum(dim=-1, keepdim=True).clamp(min=1)
         out.update(balance=(router[0] / n_batches.clamp(min=1)).item(),
@@ -485,314 +622,471 @@ def evaluate(model, val_tokens, val_sources, source_names, seq_len, eval_tokens,
 
 
 # ----------------------------------------------------------------------------------------------------
-# Checkpoints
+# Checkpoints, the run directory and its lock
 
 
 class NonFiniteLoss(RuntimeError):
     pass
 
 
-def write_checkpoint(path, model, optimizers, settings, state, data_dir, tokenizer):
-    """The shared checkpoint dict (see HELPER_COMMON / model.GPT.from_checkpoint), written atomically."""
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training, with where the last checkpoint is and how to resume."""
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint carries for an exact resume, besides weights, optimizer state and settings."""
+    step: int = 0
+    tokens_seen: int = 0
+    flops_seen: float = 0.0
+    flops_by_passes: dict = field(default_factory=dict)  # {passes: training FLOPs run at that many passes}
+    data_region: str = "stable"  # "stable" or "branch" (the held-back tail)
+    data_position: int = 0  # windows of the region consumed so far
+    branch_start_step: Optional[int] = None
+    grown: bool = False
+    last_eval: Optional[dict] = None  # the log record of the last eval
+    lr_scaling_params: int = 0  # [X16] N: stored parameters at initialisation, token embedding included
+    #   (the [X] code's N), kept through growth, forks and resumes
+
+
+def checkpoint_dict(model, optimizers, config, state, data):
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    ckpt = {
+    return {
         "model_config": asdict(model.config),
         "model": model.state_dict(),
         "optimizer": optimizer_state_by_name(optimizers),
-        "step": state["step"],
-        "tokens_seen": state["tokens_seen"],
-        "flops_seen": state["flops_seen"],
-        "flops_by_passes": dict(state["flops_by_passes"]),
-        "data_position": {"region": state["data_region"], "windows": state["data_position"]},
-        "branch_start_step": state["branch_start_step"],
-        "grown": state["grown"],
+        "step": state.step,
+        "tokens_seen": state.tokens_seen,
+        "flops_seen": state.flops_seen,
+        "flops_by_passes": dict(state.flops_by_passes),
+        "data_position": {"region": state.data_region, "windows": state.data_position},
+        "branch_start_step": state.branch_start_step,
+        "grown": state.grown,
+        "last_eval": state.last_eval,
+        "lr_scaling_params": state.lr_scaling_params,
         "rng": rng,
-        "train_config": {k: v for k, v in settings.items() if k not in MODEL_KEYS},
-        "tokenizer": tokenizer,
-        "data_dir": data_dir,
+        "train_config": asdict(config),
+        "tokenizer": data.meta.get("tokenizer"),
+        "data_dir": data.data_dir,
     }
-    save_checkpoint(ckpt, path)  # temp file + os.replace: a crash never destroys the previous file
 
 
-def load_checkpoint(path):
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+def state_from_checkpoint(ckpt, region):
+    position = ckpt.get("data_position") or {}
+    return TrainState(step=ckpt["step"], tokens_seen=ckpt.get("tokens_seen", 0),
+                      flops_seen=ckpt.get("flops_seen", 0.0), flops_by_passes=dict(ckpt.get("flops_by_passes", {})),
+                      data_region=region, branch_start_step=ckpt.get("branch_start_step"),
+                      grown=ckpt.get("grown", False), last_eval=ckpt.get("last_eval"),
+                      lr_scaling_params=ckpt.get("lr_scaling_params") or grow.stored_params(
+                          ModelConfig.from_dict(ckpt["model_config"])),
+                      # continue where it stopped reading when it read the same region
+                      data_position=position.get("windows", 0) if position.get("region", "stable") == region else 0)
+
+
+def save_checkpoint(path, ckpt_dict, model):
+    """Write atomically after checking the weights are finite: a checkpoint that exists is usable, and a
+    failed write (disk full, killed) leaves the previous file at `path` intact."""
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise NonFiniteLoss(f"the weights became non-finite at step {ckpt_dict['step']} (after the update): "
+                            f"{path} was not written; the last good checkpoint is kept. Lower the learning rates.")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
-    for key in ("model_config", "model", "optimizer", "step", "train_config"):
+        write_atomic(path, lambda f: torch.save(ckpt_dict, f))
+    except (OSError, RuntimeError) as e:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "unexpected pos" in str(e) or free < 1 << 20
+        why = f"the disk is full ({free / 2**20:.0f} MB free)" if full else f"{type(e).__name__}: {e}"
+        raise OSError(f"could not write checkpoint {path}: {why}; the previous checkpoint there is kept") from None
+
+
+def load_train_checkpoint(path):
+    """A train.py checkpoint: model.load_checkpoint's checks plus the keys training needs."""
+    ckpt = load_checkpoint(path)
+    for key in ("optimizer", "step", "train_config"):
         if key not in ckpt:
             raise ValueError(f"{path} is not a train.py checkpoint (missing {key!r})")
     return ckpt
+
+
+def sync_log(log_path, ckpt):
+    """Cut log.jsonl back to the checkpoint being resumed (lines of later steps were written by the
+    interrupted run after it), and add the checkpoint's own eval line if the run died before writing it."""
+    if not os.path.exists(log_path):
+        return
+    with open(log_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    kept = [r for r in records if r["step"] <= ckpt["step"]]
+    last_eval = ckpt.get("last_eval")
+    if last_eval and (not kept or kept[-1]["step"] < last_eval["step"]):
+        kept.append(last_eval)
+    if kept != records:
+        write_atomic(log_path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
+
+
+def remove_stale_temp_files(run_dir):
+    """Temp files of this run dir that a killed checkpoint write left behind (.<name>.tmp-*)."""
+    for name in os.listdir(run_dir):
+        if name.startswith(".") and TEMP_MARK in name:
+            os.remove(os.path.join(run_dir, name))
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir):
+    """Hold run_dir/lock (host and pid) while training: a second training into the same folder stops
+    with a clear message; a lock left by a process that no longer exists (on this host) is taken over."""
+    path, me = os.path.join(run_dir, "lock"), f"{socket.gethostname()} {os.getpid()}"
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            break
+        except FileExistsError:
+            try:
+                host, pid = open(path).read().split()
+            except (OSError, ValueError):  # half-written or vanished: a lock that holds nothing
+                host, pid = socket.gethostname(), "0"
+            if host == socket.gethostname() and not process_alive(int(pid)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)  # stale: its process is gone
+                continue
+            raise ValueError(f"{run_dir} is in use by process {pid} on {host} (lock file {path}); wait for it "
+                             "to finish, use another --run_name, or delete the lock file if that process is gone")
+    with os.fdopen(fd, "w") as f:
+        f.write(me)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if open(path).read() == me:
+                os.remove(path)
+
+
+def process_alive(pid):
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def make_run_dir(run_dir):
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"cannot create the run directory {run_dir}: a file is in the way; use another "
+                         "--out_dir or --run_name") from None
+    except PermissionError:
+        raise ValueError(f"cannot create the run directory {run_dir}: permission denied; use another --out_dir") from None
+    if not os.access(run_dir, os.W_OK):
+        raise ValueError(f"the run directory {run_dir} is not writable; use another --out_dir")
 
 
 # ----------------------------------------------------------------------------------------------------
 # Training
 
 
-def train(overrides=None):
-    """Run one training run in this process. overrides: {setting: value} on top of DEFAULTS (and, with
-    init_from / resume, on top of the checkpoint's own train_config). Returns a summary dict."""
-    overrides = dict(overrides or {})
+@dataclass
+class Run:
+    """One training run, resolved: its settings, the model settings, the checkpoint it starts from."""
+    config: TrainConfig
+    model_settings: dict
+    source: Optional[dict]  # the checkpoint it starts from (resume / init_from), or None
+    run_dir: str
+
+    @property
+    def ckpt_path(self):
+        return os.path.join(self.run_dir, "ckpt.pt")
+
+    @property
+    def log_path(self):
+        return os.path.join(self.run_dir, "log.jsonl")
+
+
+def resolve_run(overrides):
+    """Where a run starts: from scratch, from a checkpoint to fork (init_from: a new run, e.g. a decay
+    branch), or from its own checkpoint (resume). Settings come from the defaults, the source
+    checkpoint's settings (except the per-command ones) and the overrides; the model from the checkpoint."""
     for key, value in overrides.items():
         check_setting(key, value)
-    # ---- where we start: scratch, a checkpoint to fork (init_from), or our own checkpoint (resume)
-    source_ckpt, source_path = None, None
     base = DEFAULTS | overrides
-    if base["resume"] and base["init_from"]:
-        raise ValueError("use either resume=True (continue out_dir/run_name/ckpt.pt) or init_from, not both")
-    if base["init_from"]:
-        source_path = base["init_from"]
-    elif base["resume"]:
+    resume, source_path = base["resume"], base["init_from"]
+    if resume and not source_path:
         source_path = os.path.join(base["out_dir"], base["run_name"] or "tiny", "ckpt.pt")
+    source = None
     if source_path:
-        source_ckpt = load_checkpoint(source_path)
-        model_keys = sorted(k for k in overrides if k in MODEL_KEYS and
-                            overrides[k] != source_ckpt["model_config"].get(k))
-        if model_keys:
-            raise ValueError(f"model settings {model_keys} differ from the checkpoint {source_path}; "
+        source = load_train_checkpoint(source_path)
+        differ = sorted(k for k in overrides if k in MODEL_KEYS and k != "use_triton"
+                        and overrides[k] != source["model_config"].get(k))
+        if differ:
+            raise ValueError(f"model settings {differ} differ from the checkpoint {source_path}; "
                              "the model comes from the checkpoint")
-    S = resolve_settings(overrides, base=source_ckpt["train_config"] if source_ckpt else None,
-                         not_inherited=NOT_INHERITED_RESUME if base["resume"] else NOT_INHERITED_FORK)
-    if not S["run_name"]:
-        if S["decay_branch"]:
-            S["run_name"] = f"{source_ckpt['train_config'].get('run_name') or 'run'}_decay{source_ckpt['step']}"
-        else:
-            S["run_name"] = "tiny"
-    grow = None
-    if S["grow_at"] and not S["decay_branch"]:
-        try:
-            import grow
-        except ImportError:
-            raise RuntimeError("growth (grow_at/grow_to) needs grow.py (grow.grow, grow.copy_optimizer_state), "
-                               "which is not importable in this checkout") from None
+    settings = resolve_settings(overrides, base=source["train_config"] if source else None,
+                                not_inherited=NOT_INHERITED_RESUME if resume else NOT_INHERITED_FORK)
+    config, model_settings = train_config_from(settings), {k: settings[k] for k in MODEL_KEYS}
+    if source is not None:  # the model is the checkpoint's; use_triton stays a setting of this run
+        model_settings = source["model_config"] | dict(use_triton=settings["use_triton"])
+    if not config.run_name:
+        config.run_name = (f"{source['train_config'].get('run_name') or 'run'}_decay{source['step']}"
+                           if config.decay_branch else "tiny")
+    return Run(config, model_settings, source, os.path.join(config.out_dir, config.run_name))
 
-    rank, world, device = setup_distributed(S["device"])
-    master = rank == 0
-    torch.manual_seed(S["seed"])
-    use_bf16 = S["dtype"] == "bfloat16" or (S["dtype"] == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
-    # ---- data (the embedded corpus is prepared once, by rank 0, when missing)
-    if world > 1 and not S["data_dir"]:
+def check_passes(cfg, config, grown=False):
+    """The pass counts this run will ask of the model, checked before anything is built."""
+    if config.n_passes_choices and cfg.layout == "plain":
+        raise ValueError("n_passes_choices: a plain model has no passes to vary (use layout smelt, layer_loop or pcc)")
+    if config.n_passes_choices and cfg.layout == "pcc" and not cfg.tie_core:
+        too_many = [k for k in config.n_passes_choices if k > cfg.n_passes]
+        if too_many:
+            raise ValueError(f"n_passes_choices={config.n_passes_choices}: an untied model has {cfg.n_passes} "
+                             f"cores, it cannot run {too_many} passes")
+    if config.grow_at and not config.decay_branch and not grown:
+        k = current_passes(cfg)
+        if config.grow_to < k or (config.grow_to == k and not config.grow_untie):
+            raise ValueError(f"grow_to={config.grow_to}: must be more than the model's {k} passes")
+
+
+def open_data(config, model_config, world, master):
+    """The data (prepared once by rank 0 when it is the embedded corpus) and the stream of training
+    windows: the stable region, or the held-back tail for a decay branch."""
+    if world > 1 and not config.data_dir:
         import torch.distributed as dist
         if master:
             load_data("")
         dist.barrier()
-    train_tokens, val_tokens, meta, val_sources, data_dir = load_data(S["data_dir"])
-    # ---- model
-    if source_ckpt is not None:
-        cfg = ModelConfig.from_dict(source_ckpt["model_config"])
-        for key in MODEL_KEYS:
-            S[key] = getattr(cfg, key) if key in source_ckpt["model_config"] else S[key]
+    data = load_data(config.data_dir)
+    if model_config.vocab_size < data.meta["n_vocab"] or model_config.eot_token != data.meta["eot_token"]:
+        raise ValueError(f"model vocab_size={model_config.vocab_size}, eot_token={model_config.eot_token} do not fit "
+                         f"the data ({data.data_dir}: n_vocab={data.meta['n_vocab']}, eot_token={data.meta['eot_token']})")
+    n, seq_len = len(data.train_tokens), model_config.block_size
+    split = n - int(n * config.branch_data_fraction)
+    if config.decay_branch:
+        return data, TokenStream(data.train_tokens, seq_len, config.seed, split, n, "branch")
+    return data, TokenStream(data.train_tokens, seq_len, config.seed, 0, split, "stable")
+
+
+def build_model(run, model_config, device, region, ns_dtype):
+    """The model, its optimizers and the training state: fresh, or from the source checkpoint."""
+    config, source = run.config, run.source
+    torch.manual_seed(config.seed)
+    model = GPT(model_config).to(device)
+    optimizers = build_optimizers(model, config, ns_dtype)
+    if source is None:
+        return model, optimizers, TrainState(data_region=region, lr_scaling_params=grow.stored_params(model_config))
+    model.load_state_dict(source["model"])
+    load_optimizer_state(optimizers, source["optimizer"]["state"])
+    state = state_from_checkpoint(source, region)
+    if config.decay_branch and not config.resume:  # a fresh branch from a stable checkpoint
+        state.branch_start_step, state.last_eval = source["step"], None
+    if config.resume and "rng" in source:
+        torch.set_rng_state(source["rng"]["torch"])
+    return model, optimizers, state
+
+
+def plan_schedule(config, state, tokens_per_step):
+    if config.decay_branch:  # a branch decays over decay_tokens from the step it forked at
+        max_steps = state.branch_start_step + math.ceil(config.decay_tokens / tokens_per_step)
+        decay_start = state.branch_start_step
     else:
-        cfg = model_config_from(S)
-    if cfg.vocab_size < meta["n_vocab"] or cfg.eot_token != meta["eot_token"]:
-        raise ValueError(f"model vocab_size={cfg.vocab_size}, eot_token={cfg.eot_token} do not fit the data "
-                         f"({data_dir}: n_vocab={meta['n_vocab']}, eot_token={meta['eot_token']})")
-    raw_model = GPT(cfg).to(device)
-    if source_ckpt is not None:
-        raw_model.load_state_dict(source_ckpt["model"])
-    seq_len = cfg.block_size
-    split = len(train_tokens) - int(len(train_tokens) * S["branch_data_fraction"])
-    region = "branch" if S["decay_branch"] else "stable"
-    stream = (TokenStream(train_tokens, seq_len, S["seed"], split, len(train_tokens), "held-back branch")
-              if region == "branch" else TokenStream(train_tokens, seq_len, S["seed"], 0, split, "train"))
+        max_steps = math.ceil(config.max_tokens / tokens_per_step) if config.max_tokens > 0 else config.max_steps
+        decay_start = max_steps - round(config.decay_fraction * max_steps)
+    grow_step = grow.growth_step(max_steps, config.grow_at) if config.grow_at and not config.decay_branch else None
+    lr_scale = lr_scaling(state.lr_scaling_params, config.lr_anchor_params, config.lr_scaling_beta)  # [X16]
+    return Schedule(max_steps, decay_start, grow_step, lr_scale, config)
 
-    # ---- state
-    seqs_per_step = S["batch_size"] * S["grad_accum"] * world
-    tokens_per_step = seqs_per_step * seq_len
-    state = dict(step=0, tokens_seen=0, flops_seen=0.0, flops_by_passes={}, data_region=region,
-                 data_position=0, branch_start_step=None, grown=False)
-    if source_ckpt is not None:
-        state.update(step=source_ckpt["step"], tokens_seen=source_ckpt.get("tokens_seen", 0),
-                     flops_seen=source_ckpt.get("flops_seen", 0.0),
-                     flops_by_passes=dict(source_ckpt.get("flops_by_passes", {})),
-                     branch_start_step=source_ckpt.get("branch_start_step"),
-                     grown=source_ckpt.get("grown", False))
-        position = source_ckpt.get("data_position") or {}
-        if position.get("region", "stable") == region:  # continue where it stopped reading
-            state["data_position"] = position.get("windows", 0)
-        if S["decay_branch"] and not S["resume"]:  # a fresh branch from a stable checkpoint
-            state["branch_start_step"] = source_ckpt["step"]
-        if S["resume"] and "rng" in source_ckpt:
-            torch.set_rng_state(source_ckpt["rng"]["torch"])
-    # ---- schedule
-    if S["decay_branch"]:
-        start = state["branch_start_step"]
-        decay_steps = math.ceil(S["decay_tokens"] / tokens_per_step)
-        max_steps, decay_start = start + decay_steps, start
-    else:
-        max_steps = math.ceil(S["max_tokens"] / tokens_per_step) if S["max_tokens"] > 0 else S["max_steps"]
-        decay_start = max_steps - round(S["decay_fraction"] * max_steps)
-    grow_step = 0
-    if S["grow_at"] and not S["decay_branch"]:  # a step (>= 1) or int(fraction * max_steps)
-        grow_step = grow.growth_step(max_steps, S["grow_at"])
-    # [X16] N = stored non-embedding params at initialisation (kept through growth, forks and resumes)
-    S["_glr_params"] = ((source_ckpt or {}).get("train_config", {}).get("_glr_params")
-                        or raw_model.num_params()["non_embedding"])
-    glr = lr_scaling(S["_glr_params"], S["lr_anchor_params"], S["lr_scaling_beta"])
 
-    def wrap(m):
-        if S["compile"]:
-            m = torch.compile(m)
-        if world > 1:
-            from torch.nn.parallel import DistributedDataParallel
-            m = DistributedDataParallel(m, device_ids=[device.index] if device.type == "cuda" else None)
-        return m
+def check_data_budget(stream, state, schedule, seqs_per_step, log):
+    """[S] trains without repetition: a decay branch that would reread its held-back data is refused;
+    a stable phase that wraps into a second epoch says so."""
+    needed = state.data_position + (schedule.max_steps - state.step) * seqs_per_step
+    if needed <= stream.n_windows:
+        return
+    epochs = needed / stream.n_windows
+    if state.data_region == "branch":
+        raise ValueError(f"the decay branch needs {needed:,} windows of block_size + 1 tokens but the held-back "
+                         f"data has {stream.n_windows:,} ({epochs:.2f} epochs): it would reread data. Lower "
+                         "decay_tokens, or raise branch_data_fraction (for a new stable run)")
+    log(f"note: this run reads {epochs:.2f} epochs of its {stream.n_windows:,} training windows: data repeats "
+        "(log.jsonl has the epoch count)")
 
-    model = wrap(raw_model)
-    optimizers = build_optimizers(raw_model, S)
-    if source_ckpt is not None:
-        load_optimizer_state(optimizers, source_ckpt["optimizer"]["state"])
 
-    # ---- output
-    run_dir = os.path.join(S["out_dir"], S["run_name"])
-    ckpt_path, log_path = os.path.join(run_dir, "ckpt.pt"), os.path.join(run_dir, "log.jsonl")
-    entropy = float(meta.get("unigram_entropy_train_nats") or unigram_entropy(train_tokens, meta["n_vocab"]))
+def grow_during_training(model, optimizers, config, ns_dtype):
+    """[X] growth: more passes (tied) or copied cores (untied), in place; optimizers rebuilt with every
+    parameter's state carried over by name (grow.copy_optimizer_state decides what copies get)."""
+    saved = optimizer_state_by_name(optimizers)["state"]
+    param_map = grow.grow(model, config.grow_to, config.grow_untie)
+    optimizers = build_optimizers(model, config, ns_dtype)
+    load_optimizer_state(optimizers, grow.copy_optimizer_state(saved, param_map))
+    return optimizers
+
+
+def train_step(model, raw_model, optimizers, stream, state, config, n_passes, autocast, rank, world):
+    """Forward/backward over grad_accum micro-batches (rank r reads its disjoint slice of the global batch),
+    clip, step. Returns the mean training CE and the token offsets read."""
+    device = next(raw_model.parameters()).device
+    step_loss = torch.zeros((), dtype=torch.float64)
+    offsets_read = []
+    for micro in range(config.grad_accum):
+        first = state.data_position + (rank * config.grad_accum + micro) * config.batch_size
+        x, y, offsets = stream.batch(first, config.batch_size)
+        offsets_read.append(offsets)
+        last = micro == config.grad_accum - 1
+        with (model.no_sync() if world > 1 and not last else contextlib.nullcontext()), autocast:
+            _, loss = model(x.to(device), y.to(device), n_passes=n_passes)
+            (loss / config.grad_accum).backward()
+        step_loss += raw_model.last_stats["ce"].double().cpu() / config.grad_accum
+    step_loss = all_reduce_sum(step_loss, world).item() / world
+    if not math.isfinite(step_loss) or not math.isfinite(loss.item()):
+        raise NonFiniteLoss(f"non-finite loss ({step_loss}) at step {state.step}")
+    if config.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), config.grad_clip)
+    for opt in optimizers:
+        opt.step()
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return step_loss, np.concatenate(offsets_read)
+
+
+def train(overrides=None):
+    """Run one training run in this process. overrides: {setting: value} on top of DEFAULTS (and, with
+    init_from / resume, on top of the checkpoint's own settings). Returns a summary dict."""
+    run = resolve_run(dict(overrides or {}))
+    rank, world, device = setup_distributed(run.config.device)
+    model_config = model_config_from(run.model_settings, device.type)
+    check_passes(model_config, run.config, grown=bool(run.source and run.source.get("grown")))
+    if rank == 0:
+        make_run_dir(run.run_dir)
+    with run_dir_lock(run.run_dir) if rank == 0 else contextlib.nullcontext():
+        return train_run(run, model_config, rank, world, device)
+
+
+def train_run(run, model_config, rank, world, device):
+    config, master = run.config, rank == 0
+    log = tqdm.write if master else (lambda *args: None)
+    use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    ns_dtype = torch.bfloat16 if use_bf16 else torch.float32  # Muon's Newton-Schulz arithmetic
+    data, stream = open_data(config, model_config, world, master)
+    raw_model, optimizers, state = build_model(run, model_config, device, stream.name, ns_dtype)
+    model = wrap_model(raw_model, config, device, world)
+    seqs_per_step = config.batch_size * config.grad_accum * world
+    tokens_per_step = seqs_per_step * model_config.block_size
+    schedule = plan_schedule(config, state, tokens_per_step)
+    check_data_budget(stream, state, schedule, seqs_per_step, log)
     if master:
-        os.makedirs(run_dir, exist_ok=True)
-        if not S["resume"] and os.path.exists(log_path):
-            os.remove(log_path)
+        remove_stale_temp_files(run.run_dir)
+        if config.resume:
+            sync_log(run.log_path, run.source)
+        elif os.path.exists(run.log_path):
+            os.remove(run.log_path)
         counts = raw_model.num_params()
-        print(f"run {run_dir}: {cfg.layout} n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_expert={cfg.n_expert} "
-              f"passes={current_passes(cfg)}; params total {counts['total']:,} active {counts['active']:,}; "
-              f"{tokens_per_step:,} tokens/step x {max_steps} steps; world_size {world}; device {device}")
-        print(f"data {data_dir}: {len(train_tokens):,} train tokens ({region} region "
-              f"[{stream.start:,}, {stream.stop:,})), unigram entropy of the train split {entropy:.3f} nats")
+        log(f"run {run.run_dir}: {model_config.layout} n_layer={model_config.n_layer} n_embd={model_config.n_embd} "
+            f"n_expert={model_config.n_expert} passes={current_passes(model_config)}; params total {counts['total']:,} "
+            f"active {counts['active']:,}; {tokens_per_step:,} tokens/step x {schedule.max_steps} steps; "
+            f"world_size {world}; device {device}{' with bf16 autocast' if use_bf16 else ''}")
+        log(f"data {data.data_dir}: {len(data.train_tokens):,} train tokens ({stream.name} region "
+            f"[{stream.start:,}, {stream.stop:,})), unigram entropy of the train split {data.unigram_entropy:.3f} nats")
 
-    def save(path):
-        if master:
-            write_checkpoint(path, raw_model, optimizers, S, state, data_dir, meta.get("tokenizer"))
+    def evaluate_and_record(train_loss, passes_seen, lr):
+        result = evaluate(raw_model, data, stream.seq_len, config.eval_tokens, config.batch_size, autocast, rank, world)
+        return dict(step=state.step, tokens=state.tokens_seen, flops=state.flops_seen,
+                    flops_by_passes={str(k): v for k, v in sorted(state.flops_by_passes.items())},
+                    lr=lr, train_loss=train_loss, **result, epochs=state.data_position / stream.n_windows,
+                    n_passes=passes_seen or current_passes(raw_model.config), seconds=round(time.time() - t0, 3))
 
-    def log_eval(train_loss, passes_seen, t0):
-        result = evaluate(raw_model, val_tokens, val_sources, meta.get("sources", []), seq_len, S["eval_tokens"],
-                          S["batch_size"], device, autocast, rank, world)
-        record = dict(step=state["step"], tokens=state["tokens_seen"], flops=state["flops_seen"],
-                      flops_by_passes={str(k): v for k, v in sorted(state["flops_by_passes"].items())},
-                      lr=last_lr[0], train_loss=train_loss, **result,
-                      n_passes=passes_seen or current_passes(raw_model.config),
-                      seconds=round(time.time() - t0, 3))
+    def save(path):  # rank 0 writes; save_checkpoint refuses non-finite weights
         if master:
-            with open(log_path, "a") as f:
+            save_checkpoint(path, checkpoint_dict(raw_model, optimizers, config, state, data), raw_model)
+
+    def append_log(record):
+        if master:
+            with open(run.log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        return record
 
     # ---- the loop
     t0 = time.time()
-    last_lr = [0.0]
-    train_losses, records = [], []
-    window_sum, window_n, passes_seen = 0.0, 0, []
-    read_lo, read_hi = None, None
-    flops_cache = {}
-    if not S["resume"] and source_ckpt is None:
-        records.append(log_eval(None, None, t0))
-    bar = tqdm(total=max_steps, initial=state["step"], disable=not (master and S["progress"]),
-               desc=S["run_name"], unit="step", dynamic_ncols=True)
-    while state["step"] < max_steps:
-        step = state["step"]
-        # growth [X]: more passes (tied) or copied cores (untied), optimizer state carried by name
-        if grow_step and step == grow_step and not state["grown"]:
-            saved = optimizer_state_by_name(optimizers)["state"]
-            param_map = grow.grow(raw_model, S["grow_to"], S["grow_untie"])
-            raw_model.plan = execution_plan(raw_model.config)
-            carried = grow.copy_optimizer_state(saved, param_map)  # grow.py decides the copies' state
-            optimizers = build_optimizers(raw_model, S)
-            load_optimizer_state(optimizers, carried)
-            model = wrap(raw_model)
-            state["grown"] = True
-            flops_cache.clear()
-            if master:
-                tqdm.write(f"step {step}: grew to {current_passes(raw_model.config)} passes"
-                           f"{' (untied)' if not raw_model.config.tie_core else ''}")
-        # learning rate: WSD x [X16] scaling x re-warm after growth
-        multiplier = wsd_multiplier(step, S["warmup_steps"], decay_start, max_steps, S["decay_shape"],
-                                    S["min_lr_fraction"]) * glr
-        if grow_step:  # [X] code: 0 at the growth step, linear back to 1 over grow_rewarm_steps
-            multiplier *= grow.rewarm_multiplier(step, grow_step, S["grow_rewarm_steps"])
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["lr"] = group["base_lr"] * multiplier
-        last_lr[0] = optimizers[-1].param_groups[0]["lr"]
-        # passes this step: fixed, or uniform over n_passes_choices seeded by (seed, step)
-        n_passes = None
-        if S["n_passes_choices"]:
-            n_passes = int(np.random.default_rng([S["seed"], step, 1]).choice(S["n_passes_choices"]))
-        k = n_passes or current_passes(raw_model.config)
-        # forward/backward over grad_accum micro-batches; rank r reads its disjoint slice of the global batch
-        step_loss = torch.zeros((), dtype=torch.float64)
-        for micro in range(S["grad_accum"]):
-            first = state["data_position"] + (rank * S["grad_accum"] + micro) * S["batch_size"]
-            x, y, offsets = stream.batch(first, S["batch_size"])
-            lo, hi = int(offsets.min()), int(offsets.max()) + seq_len + 1
-            read_lo = lo if read_lo is None else min(read_lo, lo)
-            read_hi = hi if read_hi is None else max(read_hi, hi)
-            x, y = x.to(device), y.to(device)
-            sync = micro == S["grad_accum"] - 1 or world == 1
-            with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
-                _, loss = model(x, y, n_passes=n_passes)
-                (loss / S["grad_accum"]).backward()
-            step_loss += raw_model.last_stats["ce"].double().cpu() / S["grad_accum"]
-        all_reduce_sum(step_loss, world)
-        step_loss = (step_loss / world).item()
-        if not math.isfinite(step_loss) or not math.isfinite(loss.item()):
-            bar.close()
-            last = ckpt_path if os.path.exists(ckpt_path) else "none written yet"
-            raise NonFiniteLoss(f"non-finite loss ({step_loss}) at step {step}: stopping. The last good "
-                                f"checkpoint is kept: {last}. Lower the learning rates or check the data.")
-        if S["grad_clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), S["grad_clip"])
-        for opt in optimizers:
-            opt.step()
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        # bookkeeping
-        if k not in flops_cache:
-            flops_cache[k] = flops_per_token(raw_model.config, n_passes, S["avg_doc_len"])
-        state["step"] += 1
-        state["tokens_seen"] += tokens_per_step
-        state["data_position"] += seqs_per_step
-        state["flops_seen"] += flops_cache[k] * tokens_per_step
-        state["flops_by_passes"][k] = state["flops_by_passes"].get(k, 0.0) + flops_cache[k] * tokens_per_step
-        train_losses.append(step_loss)
-        window_sum, window_n = window_sum + step_loss, window_n + 1
-        passes_seen.append(k)
-        bar.update(1)
-        bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{last_lr[0]:.2e}")
-        done = state["step"] == max_steps
-        stop = S["stop_at_step"] and state["step"] == S["stop_at_step"]
-        if state["step"] % S["eval_interval"] == 0 or done or stop:
-            mean_passes = sum(passes_seen) / len(passes_seen)
-            records.append(log_eval(window_sum / window_n, mean_passes, t0))
-            window_sum, window_n, passes_seen = 0.0, 0, []
-            save(ckpt_path)
-            bar.set_postfix(loss=f"{step_loss:.3f}", val=f"{records[-1]['val_loss']:.3f}")
-        if state["step"] in S["save_steps"]:
-            save(os.path.join(run_dir, f"ckpt_step{state['step']}.pt"))
-        if stop:
-            break
-    bar.close()
-    final = records[-1] if records else {}
-    summary = dict(run_dir=run_dir, ckpt_path=ckpt_path, log_path=log_path, step=state["step"],
-                   max_steps=max_steps, tokens=state["tokens_seen"], flops=state["flops_seen"],
+    lr, train_losses, window, passes_seen, offsets_read, flops_of = 0.0, [], [], [], [], {}
+    saved_step = state.step if config.resume else None
+    if run.source is None:
+        state.last_eval = evaluate_and_record(None, None, 0.0)
+        append_log(state.last_eval)
+    if state.step >= schedule.max_steps:
+        log(f"{run.run_dir} has already finished: step {state.step} of max_steps {schedule.max_steps}. Raise "
+            "--max_steps to train further.")
+    bar = tqdm(total=schedule.max_steps, initial=state.step, disable=not (master and config.progress),
+               desc=config.run_name, unit="step", dynamic_ncols=True)
+    try:
+        while state.step < schedule.max_steps:
+            if state.step == schedule.grow_step and not state.grown:  # [X] growth, once
+                optimizers = grow_during_training(raw_model, optimizers, config, ns_dtype)
+                model, state.grown = wrap_model(raw_model, config, device, world), True
+                log(f"step {state.step}: grew to {current_passes(raw_model.config)} passes"
+                    f"{' (untied)' if not raw_model.config.tie_core else ''}")
+            lr = set_learning_rates(optimizers, schedule.lr_multiplier(state.step))
+            n_passes = passes_of_step(config, state.step)
+            loss, offsets = train_step(model, raw_model, optimizers, stream, state, config, n_passes, autocast,
+                                       rank, world)
+            k = n_passes or current_passes(raw_model.config)
+            if k not in flops_of:
+                flops_of[k] = flops_per_token(raw_model.config, n_passes, config.avg_doc_len) * tokens_per_step
+            state.step, state.tokens_seen = state.step + 1, state.tokens_seen + tokens_per_step
+            state.data_position += seqs_per_step
+            state.flops_seen += flops_of[k]
+            state.flops_by_passes[k] = state.flops_by_passes.get(k, 0.0) + flops_of[k]
+            train_losses.append(loss)
+            window.append(loss)
+            passes_seen.append(k)
+            offsets_read.append(offsets)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}")
+            stop = state.step == config.stop_at_step
+            if state.step % config.eval_interval == 0 or state.step == schedule.max_steps or stop:
+                state.last_eval = evaluate_and_record(sum(window) / len(window), sum(passes_seen) / len(passes_seen), lr)
+                save(run.ckpt_path)  # the checkpoint first, then its log line: the log never runs ahead
+                saved_step = state.step
+                append_log(state.last_eval)
+                window, passes_seen = [], []
+                bar.set_postfix(loss=f"{loss:.3f}", val=f"{state.last_eval['val_loss']:.3f}")
+            if state.step in config.save_steps:
+                save(os.path.join(run.run_dir, f"ckpt_step{state.step}.pt"))
+            if stop:
+                break
+    except NonFiniteLoss as e:
+        last = run.ckpt_path if saved_step is not None else "none written yet"
+        raise NonFiniteLoss(f"{e}. Stopped; the last good checkpoint is kept: {last}. Lower the learning "
+                            "rates or check the data.") from None
+    except KeyboardInterrupt:
+        where = (f"the last checkpoint is {run.ckpt_path} (step {saved_step}); continue with: python train.py "
+                 f"--out_dir={config.out_dir} --run_name={config.run_name} --resume=True" if saved_step is not None
+                 else "no checkpoint was written yet")
+        raise TrainingInterrupted(f"interrupted at step {state.step}: {where}") from None
+    finally:
+        bar.close()
+
+    final = state.last_eval or {}
+    read = np.concatenate(offsets_read) if offsets_read else np.zeros(0, dtype=np.int64)
+    summary = dict(run_dir=run.run_dir, ckpt_path=run.ckpt_path, log_path=run.log_path, step=state.step,
+                   max_steps=schedule.max_steps, tokens=state.tokens_seen, flops=state.flops_seen,
                    val_loss=final.get("val_loss"), val_loss_by_source=final.get("val_loss_by_source"),
-                   train_losses=train_losses, unigram_entropy=entropy, data_region=region,
-                   data_read=(read_lo, read_hi), data_split=split, seconds=time.time() - t0,
-                   world_size=world, rank=rank)
+                   train_losses=train_losses, unigram_entropy=data.unigram_entropy, data_region=stream.name,
+                   data_read=(int(read.min()), int(read.max()) + stream.seq_len + 1) if len(read) else None,
+                   data_split=stream.stop if stream.name == "stable" else stream.start,
+                   seconds=time.time() - t0, world_size=world, rank=rank)
     if master:
-        print(f"step {state['step']}: val loss {summary['val_loss']:.4f} nats vs unigram entropy {entropy:.4f} "
-              f"({state['tokens_seen']:,} tokens, {state['flops_seen']:.3e} FLOPs, {summary['seconds']:.0f} s)")
-        print(f"checkpoint: {ckpt_path}\nlog:        {log_path}")
+        if summary["val_loss"] is not None:
+            print(f"step {state.step}: val loss {summary['val_loss']:.4f} nats vs unigram entropy "
+                  f"{data.unigram_entropy:.4f} ({state.tokens_seen:,} tokens, {state.flops_seen:.3e} FLOPs, "
+                  f"{summary['seconds']:.0f} s)")
+        print(f"checkpoint: {run.ckpt_path}\nlog:        {run.log_path}")
+        if config.sample and data.meta.get("tokenizer"):
+            text = sample_text(raw_model, get_tokenizer(data.meta["tokenizer"]), max_new_tokens=64,
+                               temperature=0.8, top_k=200, seed=config.seed)
+            print(f"sample (more with: python sample.py --ckpt {run.ckpt_path}):\n{text}")
     return summary
-
-
-def usage():
-    lines = ["usage: python train.py [config/NAME.py ...] [--key=value ...]", "", "settings (default):"]
-    lines += [f"  --{k}={v!r}" for k, v in DEFAULTS.items()]
-    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -801,11 +1095,12 @@ def main(argv=None):
         print(usage())
         return 0
     try:
-        overrides = parse_args(argv)
-        train(overrides)
-    except (ValueError, FileNotFoundError, NonFiniteLoss, RuntimeError) as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        return 1
+        train(parse_args(argv))
+    except TrainingInterrupted as e:
+        print(f"\ntrain.py: {e}", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, NonFiniteLoss) as e:
+        return cli_error("train.py", e)
     finally:
         if "RANK" in os.environ:
             import torch.distributed as dist

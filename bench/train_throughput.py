@@ -33,7 +33,7 @@ def measure(settings, steps, warmup, device, compile_model, peak_flops=None):
     cfg = train.model_config_from(settings)
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    optimizers = train.build_optimizers(model, settings)
+    optimizers = train.build_optimizers(model, train.train_config_from(settings))
     step_model = torch.compile(model) if compile_model else model
     use_bf16 = device.type == "cuda"
     B, T = settings["batch_size"], cfg.block_size

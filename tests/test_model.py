@@ -1,12 +1,15 @@
 import math
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, MoE, ForwardContext, ModelConfig, execution_plan, save_checkpoint
+from model import GPT, MoE, ForwardContext, ModelConfig, execution_plan
+from probe import record_blocks
 
 VOCAB, EOT = 97, 96
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny(**kw):
@@ -116,8 +119,8 @@ def test_untied_copies_of_the_tied_core_compute_the_same_function():
 def pcc_records(boundary="both", inject_before_coda=True, alpha=0.7, K=2):
     model = build(layout="pcc", n_layer=3, n_passes=K, boundary=boundary, boundary_alpha=alpha,
                   inject_before_coda=inject_before_coda, norm_gain=False)
-    records = []
-    logits = model(tokens(), probe=records)[0]
+    with record_blocks(model) as records:
+        logits = model(tokens())[0]
     return model, records, logits
 
 
@@ -157,8 +160,8 @@ def test_boundary_switches():
 def test_test_time_passes_override():
     model = build(layout="pcc", n_layer=3, n_passes=2)
     idx = tokens()
-    records = []
-    model(idx, n_passes=4, probe=records)
+    with record_blocks(model) as records:
+        model(idx, n_passes=4)
     assert [r["visit"] for r in records if r["block"] == 1] == [1, 2, 3, 4]
     assert torch.equal(model(idx, n_passes=2)[0], model(idx)[0])
     untied = build(layout="pcc", n_layer=3, n_passes=2, tie_core=False)
@@ -312,23 +315,6 @@ def test_generate_respects_block_size():
 # ---- probes, params, configs, checkpoints
 
 
-def test_probe_records_every_executed_block_and_changes_nothing():
-    model = build(layout="smelt", n_loops=2, n_expert=4, top_k=2, expert_hidden=8)
-    idx = tokens(eot_at=(7,))
-    records = []
-    logits = model(idx, probe=records)[0]
-    torch.testing.assert_close(logits, model(idx)[0], rtol=1e-5, atol=1e-5)
-    assert [(r["block"], r["visit"]) for r in records] == [(0, 1), (1, 1), (2, 1), (1, 2), (2, 2), (3, 1)]
-    r = records[3]
-    for key in ("resid_in", "attn_in", "q", "k", "v", "attn_probs", "attn_context", "attn_output",
-                "attn_update", "ffn_in", "ffn_update", "resid_out", "expert_ids", "expert_weights"):
-        assert key in r, key
-    assert r["attn_probs"].shape == (2, 4, 24, 24)
-    torch.testing.assert_close(r["attn_probs"].sum(-1), torch.ones(2, 4, 24))
-    assert r["attn_probs"][:, :, 10, :7].abs().max() == 0  # document mask: position 10 is in document 2
-    torch.testing.assert_close(r["resid_out"], r["resid_in"] + r["attn_update"] + r["ffn_update"])
-
-
 def test_num_params_breakdown():
     model = build(n_expert=6, top_k=2, expert_hidden=8)
     n = model.num_params()
@@ -378,7 +364,7 @@ def test_checkpoint_round_trip(tmp_path):
     from dataclasses import asdict
     model = build(layout="smelt", n_loops=2)
     path = tmp_path / "ckpt.pt"
-    save_checkpoint({"model_config": asdict(model.config), "model": model.state_dict()}, str(path))
+    torch.save({"model_config": asdict(model.config), "model": model.state_dict()}, str(path))
     loaded, _ = GPT.from_checkpoint(str(path))
     idx = tokens()
     assert torch.equal(loaded(idx)[0], model(idx)[0])
@@ -438,9 +424,39 @@ def test_zero_initial_state_switch():
     later passes and the coda still get BO(h, e)."""
     torch.manual_seed(0)
     model = build(layout="pcc", n_layer=3, n_passes=2, boundary_alpha=0.7, norm_gain=False, zero_initial_state=False)
-    rec = []
-    model(tokens(), probe=rec)
+    with record_blocks(model) as rec:
+        model(tokens())
     e = rec[0]["resid_out"]
     assert torch.equal(rec[1]["resid_in"], e)
     torch.testing.assert_close(rec[2]["resid_in"], rms(rec[1]["resid_out"]) + 0.7 * e)
     torch.testing.assert_close(rec[3]["resid_in"], rms(rec[2]["resid_out"]) + 0.7 * e)
+
+
+def test_model_py_works_copied_alone(tmp_path):
+    """model.py is the file people copy: alone in an empty folder it builds and trains every layout
+    family, and the Triton kernels are never imported unless use_triton=True is asked for."""
+    import shutil
+    import subprocess
+    import sys
+    shutil.copy(os.path.join(REPO, "model.py"), tmp_path / "model.py")
+    script = """
+import sys, torch
+from model import GPT, ModelConfig
+torch.manual_seed(0)
+for kw in [dict(layout="smelt", n_loops=2, n_expert=4, top_k=2), dict(layout="pcc", n_passes=2),
+           dict(layout="layer_loop", n_loops=2), dict()]:
+    model = GPT(ModelConfig(vocab_size=64, eot_token=63, block_size=16, n_embd=32, n_head=2, **kw))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    idx = torch.randint(0, 63, (4, 16))
+    losses = []
+    for _ in range(20):
+        _, loss = model(idx, idx)
+        opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, (kw, losses)
+assert "kernels" not in sys.modules  # (torch.optim may import triton itself)
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

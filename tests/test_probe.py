@@ -13,7 +13,7 @@ import torch
 
 import probe
 from data.prepare import prepare
-from model import GPT, ModelConfig, save_checkpoint
+from model import GPT, ModelConfig
 
 VOCAB, EOT = 512, 511
 
@@ -172,6 +172,31 @@ def tiny_tokens(rows=4, seq_len=64, seed=0):
     return idx
 
 
+def test_record_blocks_records_every_executed_block_and_changes_nothing():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(layout="smelt", n_loops=2, n_expert=4, top_k=2, expert_hidden=8, n_kv_head=2)).eval()
+    idx = tiny_tokens(rows=2, seq_len=24)
+    idx[:, 7] = EOT
+    plain_logits = model(idx)[0]
+    with probe.record_blocks(model) as records:
+        logits = model(idx)[0]
+    assert torch.equal(logits, plain_logits)  # the same code path: hooks only read
+    assert all(not block._forward_hooks and not block._forward_pre_hooks for block in model.blocks)  # removed
+    assert [(r["block"], r["visit"]) for r in records] == [(0, 1), (1, 1), (2, 1), (1, 2), (2, 2), (3, 1)]
+    r = records[3]
+    for key in ("resid_in", "attn_in", "q", "k", "v", "attn_probs", "attn_context", "attn_output",
+                "attn_update", "ffn_in", "ffn_update", "resid_out", "expert_ids", "expert_weights"):
+        assert key in r, key
+    assert r["attn_probs"].shape == (2, 4, 24, 24)
+    torch.testing.assert_close(r["attn_probs"].sum(-1), torch.ones(2, 4, 24))
+    assert r["attn_probs"][:, :, 10, :7].abs().max() == 0  # document mask: position 10 is in document 2
+    torch.testing.assert_close(r["resid_out"], r["resid_in"] + r["attn_update"] + r["ffn_update"])
+    # the explicit softmax reproduces what SDPA computed inside the block
+    block = model.blocks[r["block"]]
+    attn_output = block.attn.o_proj(r["attn_context"].transpose(1, 2).reshape(2, 24, -1))
+    torch.testing.assert_close(attn_output, r["attn_output"], rtol=1e-4, atol=1e-5)
+
+
 def test_run_probes_identical_visits_give_overlap_k_and_cosine_1():
     """With zero out-projections in the loop span the stream entering visit 2 equals visit 1's: every
     routing set, attention pattern and projection repeats exactly."""
@@ -249,8 +274,8 @@ def write_checkpoint(tmp_path, data_dir, name, **overrides):
     torch.manual_seed(0)
     model = GPT(tiny_config(**overrides))
     path = str(tmp_path / f"{name}.pt")
-    save_checkpoint(dict(model_config=dataclasses.asdict(model.config), model=model.state_dict(), step=0,
-                         data_dir=data_dir, tokenizer="gpt2-512"), path)
+    torch.save(dict(model_config=dataclasses.asdict(model.config), model=model.state_dict(), step=0,
+                    data_dir=data_dir, tokenizer="gpt2-512"), path)
     return path
 
 

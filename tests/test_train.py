@@ -65,7 +65,7 @@ def test_unknown_key_and_wrong_type_fail_clearly(tmp_path):
         dict(max_tokens=1000000, layout="pcc", grow_at=300.0)
     with pytest.raises(ValueError, match="unknown setting 'nope'"):
         train.train({"nope": 1})
-    assert train.main(["--optimizer=sgd"]) == 1  # CLI: a clear message and exit status 1, no traceback
+    assert train.main(["--optimizer=sgd"]) == 2  # CLI: one clear line and exit status 2, no traceback
 
 
 def test_missing_and_corrupt_data_fail_clearly(tmp_path, data_dir):
@@ -93,7 +93,7 @@ def test_missing_and_corrupt_data_fail_clearly(tmp_path, data_dir):
 def test_param_groups_cover_every_parameter_once(model_overrides, optimizer):
     settings = train.resolve_settings(dict(n_embd=32, n_head=2, optimizer=optimizer) | model_overrides)
     model = GPT(train.model_config_from(settings))
-    optimizers = train.build_optimizers(model, settings)
+    optimizers = train.build_optimizers(model, train.train_config_from(settings))
     seen = [id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())  # every parameter exactly once
     kinds = {g["name"]: type(opt).__name__ for opt in optimizers for g in opt.param_groups}
@@ -234,7 +234,7 @@ def test_interrupted_checkpoint_write_keeps_previous(tmp_path, data_dir, monkeyp
     with pytest.raises(KeyboardInterrupt):
         train.train(SMALL | dict(data_dir=data_dir, out_dir=str(tmp_path), resume=True, max_steps=4))
     assert open(summary["ckpt_path"], "rb").read() == before
-    assert [f for f in os.listdir(summary["run_dir"]) if f.startswith(".tmp")] == []
+    assert [f for f in os.listdir(summary["run_dir"]) if ".tmp-" in f] == []
 
 
 def test_ddp_two_processes_match_one_process_with_accumulation(tmp_path, data_dir):
