@@ -24,7 +24,7 @@ Random-baseline versions (they change CORE, so every report prints which one it 
     2025-09-05   commit 6204236 changed three rows: commonsense_qa 20 -> 40.3,
                  agi_eval_lsat_ar 20 -> 25, bigbench_language_identification 9.1 -> 25.
 
-Semantics follow nanochat's core_eval exactly:
+Semantics follow nanochat's scorer (nanochat/core_eval.py, scripts/base_eval.py):
 - data shuffled with random.Random(1337), then cut to [:max_per_task]; few-shot examples for item idx
   are rng.sample(all other idx, k) with rng = random.Random(seed + idx), seed 1234 by default.
 - prompts (few-shot blocks joined by "\\n\\n"):
@@ -35,24 +35,40 @@ Semantics follow nanochat's core_eval exactly:
                      with = "...{context.strip()}{delim}{continuation}"
 - tokens = [BOS] + encode(prompt), BOS = the tokenizer's eot token (our document separator).
   Scored span [s, e): MC s = common token prefix of all choices; schema s = e - common token suffix;
-  LM s = len(tokens(without)). Sequences longer than the model context are cropped from the left.
+  LM s = len(tokens(without)). A sequence longer than the model context loses its first tokens (each
+  sequence its own excess) and its span shifts down with it.
 - one forward; loss at position p predicts token p+1, so the span's losses are [s-1, e-1).
-  MC/schema: correct if the first argmin of the mean span loss is gold. LM: correct if every greedy
-  prediction in the span equals the reference token.
+  MC/schema: the pick is nanochat's mean_losses.index(min(mean_losses)) over the options' mean span
+  losses, i.e. the first of the lowest; an empty span (an option whose tokens are a prefix of another
+  option's, or a span the crop shifted to start at 0) has mean nan, which wins when it is the first
+  option and never wins anywhere else. LM: correct if every greedy prediction in the span equals the
+  reference token.
 Answer NLL [X18]: mean loss of the gold continuation given the gold prompt, where (as the [X] code does)
 the continuation starts at the common token prefix of tokens(prompt) and tokens(prompt minus continuation);
-for LM tasks it is the scored span.
+for LM tasks it is the scored span. If the crop cut into the gold answer, the NLL covers what is left of
+it (from position 1) and the item is counted as answer_cropped.
 
-Where we differ from nanochat (all no-ops on well-formed data):
-- items of one task are batched together (length-sorted, right-padded with eot) instead of one item per
-  forward; a causal model gives the same scores up to float rounding (tests check this).
+Differences from nanochat (deliberate; each is tested):
+- batching: items of one task are batched together (length-sorted, right-padded with eot) instead of one
+  item per forward. A causal model gives the same losses up to float rounding, so only options within
+  rounding of a tie can be picked differently.
+- cropping: nanochat crops only models that declare max_seq_len (its former HuggingFace GPT-2 wrapper);
+  its own GPT declares none and reads prompts past its training length. Our GPT cannot read past
+  block_size, so every model is cropped the way nanochat crops those models. Where nanochat's crop
+  asserts (a span shifted below 0) or its LM comparison fails on the shapes (an LM span shifted to 0),
+  we stop with an error naming the task and item.
+- few-shot pool smaller than k (e.g. --max_per_task 5 on a 10-shot task): nanochat's random.sample
+  raises ValueError and the run stops; we use all n-1 other items, in that rng's sample order, and
+  report fewshot_used.
 - LM: if tokens(without) is not a prefix of tokens(with) (a BPE merge across the join), nanochat asserts;
   we start the span at the common prefix and count such items ("boundary_fixed" in the report).
-- MC/schema: a choice with an empty span (its tokens are a prefix of another choice's) gets mean loss
-  +inf and never wins (nanochat would take the mean of nothing, nan).
 - fewshot_seeds: item idx of seed s draws with random.Random(s + idx), as the [X] code passes its seeds;
   the default 1234 reproduces nanochat; "--fewshot_seeds 0,1,2" are [X]'s seeds 0/1/2, averaged (task
   accuracy and NLL are seed means; zero-shot tasks run once).
+- malformed bundles stop with an error naming file and line where nanochat crashes or renders garbage:
+  a null continuation_delimiter is rejected (nanochat renders "None"), blank jsonl lines are skipped
+  (nanochat's json.loads fails on them). One case nanochat does score: an MC item whose gold choice is
+  the empty string is rejected, since its answer NLL would be undefined.
 """
 
 import argparse
@@ -63,18 +79,17 @@ import json
 import math
 import os
 import random
-import re
 import sys
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import yaml
 from tqdm import tqdm
 
-try:  # PyYAML is optional; the small reader below handles the subset core.yaml uses
-    import yaml
-except ImportError:
-    yaml = None
+from common import cli_error, read_jsonl
+
+PROG = "eval_core.py"  # the name CLI errors start with
 
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 SHUFFLE_SEED = 1337  # nanochat: random.Random(1337).shuffle(data), then data[:max_per_task]
@@ -108,285 +123,61 @@ KNOWN_FINGERPRINTS = {
 
 
 # ----------------------------------------------------------------------------------------------
-# core.yaml: PyYAML when installed, otherwise a strict reader for exactly the subset the bundle uses.
-# Both return the task mappings with "__line__" (line of the task) and "__key_lines__" (line per key)
-# so every later error can name file and line.
+# core.yaml
 
-def _yaml_error(path, line, msg):
-    return ValueError(f"{path}:{line}: {msg}")
+TASK_KEYS = ("label", "dataset_uri", "num_fewshot", "icl_task_type")  # required in every icl_tasks entry
 
 
-def _strip_comment(text):
-    """Drop a '#' comment that is outside quotes and starts a word (YAML's rule)."""
-    quote = None
-    i = 0
-    while i < len(text):
-        c = text[i]
-        if quote == '"' and c == "\\":
-            i += 2
-            continue
-        if quote:
-            if c == quote:
-                if quote == "'" and text[i + 1:i + 2] == "'":
-                    i += 2
-                    continue
-                quote = None
-        elif c in "\"'" and (i == 0 or text[i - 1] in " \t[,:"):
-            quote = c
-        elif c == "#" and (i == 0 or text[i - 1] in " \t"):
-            return text[:i].rstrip()
-        i += 1
-    return text.rstrip()
-
-
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "/": "/", " ": " ",
-            "a": "\a", "b": "\b", "e": "\x1b", "f": "\f", "v": "\v"}
-
-
-def _parse_scalar(text, path, line):
-    """One YAML scalar: "double" (escapes), 'single', int, float, bool, null or a plain string."""
-    text = text.strip()
-    if text.startswith('"'):
-        out, i = [], 1
-        while i < len(text):
-            c = text[i]
-            if c == "\\":
-                nxt = text[i + 1:i + 2]
-                if nxt in _ESCAPES:
-                    out.append(_ESCAPES[nxt])
-                    i += 2
-                elif nxt in ("x", "u", "U"):
-                    width = {"x": 2, "u": 4, "U": 8}[nxt]
-                    digits = text[i + 2:i + 2 + width]
-                    if len(digits) != width or not all(d in "0123456789abcdefABCDEF" for d in digits):
-                        raise _yaml_error(path, line, f"bad escape in {text!r}")
-                    out.append(chr(int(digits, 16)))
-                    i += 2 + width
-                else:
-                    raise _yaml_error(path, line, f"unsupported escape '\\{nxt}' in {text!r}")
-            elif c == '"':
-                if text[i + 1:].strip():
-                    raise _yaml_error(path, line, f"text after closing quote in {text!r}")
-                return "".join(out)
-            else:
-                out.append(c)
-                i += 1
-        raise _yaml_error(path, line, f"unterminated double-quoted string {text!r}")
-    if text.startswith("'"):
-        out, i = [], 1
-        while i < len(text):
-            if text[i] == "'":
-                if text[i + 1:i + 2] == "'":
-                    out.append("'")
-                    i += 2
-                    continue
-                if text[i + 1:].strip():
-                    raise _yaml_error(path, line, f"text after closing quote in {text!r}")
-                return "".join(out)
-            out.append(text[i])
-            i += 1
-        raise _yaml_error(path, line, f"unterminated single-quoted string {text!r}")
-    if text == "" or text in ("~", "null", "Null", "NULL"):
-        return None
-    if text in ("true", "True", "TRUE", "yes", "Yes", "YES", "on", "On", "ON"):  # YAML 1.1 booleans, as PyYAML
-        return True
-    if text in ("false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF"):
-        return False
-    if re.fullmatch(r"[-+]?(0|[1-9][0-9]*)", text):
-        return int(text)
-    if re.fullmatch(r"[-+]?([0-9]+\.[0-9]*|\.[0-9]+)([eE][-+][0-9]+)?", text):
-        return float(text)
-    if re.fullmatch(r"[-+]?[0-9][0-9_xXoObB.:eE+-]*", text):  # octal, hex, 1_000, 1e5, sexagesimal...
-        raise _yaml_error(path, line, f"ambiguous number {text!r}; quote it or write a plain decimal")
-    if text[0] in "[]{}&*!|>%@`," or ": " in text or text.endswith(":"):
-        raise _yaml_error(path, line, f"unsupported YAML value {text!r} (this reader knows scalars, "
-                                      "quoted strings and one-line [lists]; install PyYAML for more)")
-    return text
-
-
-def _parse_value(text, path, line):
-    text = text.strip()
-    if text.startswith("["):
-        if not text.endswith("]"):
-            raise _yaml_error(path, line, f"unterminated or multi-line flow list {text!r}")
-        inner = text[1:-1].strip()
-        if not inner:
-            return []
-        if any(c in inner for c in "[]{}"):
-            raise _yaml_error(path, line, f"nested flow collections are not supported: {text!r}")
-        parts, buf, quote = [], "", None
-        for c in inner:  # split on commas outside quotes
-            if quote:
-                quote = None if c == quote else quote
-            elif c in "\"'":
-                quote = c
-            elif c == ",":
-                parts.append(buf)
-                buf = ""
-                continue
-            buf += c
-        parts.append(buf)
-        return [_parse_scalar(p, path, line) for p in parts]
-    if text.startswith("{"):
-        raise _yaml_error(path, line, f"flow mappings are not supported: {text!r}")
-    return _parse_scalar(text, path, line)
-
-
-def _split_key(text, path, line):
-    m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_\-]*)\s*:(?:\s+(.*))?", text)
-    if not m:
-        raise _yaml_error(path, line, f"expected 'key: value', got {text!r}")
-    return m.group(1), (m.group(2) or "")
-
-
-def parse_core_yaml(text, path="core.yaml"):
-    """Strict reader for the core.yaml subset: a top-level mapping whose values are scalars or (icl_tasks)
-    a block list of flat mappings (values: scalars, one-line [lists] or block lists of scalars)."""
-    lines = []
-    for n, raw in enumerate(text.splitlines(), start=1):
-        body = _strip_comment(raw)
-        if not body.strip() or body.strip() in ("---", "..."):
-            continue
-        lead = body[:len(body) - len(body.lstrip(" \t"))]
-        if "\t" in lead:
-            raise _yaml_error(path, n, "tab in indentation")
-        lines.append((n, len(lead), body.strip()))
-
-    top = {}
-    i = 0
-    while i < len(lines):
-        n, indent, body = lines[i]
-        if indent != 0:
-            raise _yaml_error(path, n, f"unexpected indentation at top level: {body!r}")
-        key, rest = _split_key(body, path, n)
-        if key in top:
-            raise _yaml_error(path, n, f"duplicate key {key!r}")
-        i += 1
-        is_item = i < len(lines) and (lines[i][2] == "-" or lines[i][2].startswith(("- ", "-\t")))
-        if rest.strip() or not is_item:
-            if not rest.strip() and i < len(lines) and lines[i][1] > 0:
-                raise _yaml_error(path, lines[i][0], f"nested values under {key!r} are not supported "
-                                                     "(only a list of flat mappings like icl_tasks)")
-            top[key] = _parse_value(rest, path, n)
-            continue
-        tasks = []
-        # list items: lines starting with '-' at one indent (may be 0, YAML allows it under a key)
-        while i < len(lines) and lines[i][2].startswith("-") and (lines[i][2] == "-" or lines[i][2][1] in " \t"):
-            n_item, dash_indent, body = lines[i]
-            if tasks and dash_indent != tasks[-1]["__dash__"]:
-                raise _yaml_error(path, n_item, "inconsistent indentation of icl_tasks items")
-            task = {"__line__": n_item, "__key_lines__": {}, "__dash__": dash_indent}
-            tasks.append(task)
-            inline = body[1:].strip()
-            i += 1
-            key_indent = None
-            pending = []  # (line, indent or None for the inline first key, text) of this item's keys
-            if inline:
-                pending.append((n_item, None, inline))
-            while i < len(lines) and lines[i][1] > dash_indent:
-                pending.append(lines[i])
-                i += 1
-            if pending:  # PyYAML marks a mapping at its first key; do the same
-                task["__line__"] = pending[0][0]
-            j = 0
-            while j < len(pending):
-                n_key, k_indent, text_k = pending[j]
-                if text_k.startswith("- ") or text_k == "-":
-                    raise _yaml_error(path, n_key, f"unexpected list item {text_k!r}")
-                if k_indent is not None:
-                    if key_indent is None:
-                        key_indent = k_indent
-                    elif k_indent != key_indent:
-                        raise _yaml_error(path, n_key, f"inconsistent indentation for key line {text_k!r}")
-                item_key, item_rest = _split_key(text_k, path, n_key)
-                if item_key in task["__key_lines__"]:
-                    raise _yaml_error(path, n_key, f"duplicate key {item_key!r}")
-                j += 1
-                if item_rest.strip():
-                    value = _parse_value(item_rest, path, n_key)
-                else:  # a block list of scalars may follow ("num_fewshot:\n  - 0")
-                    value, items = None, []
-                    while j < len(pending) and (pending[j][2].startswith("- ") or pending[j][2] == "-"):
-                        items.append(_parse_scalar(pending[j][2][1:], path, pending[j][0]))
-                        j += 1
-                    if items:
-                        value = items
-                task[item_key] = value
-                task["__key_lines__"][item_key] = n_key
-        for task in tasks:
-            del task["__dash__"]
-        top[key] = tasks
-    return top
-
-
-def _yaml_load_with_lines(text, path):
-    """PyYAML safe_load that also records the line of every mapping and of each of its keys."""
-    class LineLoader(yaml.SafeLoader):
-        pass
-
-    def construct_mapping(loader, node, deep=False):
-        mapping = yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
-        mapping["__line__"] = node.start_mark.line + 1
-        mapping["__key_lines__"] = {k.value: k.start_mark.line + 1 for k, _ in node.value}
-        return mapping
-
-    LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+def read_core_yaml(path):
+    """Read and validate core.yaml -> list of task dicts {label, dataset_uri, num_fewshot (int),
+    icl_task_type, continuation_delimiter, line}. Errors name the file and the line of the task entry."""
     try:
-        doc = yaml.load(text, Loader=LineLoader)
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid UTF-8 ({e})") from None
+    try:
+        doc = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=yaml.SafeLoader)  # the same document as nodes, which know their lines
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else "?"
-        raise _yaml_error(path, line, f"invalid YAML: {getattr(e, 'problem', e)}") from None
-    if isinstance(doc, dict):
-        doc.pop("__line__", None)
-        doc.pop("__key_lines__", None)
-    return doc
-
-
-def read_core_yaml(path, use_yaml=None):
-    """Read and validate core.yaml -> list of task dicts {label, dataset_uri, num_fewshot (int),
-    icl_task_type, continuation_delimiter, line}. use_yaml: None = PyYAML if installed."""
-    with open(path, "r", encoding="utf-8") as f:
-        text = f.read()
-    use_yaml = (yaml is not None) if use_yaml is None else use_yaml
-    if use_yaml and yaml is None:
-        raise ImportError("use_yaml=True but PyYAML is not installed")
-    doc = _yaml_load_with_lines(text, path) if use_yaml else parse_core_yaml(text, path)
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        context = getattr(e, "context", None)
+        raise ValueError(f"{where}: malformed YAML: {context + ', ' if context else ''}"
+                         f"{getattr(e, 'problem', None) or e}") from None
     if not isinstance(doc, dict) or "icl_tasks" not in doc:
-        raise _yaml_error(path, 1, "missing top-level key 'icl_tasks'")
-    raw_tasks = doc["icl_tasks"]
-    if not isinstance(raw_tasks, list) or not raw_tasks:
-        raise _yaml_error(path, 1, "'icl_tasks' must be a non-empty list of task mappings")
-    tasks, seen = [], {}
-    for raw in raw_tasks:
+        raise ValueError(f"{path}: missing top-level key 'icl_tasks'")
+    if not isinstance(doc["icl_tasks"], list) or not doc["icl_tasks"]:
+        raise ValueError(f"{path}: 'icl_tasks' must be a non-empty list of task mappings")
+    tasks_node = [value for key, value in root.value if key.value == "icl_tasks"][-1]  # the last wins, as in safe_load
+    tasks, first_line_of = [], {}
+    for i, (raw, node) in enumerate(zip(doc["icl_tasks"], tasks_node.value), start=1):
+        line = node.start_mark.line + 1
+        entry = f"{path}:{line}: icl_tasks entry {i}"
         if not isinstance(raw, dict):
-            raise _yaml_error(path, "?", f"icl_tasks entry is not a mapping: {raw!r}")
-        line, key_lines = raw["__line__"], raw["__key_lines__"]
-        for key in ("label", "dataset_uri", "num_fewshot", "icl_task_type"):
+            raise ValueError(f"{entry} is not a mapping of task keys: {raw!r}")
+        if isinstance(raw.get("label"), str):
+            entry += f" ({raw['label']!r})"
+        for key in TASK_KEYS:
             if raw.get(key) is None:
-                raise _yaml_error(path, line, f"task is missing required key {key!r}"
-                                              + (f" (label {raw['label']!r})" if raw.get("label") else ""))
-        label = str(raw["label"])
-        if label in seen:
-            raise _yaml_error(path, key_lines["label"], f"duplicate task label {label!r} "
-                                                        f"(first at line {seen[label]})")
-        seen[label] = key_lines["label"]
-        shots = raw["num_fewshot"]
-        if not isinstance(shots, list) or not shots or not all(isinstance(k, int) and not isinstance(k, bool)
-                                                              and k >= 0 for k in shots):
-            raise _yaml_error(path, key_lines["num_fewshot"], f"num_fewshot must be a list like [10] of "
-                                                              f"non-negative ints, got {shots!r}")
-        task_type = raw["icl_task_type"]
+                raise ValueError(f"{entry} is missing required key {key!r}")
+        label, uri, shots, task_type = (raw[key] for key in TASK_KEYS)
+        delim = raw.get("continuation_delimiter", " ")  # nanochat's default
+        for key, value in (("label", label), ("dataset_uri", uri)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{entry}: {key} must be a non-empty string, got {value!r}")
+        if label in first_line_of:
+            raise ValueError(f"{entry}: duplicate task label (first at line {first_line_of[label]})")
+        first_line_of[label] = line
+        if not isinstance(shots, list) or not shots or not all(
+                isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in shots):
+            raise ValueError(f"{entry}: num_fewshot must be a list like [10] of non-negative ints, got {shots!r}")
         if task_type not in TASK_TYPES:
-            raise _yaml_error(path, key_lines["icl_task_type"], f"unknown icl_task_type {task_type!r} for "
-                                                                f"task {label!r}; expected one of {TASK_TYPES}")
-        delim = raw.get("continuation_delimiter", " ")
-        if delim is None:
-            delim = " "
-        if not isinstance(delim, str):
-            raise _yaml_error(path, key_lines["continuation_delimiter"],
-                              f"continuation_delimiter must be a string, got {delim!r}")
-        tasks.append({"label": label, "dataset_uri": str(raw["dataset_uri"]),
+            raise ValueError(f"{entry}: unknown icl_task_type {task_type!r}; expected one of {TASK_TYPES}")
+        if not isinstance(delim, str):  # a null here would render as "None" in nanochat's template
+            raise ValueError(f"{entry}: continuation_delimiter must be a string (omit it for the default ' '), "
+                             f"got {delim!r}")
+        tasks.append({"label": label, "dataset_uri": uri,
                       "num_fewshot": shots[0],  # nanochat uses num_fewshot[0]
                       "icl_task_type": task_type, "continuation_delimiter": delim, "line": line})
     return tasks
@@ -412,25 +203,33 @@ def bundle_fingerprint(bundle_dir):
 def read_random_baselines(path):
     """eval_meta_data.csv -> {task label: random baseline in percent}."""
     with open(path, "r", encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        fields = reader.fieldnames or []
-        rb_col = next((c for c in fields if c.strip().lower().startswith("random baseline")), None)
-        if "Eval Task" not in fields or rb_col is None:
-            raise ValueError(f"{path}:1: header needs columns 'Eval Task' and 'Random baseline', got {fields}")
-        baselines = {}
-        for row in reader:
-            line = reader.line_num
-            label = (row.get("Eval Task") or "").strip()
-            if not label:
-                raise ValueError(f"{path}:{line}: empty 'Eval Task'")
-            try:
-                rb = float(row[rb_col])
-            except (TypeError, ValueError):
-                raise ValueError(f"{path}:{line}: random baseline for {label!r} is not a number: "
-                                 f"{row[rb_col]!r}") from None
-            if not 0.0 <= rb < 100.0:
-                raise ValueError(f"{path}:{line}: random baseline for {label!r} must be a percent in [0, 100)")
-            baselines[label] = rb
+        try:
+            return _read_random_baselines(csv.DictReader(f), path)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not valid UTF-8 ({e})") from None
+        except csv.Error as e:
+            raise ValueError(f"{path}: malformed CSV ({e})") from None
+
+
+def _read_random_baselines(reader, path):
+    fields = reader.fieldnames or []
+    rb_col = next((c for c in fields if c.strip().lower().startswith("random baseline")), None)
+    if "Eval Task" not in fields or rb_col is None:
+        raise ValueError(f"{path}:1: header needs columns 'Eval Task' and 'Random baseline', got {fields}")
+    baselines = {}
+    for row in reader:
+        line = reader.line_num
+        label = (row.get("Eval Task") or "").strip()
+        if not label:
+            raise ValueError(f"{path}:{line}: empty 'Eval Task'")
+        try:
+            rb = float(row[rb_col])
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}:{line}: random baseline for {label!r} is not a number: "
+                             f"{row[rb_col]!r}") from None
+        if not 0.0 <= rb < 100.0:
+            raise ValueError(f"{path}:{line}: random baseline for {label!r} must be a percent in [0, 100)")
+        baselines[label] = rb
     return baselines
 
 
@@ -470,6 +269,8 @@ def load_bundle(bundle_dir):
     for p in (yaml_path, csv_path):
         if not os.path.isfile(p):
             raise FileNotFoundError(f"eval bundle is missing {p}")
+    if not os.path.isdir(os.path.join(bundle_dir, "eval_data")):
+        raise FileNotFoundError(f"eval bundle is missing the folder {os.path.join(bundle_dir, 'eval_data')}")
     tasks = read_core_yaml(yaml_path)
     baselines = read_random_baselines(csv_path)
     for task in tasks:
@@ -509,7 +310,9 @@ def _check_item(item, task_type, path, line):
         gold = item["gold"]
         if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(options):
             raise bad(f"gold must be an int index into {len(options)} options, got {gold!r}")
-    if task_type == "multiple_choice":  # an empty wrong choice only has an empty span (it never wins)
+    # an empty wrong choice is fine (an empty span, scored as nanochat does); an empty gold choice has no
+    # answer to take the NLL of
+    if task_type == "multiple_choice":
         if not isinstance(item["query"], str) or item["choices"][item["gold"]] == "":
             raise bad("query must be a string and the gold choice a non-empty string")
     else:
@@ -522,16 +325,9 @@ def _check_item(item, task_type, path, line):
 def load_task_data(task):
     """Read a task's jsonl; every item is validated, errors name file and line."""
     items = []
-    with open(task["path"], "r", encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{task['path']}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
-            _check_item(item, task["icl_task_type"], task["path"], n)
-            items.append(item)
+    for lineno, item in read_jsonl(task["path"]):
+        _check_item(item, task["icl_task_type"], task["path"], lineno)
+        items.append(item)
     if not items:
         raise ValueError(f"{task['path']}: no items")
     return items
@@ -560,7 +356,9 @@ class _AllBut(collections.abc.Sequence):
 
 
 def sample_fewshot(data, idx, k, seed=FEWSHOT_SEED):
-    """The k few-shot examples of item idx: random.Random(seed + idx).sample(other indices, k)."""
+    """The k few-shot examples of item idx: random.Random(seed + idx).sample(other indices, k). With fewer
+    than k other items we take all of them (in that rng's order) where nanochat's sample raises ValueError;
+    evaluate_task reports the number used."""
     if k <= 0:
         return []
     available = _AllBut(len(data), idx)
@@ -619,7 +417,8 @@ def answer_start(tokenizer, prompt, continuation):
 
 def build_example(item, task_type, delim, tokenizer, fewshot=(), max_len=None):
     """Render, tokenize and crop one item. Returns dict(tokens=[seq...], starts, ends, gold, answer_start,
-    boundary_fixed) with the scored span of seq r being tokens[r][starts[r]:ends[r]]."""
+    boundary_fixed, answer_cropped) with the scored span of seq r being tokens[r][starts[r]:ends[r]]; a span
+    starting at 0 (cut exactly there by the crop) has no scorable token, as in nanochat."""
     fixed = False
     if task_type == "multiple_choice":
         prompts = render_mc(item, delim, fewshot)
@@ -647,17 +446,25 @@ def build_example(item, task_type, delim, tokenizer, fewshot=(), max_len=None):
         tokens, starts, ends, gold, a = [t_with], [s], [len(t_with)], 0, s
     else:
         raise ValueError(f"unknown task type {task_type!r}; expected one of {TASK_TYPES}")
-    if max_len is not None:  # crop from the left to the model's context, as nanochat does
+    answer_cropped = False
+    if max_len is not None:  # crop each sequence from the left to the model's context, as nanochat does
+        if max_len < 2:
+            raise ValueError(f"a model context of {max_len} tokens cannot score anything")
         for r, t in enumerate(tokens):
             crop = len(t) - max_len
             if crop > 0:
                 tokens[r], starts[r], ends[r] = t[crop:], starts[r] - crop, ends[r] - crop
                 if r == gold:
                     a -= crop
-        if min(starts) < 1 or a < 1:
-            raise ValueError(f"the continuation does not fit in the model context of {max_len} tokens")
+        # nanochat asserts start >= 0. At start 0 its MC/schema slice losses[-1:e-1] is empty (mean nan;
+        # score_examples does the same); its LM comparison fails on the shapes there, so LM needs start >= 1.
+        if min(starts) < (1 if task_type == "language_modeling" else 0):
+            raise ValueError(f"the continuation does not fit in the model context of {max_len} tokens "
+                             "(nanochat's crop would assert)")
+        if a < 1:  # [X18] the crop cut into the gold answer: its NLL covers what is left (position 0 has no loss)
+            a, answer_cropped = 1, True
     return {"tokens": tokens, "starts": starts, "ends": ends, "gold": gold, "answer_start": a,
-            "boundary_fixed": fixed}
+            "boundary_fixed": fixed, "answer_cropped": answer_cropped}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -719,12 +526,25 @@ def score_sequences(model, seqs, spans, pad_id, batch_tokens=16384, autocast_dty
     return out_losses, out_hits
 
 
+def nanochat_choice(mean_losses):
+    """The option nanochat picks, mean_losses.index(min(mean_losses)), spelled out: Python's min keeps
+    its running best unless a later value is smaller, and nan (an empty span) compares False both ways,
+    so a nan first option wins, a nan elsewhere never wins, otherwise the first of the lowest wins."""
+    best = 0
+    for r, loss in enumerate(mean_losses):
+        if loss < mean_losses[best]:
+            best = r
+    return best
+
+
 def score_examples(model, examples, task_type, pad_id, batch_tokens=16384, autocast_dtype=None):
     """Score built examples -> list of dicts(correct, pred, answer_nll, mean_losses)."""
     seqs, spans, owner = [], [], []
     for e_i, ex in enumerate(examples):
         for r, t in enumerate(ex["tokens"]):
-            lo = min(ex["starts"][r], ex["answer_start"]) if r == ex["gold"] else ex["starts"][r]
+            lo = max(ex["starts"][r], 1)  # position 0 has no prediction (a span cut to start there is empty)
+            if r == ex["gold"]:
+                lo = min(lo, ex["answer_start"])
             seqs.append(t)
             spans.append((lo, ex["ends"][r]))
             owner.append((e_i, r))
@@ -736,16 +556,17 @@ def score_examples(model, examples, task_type, pad_id, batch_tokens=16384, autoc
         mean_losses = []
         for r in range(len(ex["tokens"])):
             loss, _, lo = per_seq[(e_i, r)]
-            span = loss[ex["starts"][r] - lo:]
-            # nanochat: mean loss over the span; an empty span (degenerate choices) never wins
-            mean_losses.append(span.mean().item() if span.numel() else float("inf"))
+            start = ex["starts"][r]
+            span = loss[start - lo:] if start >= 1 else loss[:0]
+            # nanochat: mean loss over the span; an empty span's mean is nan (see nanochat_choice)
+            mean_losses.append(span.mean().item() if span.numel() else float("nan"))
         g_loss, g_hits, g_lo = per_seq[(e_i, gold)]
         answer_nll = g_loss[ex["answer_start"] - g_lo:].mean().item()  # [X18] gold answer, per token
         if task_type == "language_modeling":
             pred = 0
             correct = bool(g_hits[ex["starts"][gold] - g_lo:].all())  # every greedy token exact
         else:
-            pred = min(range(len(mean_losses)), key=lambda r: (mean_losses[r], r))  # first argmin
+            pred = nanochat_choice(mean_losses)
             correct = pred == gold
         results.append({"correct": correct, "pred": pred, "answer_nll": answer_nll, "mean_losses": mean_losses})
     return results
@@ -759,7 +580,10 @@ def centered_accuracy(accuracy, random_baseline_percent):
 
 def evaluate_task(model, tokenizer, task, data, num_fewshot=None, fewshot_seed=FEWSHOT_SEED,
                   max_len=None, batch_tokens=16384, autocast_dtype=None):
-    """Accuracy and mean answer NLL of one task on already subsampled data (few-shot drawn from data)."""
+    """Accuracy and mean answer NLL of one task on already subsampled data (few-shot drawn from data).
+    Also counts what differs from a plain run: fewshot_used (k, or all n-1 other items when fewer),
+    boundary_fixed (LM items whose span starts at the common prefix) and answer_cropped (items whose
+    answer NLL lost tokens to the crop)."""
     k = task["num_fewshot"] if num_fewshot is None else num_fewshot
     max_len = model_max_len(model) if max_len is None else max_len
     examples = []
@@ -773,8 +597,9 @@ def evaluate_task(model, tokenizer, task, data, num_fewshot=None, fewshot_seed=F
                             autocast_dtype)
     n = len(scored)
     return {"n": n, "accuracy": sum(r["correct"] for r in scored) / n,
-            "answer_nll": sum(r["answer_nll"] for r in scored) / n,
-            "boundary_fixed": sum(ex["boundary_fixed"] for ex in examples), "items": scored}
+            "answer_nll": sum(r["answer_nll"] for r in scored) / n, "fewshot_used": min(k, n - 1),
+            "boundary_fixed": sum(ex["boundary_fixed"] for ex in examples),
+            "answer_cropped": sum(ex["answer_cropped"] for ex in examples), "items": scored}
 
 
 def _mean(xs):
@@ -829,8 +654,10 @@ def evaluate_core(model, tokenizer, bundle, max_per_task=-1, fewshot_seeds=(FEWS
             "accuracy": acc, "random_baseline": task["random_baseline"],
             "centered": centered_accuracy(acc, task["random_baseline"]),  # affine: centered of mean = mean of centered
             "answer_nll": _mean(nlls), "accuracy_std": _std(accs), "answer_nll_std": _std(nlls),
-            "per_seed_accuracy": accs if k > 0 else accs * len(seeds),
-            "boundary_fixed": per_seed[0]["boundary_fixed"]}
+            "per_seed_accuracy": accs if k > 0 else accs * len(seeds), "fewshot_used": per_seed[0]["fewshot_used"],
+            # item counts depend on the few-shot draw: report the largest over the seeds
+            "boundary_fixed": max(r["boundary_fixed"] for r in per_seed),
+            "answer_cropped": max(r["answer_cropped"] for r in per_seed)}
     if was_training and hasattr(model, "train"):
         model.train()
     out = {"bundle": bundle["dir"], "fingerprint": bundle["fingerprint"],
@@ -868,7 +695,8 @@ def kshot_sweep(model, tokenizer, bundle, ks=KSHOT_SWEEP, labels=None, max_per_t
             r = evaluate_task(model, tokenizer, task, data, k, fewshot_seed, batch_tokens=batch_tokens,
                               autocast_dtype=autocast_dtype)
             per_task[label][k] = {"accuracy": r["accuracy"], "answer_nll": r["answer_nll"],
-                                  "centered": centered_accuracy(r["accuracy"], task["random_baseline"])}
+                                  "centered": centered_accuracy(r["accuracy"], task["random_baseline"]),
+                                  "fewshot_used": r["fewshot_used"]}
     mean = {k: {m: _mean(per_task[l][k][m] for l in labels) for m in ("accuracy", "centered", "answer_nll")}
             for k in ks}
     return {"ks": list(ks), "tasks": per_task, "mean": mean}
@@ -1018,16 +846,26 @@ def format_core_table(res):
     if fixed:
         lines.append(f"note: LM items whose prompt-without tokens were not a prefix of prompt-with "
                      f"(span started at the common prefix; nanochat would assert): {fixed}")
+    short = {l: f"{r['fewshot_used']} of {r['num_fewshot']}" for l, r in res["tasks"].items()
+             if r["fewshot_used"] < r["num_fewshot"]}
+    if short:
+        lines.append(f"note: tasks with fewer other items than shots used all of them (nanochat's sample would "
+                     f"raise): {short}")
+    cropped = {l: r["answer_cropped"] for l, r in res["tasks"].items() if r["answer_cropped"]}
+    if cropped:
+        lines.append(f"note: items whose answer NLL lost tokens to the crop to the model context: {cropped}")
     return "\n".join(lines)
 
 
 def load_checkpoint(path, device="cpu"):
-    """(model, tokenizer) from a train.py checkpoint."""
+    """(model on device in eval mode, tokenizer) from a train.py checkpoint."""
     from model import GPT  # imported here so the evaluation functions work with any model object
     from data.tokenizer import get_tokenizer
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    model, ckpt = GPT.from_checkpoint(path, map_location=device)
+    try:
+        model, ckpt = GPT.from_checkpoint(path, map_location="cpu")
+    except (RuntimeError, TypeError) as e:  # weights or config that do not fit this model.py
+        raise ValueError(f"{path}: cannot build the model from this checkpoint ({' '.join(str(e).split())[:300]})") \
+            from None
     tokenizer = get_tokenizer(ckpt.get("tokenizer") or "gpt2-4096")
     if model.config.eot_token != tokenizer.eot_token or model.config.vocab_size < tokenizer.n_vocab:
         raise ValueError(f"{path}: model eot_token {model.config.eot_token} / vocab {model.config.vocab_size} do not "
@@ -1035,8 +873,113 @@ def load_checkpoint(path, device="cpu"):
     return model.to(device).eval(), tokenizer
 
 
+def parse_seeds(text):
+    """--fewshot_seeds '0,1,2' -> [0, 1, 2]."""
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--fewshot_seeds must be distinct integers separated by commas like 0,1,2, "
+                         f"got {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--fewshot_seeds must be distinct, got {text!r}")
+    return seeds
+
+
+def check_device(name):
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return name
+
+
+def check_labels(bundle, labels, flag):
+    unknown = [label for label in labels or () if label not in {t["label"] for t in bundle["tasks"]}]
+    if unknown:
+        raise ValueError(f"{flag}: labels not in {os.path.join(bundle['dir'], 'core.yaml')}: {unknown}")
+
+
+def print_kshot_table(sweep):
+    print("\nk-shot sweep [S ICL]: accuracy per k")
+    print(f"{'task':34s} " + " ".join(f"{'k=' + str(k):>7s}" for k in sweep["ks"]))
+    for label, per_k in sweep["tasks"].items():
+        print(f"{label:34s} " + " ".join(f"{per_k[k]['accuracy']:7.4f}" for k in sweep["ks"]))
+    print(f"{'mean centered':34s} " + " ".join(f"{sweep['mean'][k]['centered']:7.4f}" for k in sweep["ks"]))
+    short = {f"{label} k={k}": per_k[k]["fewshot_used"] for label, per_k in sweep["tasks"].items()
+             for k in sweep["ks"] if per_k[k]["fewshot_used"] < k}
+    if short:
+        print(f"note: shots used where a task has fewer other items than k (nanochat's sample would raise): {short}")
+
+
+def print_length_table(buckets, split, data_dir):
+    print(f"\nper-document-length-bucket {split} loss [S] ({data_dir})")
+    print(f"{'bucket':>8s} {'docs':>7s} {'tokens':>9s} {'loss':>8s}")
+    for lab, b in buckets.items():
+        loss = f"{b['loss']:8.4f}" if b["loss"] is not None else f"{'-':>8s}"
+        print(f"{'<=' + lab if lab[0] != '>' else lab:>8s} {b['n_docs']:7d} {b['n_tokens']:9d} {loss}")
+
+
+def run(args):
+    """The CLI's work -> report dict. Arguments, the bundle's files and the length-bucket data are checked
+    before the model is loaded, so most mistakes cost no evaluation time (a task's items are checked when
+    the task is read). Mistakes raise ValueError or OSError."""
+    if args.bundle is None and args.length_buckets is None:
+        raise ValueError("give --bundle (CORE) and/or --length_buckets DATA_DIR")
+    if args.kshot_sweep and args.bundle is None:
+        raise ValueError("--kshot_sweep needs --bundle")
+    seeds = parse_seeds(args.fewshot_seeds)
+    check_device(args.device)
+    bundle = labels = ks_labels = length_data = None
+    if args.bundle:
+        bundle = load_bundle(args.bundle)
+        if args.baselines != "bundle":
+            bundle = with_baseline_version(bundle, args.baselines)
+        labels = args.tasks.split(",") if args.tasks else None
+        ks_labels = args.kshot_tasks.split(",") if args.kshot_tasks else None
+        check_labels(bundle, labels, "--tasks")
+        check_labels(bundle, ks_labels, "--kshot_tasks")
+    if args.length_buckets:
+        length_data = load_token_split(args.length_buckets, args.length_split)  # (tokens, meta, doc_spans)
+    model, tokenizer = load_checkpoint(args.ckpt, args.device)
+    if length_data is not None:
+        meta = length_data[1]
+        eot, prepared_with = int(meta["eot_token"]), meta.get("tokenizer", tokenizer.name)
+        if eot != tokenizer.eot_token or prepared_with != tokenizer.name:
+            raise ValueError(f"{args.length_buckets} was prepared with tokenizer {prepared_with!r} (eot {eot}) "
+                             f"but the checkpoint uses {tokenizer.name!r} (eot {tokenizer.eot_token})")
+    autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+    progress = not args.no_progress
+    report = {"ckpt": args.ckpt}
+    if bundle is not None:
+        print(f"eval bundle {bundle['dir']} sha256 fingerprint {bundle['fingerprint']}", file=sys.stderr)
+        report["core"] = evaluate_core(model, tokenizer, bundle, args.max_per_task, seeds, labels,
+                                       batch_tokens=args.batch_tokens, autocast_dtype=autocast_dtype,
+                                       progress=progress)
+        if not args.json:
+            print(format_core_table(report["core"]))
+        if args.kshot_sweep:
+            report["kshot"] = kshot_sweep(model, tokenizer, bundle, KSHOT_SWEEP, ks_labels, args.max_per_task,
+                                          seeds[0], args.batch_tokens, autocast_dtype, progress)
+            if not args.json:
+                print_kshot_table(report["kshot"])
+    if length_data is not None:
+        tokens, meta, doc_spans = length_data
+        report["length_buckets"] = length_bucket_loss(model, tokens, int(meta["eot_token"]),
+                                                      max_tokens=args.length_max_tokens, doc_spans=doc_spans,
+                                                      batch_tokens=args.batch_tokens, progress=progress)
+        if not args.json:
+            print_length_table(report["length_buckets"], args.length_split, args.length_buckets)
+    if args.json:
+        for r in report.get("core", {}).get("tasks", {}).values():
+            r.pop("items", None)
+        print(json.dumps(report, default=str))
+    return report
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="DCLM CORE evaluation (nanochat-compatible), answer NLL, sweeps")
+    p = argparse.ArgumentParser(prog=PROG, description="DCLM CORE evaluation (nanochat-compatible), answer NLL, sweeps")
     p.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
     p.add_argument("--bundle", help="eval bundle dir (core.yaml, eval_data/, eval_meta_data.csv)")
     p.add_argument("--max_per_task", type=int, default=-1, help="items per task after the 1337 shuffle (-1 all)")
@@ -1047,7 +990,7 @@ def main(argv=None):
     p.add_argument("--kshot_tasks", default=None, help="comma list for the sweep (default: few-shot tasks)")
     p.add_argument("--length_buckets", metavar="DATA_DIR", default=None,
                    help="per-document-length-bucket val loss on a data/prepare.py output dir")
-    p.add_argument("--length_split", default="val")
+    p.add_argument("--length_split", default="val", choices=["train", "val"])
     p.add_argument("--length_max_tokens", type=int, default=1 << 20, help="token budget for --length_buckets")
     p.add_argument("--baselines", choices=["bundle", "v1", "2025-09-05"], default="bundle",
                    help="random baselines: the bundle's csv as is, or one published version for the 3 rows that changed")
@@ -1057,58 +1000,12 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--no_progress", action="store_true")
     args = p.parse_args(argv)
-    if args.bundle is None and args.length_buckets is None:
-        p.error("give --bundle (CORE) and/or --length_buckets DATA_DIR")
-    model, tokenizer = load_checkpoint(args.ckpt, args.device)
-    autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
-    progress = not args.no_progress
-    report = {"ckpt": args.ckpt}
-    if args.bundle:
-        bundle = load_bundle(args.bundle)
-        if args.baselines != "bundle":
-            bundle = with_baseline_version(bundle, args.baselines)
-        print(f"eval bundle {bundle['dir']} sha256 fingerprint {bundle['fingerprint']}", file=sys.stderr)
-        labels = args.tasks.split(",") if args.tasks else None
-        seeds = [int(s) for s in args.fewshot_seeds.split(",")]
-        res = evaluate_core(model, tokenizer, bundle, args.max_per_task, seeds, labels,
-                            batch_tokens=args.batch_tokens, autocast_dtype=autocast_dtype, progress=progress)
-        report["core"] = res
-        if not args.json:
-            print(format_core_table(res))
-        if args.kshot_sweep:
-            ks_labels = args.kshot_tasks.split(",") if args.kshot_tasks else None
-            sweep = kshot_sweep(model, tokenizer, bundle, KSHOT_SWEEP, ks_labels, args.max_per_task, seeds[0],
-                                args.batch_tokens, autocast_dtype, progress)
-            report["kshot"] = sweep
-            if not args.json:
-                print("\nk-shot sweep [S ICL]: accuracy per k")
-                print(f"{'task':34s} " + " ".join(f"{'k=' + str(k):>7s}" for k in sweep["ks"]))
-                for label, per_k in sweep["tasks"].items():
-                    print(f"{label:34s} " + " ".join(f"{per_k[k]['accuracy']:7.4f}" for k in sweep["ks"]))
-                print(f"{'mean centered':34s} " + " ".join(f"{sweep['mean'][k]['centered']:7.4f}" for k in sweep["ks"]))
-    elif args.kshot_sweep:
-        p.error("--kshot_sweep needs --bundle")
-    if args.length_buckets:
-        tokens, meta, doc_spans = load_token_split(args.length_buckets, args.length_split)
-        eot = int(meta["eot_token"])
-        if eot != tokenizer.eot_token or meta.get("tokenizer", tokenizer.name) != tokenizer.name:
-            raise ValueError(f"{args.length_buckets} was prepared with tokenizer {meta.get('tokenizer')!r} "
-                             f"(eot {eot}) but the checkpoint uses {tokenizer.name!r} (eot {tokenizer.eot_token})")
-        buckets = length_bucket_loss(model, tokens, eot, max_tokens=args.length_max_tokens, doc_spans=doc_spans,
-                                     batch_tokens=args.batch_tokens, progress=progress)
-        report["length_buckets"] = buckets
-        if not args.json:
-            print(f"\nper-document-length-bucket {args.length_split} loss [S] ({args.length_buckets})")
-            print(f"{'bucket':>8s} {'docs':>7s} {'tokens':>9s} {'loss':>8s}")
-            for lab, b in buckets.items():
-                loss = f"{b['loss']:8.4f}" if b["loss"] is not None else f"{'-':>8s}"
-                print(f"{'<=' + lab if lab[0] != '>' else lab:>8s} {b['n_docs']:7d} {b['n_tokens']:9d} {loss}")
-    if args.json:
-        for r in report.get("core", {}).get("tasks", {}).values():
-            r.pop("items", None)
-        print(json.dumps(report, default=str))
-    return report
+    try:
+        run(args)
+    except (OSError, ValueError) as e:  # a user mistake (missing file, bad value): one line, exit status 2
+        return cli_error(PROG, e)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
