@@ -1,16 +1,17 @@
 """
 Scaling-law fits for both papers: SMELT surfaces [S2]-[S7], Chinchilla Approach 3, the [X] power-law
 protocol and compute multipliers [X4]-[X7], the cell bootstrap, downstream calibration [S6]-[S7],
-the downstream prediction pipeline [X19]-[X21] and quadratic-vertex fits. numpy + scipy only
+the downstream prediction pipeline [X19]-[X21] and quadratic-vertex fits. numpy, scipy and threadpoolctl
 (matplotlib is optional, imported lazily for --plot).
 
     python fit.py surface RUNS.csv --ref baseline --target smelt --budgets 1e20,1e21 \
         --sparsity 0.85,0.95 [--bootstrap 2000] [--json] [--plot out.png]
     python fit.py chinchilla tests/data/chinchilla_fig4_epoch.csv --drop-highest 5 [--json]
-    python fit.py power RUNS.csv --ref vanilla [--json] [--plot out.png]
+    python fit.py power tests/data/power_example.csv --ref vanilla [--per-arch-E] [--json] [--plot out.png]
 
 CSV columns: surface `arch,cell,F,S,D,loss`; chinchilla `N,D,loss` (or `N,C,loss`, D = C/(6N));
-power `arch,C,loss`. Extra columns are ignored.
+power `arch,C,loss`. Extra columns are ignored; a UTF-8 byte-order mark is fine. A user mistake
+(missing file, malformed CSV, bad option) is one line on stderr and exit status 2.
 
 How the six-coefficient fits are made reliable (the one deviation from "L-BFGS-B from a grid"):
 for fixed exponents the law is linear in its coefficients (E, A, K), so every point of a large
@@ -21,16 +22,15 @@ centred on the data before fitting (A and a decorrelate), which is a reparametri
 different model: reported coefficients are in the usual uncentred form.
 """
 import argparse
-import contextlib
-import ctypes
+import codecs
 import csv
+import io
 import itertools
 import json
 import math
 import multiprocessing
 import os
 import sys
-import tempfile
 import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -39,6 +39,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.optimize import brentq, least_squares, minimize
 from scipy.special import expit
+from threadpoolctl import ThreadpoolController
+
+from common import cli_error, write_atomic
 
 HUBER_DELTA = 1e-3  # [S2] / Chinchilla: Huber on log-loss with delta = 1e-3
 HOFFMANN_INIT = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al. 2022 published fit
@@ -47,18 +50,40 @@ HOFFMANN_INIT = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffman
 # CSV input with errors that name the file, the line and the column
 
 
-def read_runs_csv(path, required, numeric=(), positive=(), alternatives=None):
+def read_runs_csv(path, required, numeric=(), positive=(), fraction=(), alternatives=None):
     """Read a CSV with a header row into {column: np.ndarray}. `required` columns must be present
-    (or one of `alternatives[col]`), `numeric` ones parse as floats, `positive` ones are > 0."""
+    (or one of `alternatives[col]`), `numeric` ones parse as finite floats, `positive` ones are > 0,
+    `fraction` ones lie in [0, 1); other columns are ignored. A file that cannot be opened raises
+    OSError; anything wrong inside it raises ValueError naming the file, the line and the column."""
     alternatives = alternatives or {}
+    with open(path, "rb") as f:
+        raw = f.read()
+    bom = codecs.BOM_UTF8 if raw.startswith(codecs.BOM_UTF8) else b""  # spreadsheets write one first
     try:
-        with open(path, newline="") as f:
-            lines = list(csv.reader(f))
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
-    if not lines or not any(cell.strip() for cell in lines[0]):
+        text = raw[len(bom):].decode("utf-8")  # what encoding="utf-8-sig" does, with a position on error
+    except UnicodeDecodeError as e:
+        at = len(bom) + e.start
+        lineno, line_start = raw.count(b"\n", 0, at) + 1, raw.rfind(b"\n", 0, at) + 1
+        raise ValueError(f"{path} line {lineno}: not valid UTF-8 (byte 0x{raw[at]:02x} at byte {at - line_start + 1} "
+                         "of the line); save the file as UTF-8 CSV") from None
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    lines, end = [], 0  # (line number the row starts on, fields): a quoted field may span lines
+    try:
+        for row in reader:
+            lines.append((end + 1, row))
+            end = reader.line_num
+    except csv.Error as e:  # e.g. a quote left open, or text after a closing quote
+        raise ValueError(f"{path} line {end + 1}: malformed CSV ({e})") from None
+    if not any(cell.strip() for _, row in lines for cell in row):
         raise ValueError(f"{path}: empty file, expected a header row with columns {','.join(required)}")
-    header = [h.strip() for h in lines[0]]
+    if not any(cell.strip() for cell in lines[0][1]):
+        raise ValueError(f"{path} line 1: blank, expected a header row with columns {','.join(required)}")
+    header = [h.strip() for h in lines[0][1]]
+    first = {}
+    for col, name in enumerate(header, start=1):
+        if name and name in first:
+            raise ValueError(f"{path} line 1, column {col}: duplicate column name '{name}' (also column {first[name]})")
+        first.setdefault(name, col)
     columns = {}
     for name in required:
         options = [name] + list(alternatives.get(name, ()))
@@ -67,77 +92,71 @@ def read_runs_csv(path, required, numeric=(), positive=(), alternatives=None):
             raise ValueError(f"{path} line 1: missing column '{name}'"
                              + (f" (or {' / '.join(repr(o) for o in options[1:])})" if len(options) > 1 else "")
                              + f"; header is: {','.join(header)}")
+        if len(found) > 1:
+            raise ValueError(f"{path} line 1: columns {' and '.join(repr(o) for o in found)} both given for "
+                             f"'{name}'; keep one")
         columns[found[0]] = header.index(found[0])
     data = {name: [] for name in columns}
-    for lineno, row in enumerate(lines[1:], start=2):
-        if not row or not any(cell.strip() for cell in row):
+    for lineno, row in lines[1:]:
+        if not any(cell.strip() for cell in row):
             continue  # blank line
+        if len(row) != len(header):  # a shifted row (e.g. an unquoted comma) would read wrong columns
+            raise ValueError(f"{path} line {lineno}: {len(row)} fields, the header has {len(header)}")
         for name, col in columns.items():
-            if col >= len(row):
-                raise ValueError(f"{path} line {lineno}, column '{name}': missing value (row has {len(row)} fields)")
-            text = row[col].strip()
-            if name in numeric or name in positive:
+            cell = row[col].strip()
+            where = f"{path} line {lineno}, column '{name}'"
+            if cell == "":
+                raise ValueError(f"{where}: empty value")
+            if "\n" in cell or "\r" in cell:
+                raise ValueError(f"{where}: a quoted value spans several lines")
+            if name in numeric or name in positive or name in fraction:
                 try:
-                    value = float(text)
+                    value = float(cell)
                 except ValueError:
-                    raise ValueError(f"{path} line {lineno}, column '{name}': '{text}' is not a number") from None
+                    raise ValueError(f"{where}: '{cell}' is not a number") from None
                 if not math.isfinite(value):
-                    raise ValueError(f"{path} line {lineno}, column '{name}': value must be finite, got '{text}'")
+                    raise ValueError(f"{where}: value must be finite, got '{cell}'")
                 if name in positive and value <= 0:
-                    raise ValueError(f"{path} line {lineno}, column '{name}': must be > 0, got {text}")
+                    raise ValueError(f"{where}: must be > 0, got {cell}")
+                if name in fraction and not 0 <= value < 1:
+                    raise ValueError(f"{where}: must lie in [0, 1), got {cell}")
                 data[name].append(value)
             else:
-                if text == "":
-                    raise ValueError(f"{path} line {lineno}, column '{name}': empty value")
-                data[name].append(text)
-    if not data or not next(iter(data.values())):
+                data[name].append(cell)
+    if not next(iter(data.values())):
         raise ValueError(f"{path}: no data rows after the header")
-    return {k: np.asarray(v, dtype=float if (k in numeric or k in positive) else object) for k, v in data.items()}
+    numbers = set(numeric) | set(positive) | set(fraction)
+    return {k: np.asarray(v, dtype=float if k in numbers else object) for k, v in data.items()}
 
 
 def write_runs_csv(runs, path):
     """Write {column: array} (e.g. synthetic_surface_runs()) as a CSV with a header, atomically."""
     cols = list(runs)
-    fd, tmp = tempfile.mkstemp(suffix=".csv", dir=os.path.dirname(os.path.abspath(path)))
-    with os.fdopen(fd, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        for row in zip(*(runs[c] for c in cols)):
-            w.writerow([f"{v:.10g}" if isinstance(v, (float, np.floating)) else v for v in row])
-    os.replace(tmp, path)
+    text = io.StringIO()
+    w = csv.writer(text, lineterminator="\n")
+    w.writerow(cols)
+    for row in zip(*(runs[c] for c in cols)):
+        w.writerow([f"{v:.10g}" if isinstance(v, (float, np.floating)) else v for v in row])
+    write_atomic(path, lambda f: f.write(text.getvalue().encode("utf-8")))
 
 
 # -----------------------------------------------------------------------------
 # One BLAS thread while fitting. Every problem here is tiny (6 parameters, ~100 points), yet scipy's
 # L-BFGS-B calls OpenBLAS, whose spin-waiting threads made each iteration ~20-50x slower on a busy
-# 2-core machine (23 s vs 1.1 s for 100 bootstrap refits). OpenBLAS >= 0.3.27 has a thread-local
-# setting, so this changes nothing for other threads and is restored on exit; elsewhere it is a no-op.
+# 2-core machine (23 s vs 1.1 s for 100 bootstrap refits). threadpoolctl sets every BLAS library that
+# numpy and scipy loaded to one thread and restores the previous count on exit (process-wide while
+# inside). Bootstrap workers are also started with these variables, so they never start BLAS threads.
 
 _SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # workers
-_openblas_setters = None
+_blas = None  # the ThreadpoolController, made on first use
 
 
-@contextlib.contextmanager
 def single_blas_thread():
-    global _openblas_setters
-    if _openblas_setters is None:
-        _openblas_setters = []
-        try:
-            with open("/proc/self/maps") as f:  # the OpenBLAS copies numpy and scipy loaded (Linux)
-                paths = sorted({ln.split()[-1] for ln in f if "openblas" in ln.lower() and ln.split()[-1].startswith("/")})
-            for path in paths:
-                setter = getattr(ctypes.CDLL(path), "openblas_set_num_threads_local", None)
-                if setter is not None:
-                    setter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
-                    _openblas_setters.append(setter)
-        except OSError:
-            pass
-    previous = [setter(1) for setter in _openblas_setters]
-    try:
-        yield
-    finally:
-        for setter, n in zip(_openblas_setters, previous):
-            setter(n)
+    """Context manager: the loaded BLAS libraries use one thread inside it."""
+    global _blas
+    if _blas is None:
+        _blas = ThreadpoolController()  # finds the loaded libraries once (~1 ms); each limit() is ~10 us
+    return _blas.limit(limits=1, user_api="blas")
 
 
 # -----------------------------------------------------------------------------
@@ -563,13 +582,19 @@ def fit_power_laws(runs, ref, C0=1e18, shared_E=True):
     (the sensitivity option). Returns {arch: PowerLawFit}."""
     if ref not in runs:
         raise ValueError(f"reference architecture '{ref}' not found; have {sorted(runs)}")
-    ref_fit = fit_power_law(*runs[ref], C0=C0)
+    try:
+        ref_fit = fit_power_law(*runs[ref], C0=C0)
+    except ValueError as e:
+        raise ValueError(f"{ref}: {e}") from None
     out = {}
     for arch, (C, loss) in runs.items():
         if shared_E:
-            out[arch] = fit_power_law_fixed_E(C, loss, ref_fit.E, C0, arch)
+            out[arch] = fit_power_law_fixed_E(C, loss, ref_fit.E, C0, arch)  # its errors name the arch
         else:
-            out[arch] = fit_power_law(C, loss, C0=C0)
+            try:
+                out[arch] = fit_power_law(C, loss, C0=C0)
+            except ValueError as e:
+                raise ValueError(f"{arch}: {e}") from None
     return out
 
 
@@ -594,6 +619,29 @@ def compute_multiplier(ref_C, ref_loss, arm_C, arm_loss):
                 out[i] = math.exp(c - (log_c[j] + t * (log_c[j + 1] - log_c[j])))
                 break
     return out
+
+
+# [X]-shaped synthetic ladders: one shared E [X7]; loop-2 is a constant improvement (a flat multiplier
+# (1.5/1.4)^(1/0.3) = 1.2586 [X6]), untied-grow an exponent improvement (a multiplier rising with C).
+SYNTHETIC_POWER_E = 2.0
+SYNTHETIC_POWER_LAWS = {"vanilla": dict(A=1.5, gamma=0.30), "loop-2": dict(A=1.4, gamma=0.30),
+                        "untied-grow": dict(A=1.45, gamma=0.32)}
+
+
+def synthetic_power_runs(laws=None, E=SYNTHETIC_POWER_E, budgets=(1e18, 3e18, 1e19, 3e19, 1e20),
+                         noise=0.001, seed=0, C0=1e18):
+    """loss = (E + A (C/C0)^-gamma) x exp(noise * N(0,1)) [X5] for every arch at every budget;
+    columns arch, C, loss as `fit.py power` reads them. tests/data/power_example.csv is
+    write_runs_csv(synthetic_power_runs(), ...)."""
+    laws = laws or SYNTHETIC_POWER_LAWS
+    rng = np.random.default_rng(seed)
+    cols = {"arch": [], "C": [], "loss": []}
+    for arch, law in laws.items():
+        for C in budgets:
+            cols["arch"].append(arch)
+            cols["C"].append(float(C))
+            cols["loss"].append(float(PowerLawFit(E=E, C0=C0, **law).loss(C)) * math.exp(noise * rng.standard_normal()))
+    return {k: np.asarray(v, dtype=object if k == "arch" else float) for k, v in cols.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -678,6 +726,8 @@ def cell_bootstrap(runs, ref, target, budgets, sparsities, n_draws=2000, seed=0,
     bar.close()
     point = _derived(full_fits[ref], full_fits[target], C, S)
     good = [results[i] for i in range(n_draws) if results[i] is not None]
+    if not good:
+        raise ValueError(f"cell bootstrap: none of the {n_draws} draws had enough distinct points to fit")
     out = {"value": point, "lo": {}, "hi": {}, "n_draws": n_draws, "n_failed": n_draws - len(good),
            "full_fits": full_fits}
     for k in point:
@@ -867,7 +917,7 @@ def plot_surface_frontiers(fits, sparsities, path, C_range=(1e18, 1e23)):
         for S in sparsities:
             ax.loglog(C, frontier_loss(f, C, S) - f.E, label=f"{arch} S={S:g}")
     ax.set_xlabel("C (FLOPs)"), ax.set_ylabel("L* - E (nats)"), ax.legend(fontsize=7)
-    _save(fig, path)
+    _save(plt, fig, path)
     return True
 
 
@@ -884,26 +934,75 @@ def plot_power_laws(runs, fits, multipliers, ref, path):
             ax1.semilogx(runs[ref][0], multipliers[arch], "o-", label=arch)
     ax0.set_xlabel("C"), ax0.set_ylabel("loss"), ax0.legend(fontsize=7)
     ax1.set_xlabel(f"{ref} compute"), ax1.set_ylabel("compute multiplier"), ax1.legend(fontsize=7)
-    _save(fig, path)
+    _save(plt, fig, path)
     return True
 
 
-def _save(fig, path):
-    fd, tmp = tempfile.mkstemp(suffix=os.path.splitext(path)[1] or ".png", dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
+def _save(plt, fig, path):
+    fmt = os.path.splitext(path)[1][1:].lower() or "png"  # the format named by the extension, as savefig does
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=120, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
 
 
 # -----------------------------------------------------------------------------
 # CLI
 
 
-def _floats(text, what):
+class _UsageError(Exception):
+    """A bad command line, raised by _Parser instead of argparse's usage-and-exit."""
+
+    def __init__(self, prog, message):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistake goes back to main(), which reports it like every other: one line."""
+
+    def error(self, message):
+        raise _UsageError(self.prog, message)
+
+
+def _numbers(text, ok, rule):
+    """argparse type: comma-separated finite numbers, each satisfying ok(v)."""
     try:
-        return [float(t) for t in text.split(",") if t.strip()]
+        values = [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise ValueError(f"{what}: expected comma-separated numbers, got '{text}'") from None
+        values = []
+    if not values or not all(math.isfinite(v) and ok(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers {rule}, got '{text}'")
+    return values
+
+
+def _budgets(text):
+    return _numbers(text, lambda v: v > 0, "> 0")
+
+
+def _sparsities(text):
+    return _numbers(text, lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+def _positive(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got '{text}'")
+    return value
+
+
+def _count(text):
+    """argparse type: an integer >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got '{text}'")
+    return n
 
 
 def _json_safe(v):
@@ -912,11 +1011,8 @@ def _json_safe(v):
 
 
 def run_surface(args):
-    runs = read_runs_csv(args.csv, ["arch", "cell", "F", "S", "D", "loss"], numeric=["S"], positive=["F", "D", "loss"])
-    bad = np.flatnonzero((runs["S"] < 0) | (runs["S"] >= 1))
-    if len(bad):
-        raise ValueError(f"{args.csv} line {bad[0] + 2}, column 'S': must lie in [0, 1), got {runs['S'][bad[0]]:g}")
-    budgets, sparsities = _floats(args.budgets, "--budgets"), _floats(args.sparsity, "--sparsity")
+    runs = read_runs_csv(args.csv, ["arch", "cell", "F", "S", "D", "loss"], positive=["F", "D", "loss"], fraction=["S"])
+    budgets, sparsities = args.budgets, args.sparsity
     archs = list(dict.fromkeys(runs["arch"].astype(str).tolist()))
     for name in (args.ref, args.target):
         if name not in archs:
@@ -930,8 +1026,11 @@ def run_surface(args):
             raise ValueError(f"{args.csv}: arch '{a}': {e}") from None
     boot = None
     if args.bootstrap:
-        boot = cell_bootstrap(runs, args.ref, args.target, budgets, sparsities, n_draws=args.bootstrap,
-                              seed=args.seed, full_fits={args.ref: fits[args.ref], args.target: fits[args.target]})
+        try:
+            boot = cell_bootstrap(runs, args.ref, args.target, budgets, sparsities, n_draws=args.bootstrap,
+                                  seed=args.seed, full_fits={args.ref: fits[args.ref], args.target: fits[args.target]})
+        except ValueError as e:
+            raise ValueError(f"{args.csv}: {e}") from None
     gain = ce_gain(fits[args.ref], fits[args.target], *np.meshgrid(budgets, sparsities, indexing="ij"))
     out = {"fits": {a: {k: _json_safe(v) for k, v in f.to_dict().items()} for a, f in fits.items()},
            "ce_gain": [], "tpp": []}
@@ -982,10 +1081,14 @@ def read_chinchilla_csv(path):
 def run_chinchilla(args):
     runs = read_chinchilla_csv(args.csv)
     N, D, loss = runs["N"], runs["D"], runs["loss"]
-    if args.drop_highest:
-        keep = np.argsort(loss)[: len(loss) - args.drop_highest]
-        N, D, loss = N[keep], D[keep], loss[keep]
-    fit = fit_chinchilla(N, D, loss)
+    if args.drop_highest >= len(loss):
+        raise ValueError(f"{args.csv}: --drop-highest {args.drop_highest} leaves no points (the file has {len(loss)})")
+    keep = np.argsort(loss)[: len(loss) - args.drop_highest]
+    N, D, loss = N[keep], D[keep], loss[keep]
+    try:
+        fit = fit_chinchilla(N, D, loss)
+    except ValueError as e:
+        raise ValueError(f"{args.csv}: {e}") from None
     if args.json:
         print(json.dumps(fit.to_dict()))
     else:
@@ -1002,7 +1105,10 @@ def run_power(args):
     for a in archs:
         m = rows["arch"].astype(str) == a
         runs[a] = (rows["C"][m], rows["loss"][m])
-    fits = fit_power_laws(runs, args.ref, C0=args.C0, shared_E=not args.per_arch_E)
+    try:
+        fits = fit_power_laws(runs, args.ref, C0=args.C0, shared_E=not args.per_arch_E)
+    except ValueError as e:
+        raise ValueError(f"{args.csv}: {e}") from None
     mult = {a: compute_multiplier(*runs[args.ref], *runs[a]) for a in archs}
     out = {"E": fits[args.ref].E, "C0": args.C0, "shared_E": not args.per_arch_E,
            "fits": {a: {"E": f.E, "A": f.A, "gamma": f.gamma} for a, f in fits.items()},
@@ -1024,36 +1130,36 @@ def run_power(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="fit.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("surface", help="SMELT surfaces [S2], CE Gain [S5], TPP, cell bootstrap")
     s.add_argument("csv")
     s.add_argument("--ref", required=True)
     s.add_argument("--target", required=True)
-    s.add_argument("--budgets", default="1e20,1e21")
-    s.add_argument("--sparsity", default="0.85,0.95")
-    s.add_argument("--bootstrap", type=int, default=0, help="number of cell-bootstrap draws (paper: 2000)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--budgets", type=_budgets, default="1e20,1e21")
+    s.add_argument("--sparsity", type=_sparsities, default="0.85,0.95")
+    s.add_argument("--bootstrap", type=_count, default=0, help="number of cell-bootstrap draws (paper: 2000)")
+    s.add_argument("--seed", type=_count, default=0)
     s.add_argument("--json", action="store_true")
     s.add_argument("--plot")
     c = sub.add_parser("chinchilla", help="Chinchilla Approach 3")
     c.add_argument("csv")
-    c.add_argument("--drop-highest", type=int, default=0, help="drop the K highest-loss points first")
+    c.add_argument("--drop-highest", type=_count, default=0, help="drop the K highest-loss points first")
     c.add_argument("--json", action="store_true")
     w = sub.add_parser("power", help="[X] protocol: shared-E power laws and compute multipliers")
     w.add_argument("csv")
     w.add_argument("--ref", required=True)
-    w.add_argument("--C0", type=float, default=1e18)
+    w.add_argument("--C0", type=_positive, default=1e18)
     w.add_argument("--per-arch-E", action="store_true", help="sensitivity option: fit E per architecture")
     w.add_argument("--json", action="store_true")
     w.add_argument("--plot")
-    args = p.parse_args(argv)
     try:
+        args = p.parse_args(argv)
         {"surface": run_surface, "chinchilla": run_chinchilla, "power": run_power}[args.cmd](args)
-    except ValueError as e:
-        msg = str(e)
-        print(f"error: {msg if msg.startswith(args.csv) else f'{args.csv}: {msg}'}", file=sys.stderr)
-        return 2
+    except _UsageError as e:
+        return cli_error(e.prog, e)
+    except (OSError, ValueError) as e:  # missing file, malformed CSV (file, line, column), data that cannot be fitted
+        return cli_error("fit.py", e)
     return 0
 
 

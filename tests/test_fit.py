@@ -7,10 +7,12 @@ import os
 import numpy as np
 import pytest
 from scipy.optimize import brentq, minimize_scalar
+from threadpoolctl import threadpool_info, threadpool_limits
 
 import fit
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "chinchilla_fig4_epoch.csv")
+POWER_EXAMPLE = os.path.join(os.path.dirname(__file__), "data", "power_example.csv")  # fit.synthetic_power_runs()
 
 
 def arch_arrays(runs, arch):
@@ -184,6 +186,10 @@ def test_power_laws_shared_E():
     fits = fit.fit_power_laws(runs, "vanilla")
     assert fits["vanilla"].E == fits["loop"].E
     assert abs(fits["loop"].gamma - 0.32) < 0.03 and fits["loop"].gamma > fits["vanilla"].gamma
+    # the compute multiplier from the fitted laws [X6] rises with C as the true one, (1.5/1.4)^(1/0.32) (C/C0)^(1/16)
+    L_ref = fits["vanilla"].loss(C)
+    true = (1.5 / 1.4) ** (1 / 0.32) * (C / 1e18) ** (0.02 / 0.32)
+    assert np.all(np.abs(fits["vanilla"].compute(L_ref) / fits["loop"].compute(L_ref) / true - 1) < 0.02)  # 1.4% here
     per_arch = fit.fit_power_laws(runs, "vanilla", shared_E=False)
     assert per_arch["loop"].E != per_arch["vanilla"].E
     with pytest.raises(ValueError, match="shared E"):
@@ -280,16 +286,21 @@ def test_cli_chinchilla_and_power_json(tmp_path, capsys):
     assert fit.main(["chinchilla", DATA, "--drop-highest", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"E", "A", "B", "alpha", "beta", "objective"} and abs(out["E"] - 1.817) < 0.003
-    C = np.geomspace(1e17, 1e19, 6)
+    assert fit.main(["chinchilla", DATA, "--drop-highest", "5"]) == 0
+    assert capsys.readouterr().out.startswith("Chinchilla Approach 3 on 240 points: E=1.81")
+    # noise-free laws with equal gamma: loop reaches vanilla's loss with (1.4/1.5)^(1/0.3) of its compute,
+    # so the multiplier [X6] is (1.5/1.4)^(1/0.3) = 1.2586 at every budget. 16 budgets (spacing not a
+    # divisor of that ratio): interpolating between neighbours in (log L, log C) is then within 0.2%.
+    C = np.geomspace(1e17, 1e19, 16)
     rows = ["arch,C,loss"] + [f"vanilla,{c:.17g},{l:.17g}" for c, l in zip(C, fit.PowerLawFit(2.0, 1.5, 0.3).loss(C))]
     rows += [f"loop,{c:.17g},{l:.17g}" for c, l in zip(C, fit.PowerLawFit(2.0, 1.4, 0.3).loss(C))]
     path = write(tmp_path, "power.csv", "\n".join(rows) + "\n")
     assert fit.main(["power", path, "--ref", "vanilla", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert abs(out["fits"]["loop"]["E"] - out["E"]) == 0
+    assert out["fits"]["loop"]["E"] == out["E"] and abs(out["E"] - 2.0) < 1e-4
     vals = [m["value"] for m in out["multipliers"]["loop"]]
-    assert vals[0] is None or vals[0] > 1  # ref's worst point may lie outside loop's range
-    assert all(v is None or v > 1 for v in vals)
+    assert vals[0] is None  # vanilla's first loss is above all of loop's: outside its range, no extrapolation
+    assert all(v is not None and abs(v / (1.5 / 1.4) ** (1 / 0.3) - 1) < 0.003 for v in vals[1:]), vals
     # --plot works with matplotlib and degrades to a message without it
     png = str(tmp_path / "m.png")
     assert fit.main(["power", path, "--ref", "vanilla", "--plot", png]) == 0
@@ -309,6 +320,183 @@ def test_malformed_surface_input(tmp_path, capsys, text, message):
     assert fit.main(["surface", path, "--ref", "b", "--target", "b"]) == 2
     err = capsys.readouterr().err
     assert message in err and "bad.csv" in err
+
+
+def test_power_example_file_recovers_its_generating_laws(capsys):
+    # the shipped example is write_runs_csv(synthetic_power_runs()): it reads back as the generator's values
+    runs, gen = fit.read_runs_csv(POWER_EXAMPLE, ["arch", "C", "loss"], positive=["C", "loss"]), fit.synthetic_power_runs()
+    assert list(runs["arch"]) == list(gen["arch"])
+    np.testing.assert_allclose(runs["loss"], gen["loss"], rtol=1e-9)
+    # the README command: shared E [X7], (A, gamma) per arch and measured multipliers [X6]
+    assert fit.main(["power", POWER_EXAMPLE, "--ref", "vanilla", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert abs(out["E"] - fit.SYNTHETIC_POWER_E) < 0.01  # 0.1% noise on 5 points: E = 1.992
+    laws = {a: fit.PowerLawFit(E=fit.SYNTHETIC_POWER_E, **law) for a, law in fit.SYNTHETIC_POWER_LAWS.items()}
+    for a, law in laws.items():
+        got = out["fits"][a]
+        assert got["E"] == out["E"]
+        assert abs(got["gamma"] - law.gamma) < 0.004 and abs(got["A"] / law.A - 1) < 0.015, (a, got)
+    for a in ("loop-2", "untied-grow"):
+        m = out["multipliers"][a]
+        C = np.array([p["C"] for p in m])
+        true = C / laws[a].compute(laws["vanilla"].loss(C))
+        assert m[0]["value"] is None  # vanilla's smallest run is worse than any of the arch's: no extrapolation
+        # interpolating between points half a decade apart underestimates by up to 4% (3% noise-free)
+        got = np.array([p["value"] for p in m[1:]], dtype=float)
+        assert np.all(np.abs(got / true[1:] - 1) < 0.04), (a, got, true)
+    loop = [p["value"] for p in out["multipliers"]["loop-2"][1:]]
+    grow = [p["value"] for p in out["multipliers"]["untied-grow"][1:]]
+    assert np.ptp(loop) < 0.03 and np.all(np.diff(grow) > 0.05)  # constant vs exponent improvement
+
+
+def test_single_blas_thread_limits_and_restores():
+    def blas_threads():
+        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+    assert blas_threads(), "numpy/scipy loaded no BLAS that threadpoolctl can see"
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = blas_threads()
+        if max(before) < 2:
+            pytest.skip("BLAS runs one thread at most on this machine")
+        with fit.single_blas_thread():
+            assert blas_threads() == [1] * len(before)
+        assert blas_threads() == before
+
+
+def test_csv_with_byte_order_mark(tmp_path, capsys):
+    # spreadsheet programs write a UTF-8 byte-order mark before the header: it is not part of 'params'
+    raw = open(DATA, "rb").read()
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + raw)
+    plain, marked = fit.read_chinchilla_csv(DATA), fit.read_chinchilla_csv(str(bom))
+    for k in ("N", "D", "loss"):
+        np.testing.assert_array_equal(plain[k], marked[k])
+    power = tmp_path / "power_bom.csv"
+    power.write_bytes(b"\xef\xbb\xbf" + open(POWER_EXAMPLE, "rb").read())
+    assert fit.main(["power", str(power), "--ref", "vanilla", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["fits"]) == {"vanilla", "loop-2", "untied-grow"}
+
+
+def one_error_line(capsys):
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == "" and len(lines) == 1, captured.err
+    assert lines[0].startswith("fit.py") and ": error: " in lines[0]
+    return lines[0]
+
+
+POWER_HEAD = "arch,C,loss\n"
+POWER_OK = "".join(f"v,{c:g},{2 + 1.5 * (c / 1e18) ** -0.3:.6f}\n" for c in (1e18, 3e18, 1e19, 3e19, 1e20))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "power.csv: empty file, expected a header row with columns arch,C,loss"),
+    ("\n\n", "power.csv: empty file"),
+    ("\n" + POWER_HEAD + POWER_OK, "power.csv line 1: blank, expected a header row"),
+    (POWER_HEAD, "power.csv: no data rows after the header"),
+    (POWER_HEAD + "\n \n", "power.csv: no data rows after the header"),
+    ("arch,C,loss,C\n" + POWER_OK.replace("\n", ",1\n"), "power.csv line 1, column 4: duplicate column name 'C' (also column 2)"),
+    (POWER_HEAD + POWER_OK + "v,abc,2.0\n", "power.csv line 7, column 'C': 'abc' is not a number"),
+    (POWER_HEAD + POWER_OK + "v,1e21,nan\n", "power.csv line 7, column 'loss': value must be finite, got 'nan'"),
+    (POWER_HEAD + POWER_OK + "v,inf,2.0\n", "power.csv line 7, column 'C': value must be finite, got 'inf'"),
+    (POWER_HEAD + "v,-1e18,2.0\n" + POWER_OK, "power.csv line 2, column 'C': must be > 0, got -1e18"),
+    (POWER_HEAD + POWER_OK + "v,1e21,0\n", "power.csv line 7, column 'loss': must be > 0, got 0"),
+    (POWER_HEAD + POWER_OK + "v,,2.0\n", "power.csv line 7, column 'C': empty value"),
+    (POWER_HEAD + POWER_OK + "v,1e21,2.0,x\n", "power.csv line 7: 4 fields, the header has 3"),
+    (POWER_HEAD + POWER_OK + "v,1e21\n", "power.csv line 7: 2 fields, the header has 3"),
+    (POWER_HEAD + "\n" + POWER_OK + 'v,1e21,"2.0\n', "power.csv line 8: malformed CSV (unexpected end of data)"),
+    (POWER_HEAD + POWER_OK + 'v,"1e21\n2",2.0\n', "power.csv line 7, column 'C': a quoted value spans several lines"),
+    (POWER_HEAD + "\n" + POWER_OK + ",,\n", None),  # blank lines (also as bare commas) are skipped
+])
+def test_malformed_power_input(tmp_path, capsys, text, message):
+    path = write(tmp_path, "power.csv", text)
+    status = fit.main(["power", path, "--ref", "v", "--json"])
+    if message is None:
+        assert status == 0 and capsys.readouterr().err == ""
+        return
+    assert status == 2
+    line = one_error_line(capsys)
+    assert message in line and path in line, line
+
+
+def test_power_fit_errors_name_the_architecture(tmp_path, capsys):
+    path = write(tmp_path, "power.csv", POWER_HEAD + POWER_OK + "w,1e18,3.4\nw,1e19,2.7\nw,1e20,2.3\n")
+    assert fit.main(["power", path, "--ref", "v", "--per-arch-E"]) == 2
+    assert f"{path}: w: power-law fit: 3 points is too few to fit 3 coefficients" in one_error_line(capsys)
+    assert fit.main(["power", path, "--ref", "w"]) == 2  # E is fitted on the reference
+    assert f"{path}: w: power-law fit: 3 points" in one_error_line(capsys)
+    below = write(tmp_path, "below.csv", POWER_HEAD + POWER_OK + "w,1e18,1.5\nw,1e19,1.4\n")
+    assert fit.main(["power", below, "--ref", "v"]) == 2
+    assert f"{below}: w: loss 1.4 <= shared E 2" in one_error_line(capsys)
+
+
+def test_plot_save_is_atomic_and_closes_the_figure(tmp_path):
+    class Fig:  # the two calls _save makes, without matplotlib
+        def savefig(self, f, format, **kw):
+            if format == "xyz":
+                raise ValueError("Format 'xyz' is not supported")
+            f.write(f"{format} image".encode())
+
+    class Plt:
+        closed = []
+
+        def close(self, fig):
+            self.closed.append(fig)
+
+    plt, fig = Plt(), Fig()
+    fit._save(plt, fig, str(tmp_path / "out" / "m.PDF"))
+    assert (tmp_path / "out" / "m.PDF").read_text() == "pdf image" and plt.closed == [fig]
+    with pytest.raises(ValueError, match="xyz"):
+        fit._save(plt, fig, str(tmp_path / "out" / "m.xyz"))
+    assert sorted(os.listdir(tmp_path / "out")) == ["m.PDF"] and plt.closed == [fig, fig]  # no temp file left
+    fit._save(plt, fig, str(tmp_path / "noext"))
+    assert (tmp_path / "noext").read_text() == "png image"
+
+
+def test_non_utf8_csv_names_line(tmp_path, capsys):
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(("arch,C,loss\nv,1e18,3.5\nvanilla_caf\u00e9,1e19,2.7\n").encode("latin-1"))  # é is byte 12 of line 3
+    assert fit.main(["power", str(path), "--ref", "v"]) == 2
+    assert f"{path} line 3: not valid UTF-8 (byte 0xe9 at byte 12 of the line)" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("header, message", [
+    ("N,D,C,loss", "line 1: columns 'D' and 'C' both given for 'D'"),
+    ("N,params,D,loss", "line 1: columns 'N' and 'params' both given for 'N'"),
+    ("N,D,loss,N", "line 1, column 4: duplicate column name 'N' (also column 1)"),
+])
+def test_ambiguous_chinchilla_columns(tmp_path, capsys, header, message):
+    n = header.count(",") + 1
+    path = write(tmp_path, "c.csv", header + "\n" + ",".join(["1e9"] * (n - 1) + ["2.0"]) + "\n")
+    assert fit.main(["chinchilla", path]) == 2
+    assert message in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["chinchilla", DATA, "--drop-highest", "-3"], "fit.py chinchilla: error: argument --drop-highest: expected an integer >= 0, got '-3'"),
+    (["chinchilla", DATA, "--drop-highest", "245"], f"fit.py: error: {DATA}: --drop-highest 245 leaves no points (the file has 245)"),
+    (["chinchilla", DATA, "--drop-highest", "241"], f"fit.py: error: {DATA}: Chinchilla fit: 4 points is too few"),
+    (["chinchilla", "no/such.csv"], "fit.py: error: No such file or directory: no/such.csv"),
+    (["power", "no/such.csv", "--ref", "vanilla"], "fit.py: error: No such file or directory: no/such.csv"),
+    (["power", POWER_EXAMPLE], "fit.py power: error: the following arguments are required: --ref"),
+    (["power", POWER_EXAMPLE, "--ref", "nope"], "architecture 'nope' not found in column 'arch'"),
+    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--C0", "0"], "argument --C0: expected a number > 0, got '0'"),
+    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--C0", "nan"], "argument --C0: expected a number > 0, got 'nan'"),
+    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--budgets", "abc"],
+     "fit.py surface: error: argument --budgets: expected comma-separated numbers > 0, got 'abc'"),
+    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--budgets", ""], "argument --budgets"),
+    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--budgets", "1e20,-1"], "argument --budgets"),
+    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--sparsity", "0.5,1"],
+     "argument --sparsity: expected comma-separated numbers in [0, 1), got '0.5,1'"),
+    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--bootstrap", "-5"], "argument --bootstrap: expected an integer >= 0"),
+    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b"], "line 1: missing column 'cell'"),
+    (["fitness"], "fit.py: error: argument cmd: invalid choice: 'fitness'"),
+    ([], "fit.py: error: the following arguments are required: cmd"),
+])
+def test_cli_mistakes_are_one_line_and_status_2(capsys, argv, message):
+    assert fit.main(argv) == 2
+    line = one_error_line(capsys)
+    assert message in line, line
 
 
 def test_malformed_chinchilla_input(tmp_path, capsys):
