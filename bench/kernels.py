@@ -4,8 +4,12 @@ compiles), forward and forward+backward, one JSON line per measurement:
 
     python bench/kernels.py                    # CUDA: times; CPU: one line per kernel saying so
     python bench/kernels.py --dtype=float32 --tokens=4096
+    python bench/kernels.py --moe_autocast     # the MoE as model.py calls it: fp32 x and weights, bf16 autocast
 
 torch.compile is not applied to the MoE twin: its python loop over experts needs counts on the host.
+--moe_autocast times moe_experts (and its twin) on fp32 tensors under torch.autocast("cuda", bfloat16),
+so the operand casts count (dtype contract: kernels/moe_kernel.py moe_experts); its lines read
+dtype "float32+autocast-bf16". The other kernels are not autocast-aware and keep --dtype.
 Line fields: kernel, shape, dtype, pass ("fwd" | "fwd+bwd"), impl ("triton" | "twin" | "twin_compiled"),
 ms (median of triton.testing.do_bench), ratio_vs_twin (= twin ms / impl ms: > 1 means faster than eager).
 The Triton interpreter is never timed: its speed says nothing about the GPU.
@@ -21,11 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels  # noqa: E402
 
 
-def make_cases(tokens, n_embd, hidden, n_expert, top_k, expert_hidden, dtype, device):
-    """name -> (shape description, triton fn, twin fn, inputs). Shapes are those of a ~200M model step."""
+def make_cases(tokens, n_embd, hidden, n_expert, top_k, expert_hidden, dtype, device, moe_dtype=None):
+    """name -> (shape description, triton fn, twin fn, inputs). Shapes are those of a ~200M model step.
+    moe_dtype: the MoE's tensors' dtype (default: dtype)."""
     g = torch.Generator(device="cpu").manual_seed(0)
 
-    def randn(*shape, scale=1.0):
+    def randn(*shape, scale=1.0, dtype=dtype):
         return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype).requires_grad_()
 
     x, e, w = randn(tokens, n_embd), randn(tokens, n_embd), randn(n_embd)
@@ -33,9 +38,11 @@ def make_cases(tokens, n_embd, hidden, n_expert, top_k, expert_hidden, dtype, de
     rows = tokens * top_k  # every token routed to top_k experts, rows sorted by expert
     expert_of_row = torch.randint(0, n_expert, (rows,), generator=g)
     counts = torch.bincount(expert_of_row, minlength=n_expert).to(device)
-    moe = (randn(rows, n_embd), counts, randn(n_expert, expert_hidden, n_embd, scale=n_embd ** -0.5),
-           randn(n_expert, expert_hidden, n_embd, scale=n_embd ** -0.5),
-           randn(n_expert, n_embd, expert_hidden, scale=expert_hidden ** -0.5))
+    md = moe_dtype or dtype
+    moe = (randn(rows, n_embd, dtype=md), counts,
+           randn(n_expert, expert_hidden, n_embd, scale=n_embd ** -0.5, dtype=md),
+           randn(n_expert, expert_hidden, n_embd, scale=n_embd ** -0.5, dtype=md),
+           randn(n_expert, n_embd, expert_hidden, scale=expert_hidden ** -0.5, dtype=md))
     stack = randn(16, expert_hidden, n_embd).detach()  # a slice of a stacked expert update for Muon
     return {
         "rmsnorm": (f"{tokens}x{n_embd}", kernels.rmsnorm, kernels.rmsnorm_reference, (x, w)),
@@ -49,6 +56,13 @@ def make_cases(tokens, n_embd, hidden, n_expert, top_k, expert_hidden, dtype, de
         "newton_schulz": (f"16x{expert_hidden}x{n_embd}", kernels.newton_schulz, kernels.newton_schulz_reference,
                           (stack,)),
     }
+
+
+def under_autocast(step):
+    def autocast_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            step()
+    return autocast_step
 
 
 def fwd_bwd(fn, inputs):
@@ -68,6 +82,8 @@ def main():
     parser.add_argument("--top_k", type=int, default=8)
     parser.add_argument("--expert_hidden", type=int, default=432)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--moe_autocast", action="store_true",
+                        help="moe_experts on fp32 tensors under bf16 autocast, as model.py calls it on CUDA")
     parser.add_argument("--no_compile", action="store_true", help="skip torch.compile of the twins")
     args = parser.parse_args()
     names = ["rmsnorm", "boundary_operator", "swiglu", "moe_experts", "gram", "newton_schulz"]
@@ -79,7 +95,7 @@ def main():
     from triton.testing import do_bench
     dtype = getattr(torch, args.dtype)
     cases = make_cases(args.tokens, args.n_embd, args.hidden, args.n_expert, args.top_k, args.expert_hidden,
-                       dtype, torch.device("cuda"))
+                       dtype, torch.device("cuda"), torch.float32 if args.moe_autocast else None)
     for name, (shape, fn, twin, inputs) in cases.items():
         impls = {"twin": twin, "triton": fn}
         if not args.no_compile and name != "moe_experts":  # its twin's per-expert loop has a host sync
@@ -88,7 +104,10 @@ def main():
             times = {}
             for impl, f in impls.items():
                 step = (lambda f=f: f(*inputs)) if pass_name == "fwd" else fwd_bwd(f, inputs)
-                record = {"kernel": name, "shape": shape, "dtype": args.dtype, "pass": pass_name, "impl": impl}
+                autocast = args.moe_autocast and name == "moe_experts"
+                step = under_autocast(step) if autocast else step
+                record = {"kernel": name, "shape": shape, "dtype": "float32+autocast-bf16" if autocast else args.dtype,
+                          "pass": pass_name, "impl": impl}
                 try:
                     times[impl] = do_bench(step, warmup=25, rep=100, return_mode="median")
                 except Exception as error:  # e.g. torch.compile failing on the twin's python loop

@@ -11,6 +11,17 @@ Every kernel is a torch.autograd.Function with forward and backward in Triton (e
 a torch matmul: it serves Muon, which runs under no_grad). On CUDA they compile;
 on CPU they run only in the Triton interpreter (TRITON_INTERPRET=1, fp32 arithmetic, slow: tests only).
 
+Dtypes (details in each wrapper's docstring): all arithmetic is fp32 (matmuls accumulate in fp32 from
+bf16 operands on CUDA); every gradient has its input's dtype.
+    rmsnorm, boundary_operator   -> x.dtype / h.dtype; weight and e may differ; not autocast-aware
+    swiglu                       -> gate.dtype (== up.dtype); not autocast-aware
+    moe_experts                  -> x_sorted.dtype; autocast-aware: under autocast the matmul operands
+                                    are in the autocast dtype, the result still in x_sorted.dtype
+    gram                         -> x.dtype;  newton_schulz -> update.dtype, arithmetic in `dtype`
+The interpreter cannot do bf16 arithmetic: the kernels convert after every load (and the matmul kernels
+convert their tl.dot operands when run on CPU), so bf16 tensors go through the same plumbing there;
+only its fp32 -> bf16 stores truncate where the GPU rounds to nearest (1 bf16 ulp).
+
 Importing this package does not import triton: triton decides interpreter-or-compiler when a kernel is
 defined, so the kernel files are imported on first use, after the caller had the chance to set
 TRITON_INTERPRET (tests/conftest.py does so on machines without CUDA).
@@ -56,7 +67,8 @@ def swiglu_reference(gate, up):
 
 
 def moe_experts(x_sorted, counts, w_gate, w_up, w_down):
-    """Grouped-GEMM SwiGLU experts over expert-sorted rows (see moe_kernel.py)."""
+    """Grouped-GEMM SwiGLU experts over expert-sorted rows (see moe_kernel.py). Returns x_sorted.dtype,
+    also under autocast (where the matmul operands are in the autocast dtype)."""
     return _module("moe_kernel", x_sorted.device).moe_experts(x_sorted, counts, w_gate, w_up, w_down)
 
 

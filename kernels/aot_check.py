@@ -8,6 +8,8 @@ The interpreter (CPU tests) runs the kernels as numpy and cannot catch what only
 (early returns, dtype casts, shared-memory overflow, layouts). triton.compile with an explicit
 GPUTarget runs the real pipeline down to a cubin with the ptxas shipped in the triton wheel. It prints
 one JSON line per compiled variant, with its shared memory, and exits non-zero on the first failure.
+With bf16 it also builds the mixed-dtype variants the autocast path launches (bf16 operands with fp32
+results and gradients: see the dtype contracts in kernels/__init__.py); their lines say "mixed".
 Must run without TRITON_INTERPRET (it would define the kernels as interpreted functions).
 """
 import argparse
@@ -22,8 +24,9 @@ from triton.compiler import ASTSource
 from kernels import moe_kernel, newton_schulz_kernel, rmsnorm_kernel, swiglu_kernel
 
 
-def compile_kernel(kernel, target, pointer_types, constexprs, **options):
-    """Compile `kernel` with pointer args typed by pointer_types; other args are i32 (eps/alpha fp32)."""
+def compile_kernel(kernel, target, pointer_types, constexprs, mixed=None, **options):
+    """Compile `kernel` with pointer args typed by pointer_types; other args are i32 (eps/alpha fp32).
+    mixed: a note for a variant whose pointers mix dtypes (printed on its line)."""
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -33,11 +36,12 @@ def compile_kernel(kernel, target, pointer_types, constexprs, **options):
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=target, options=options)
     print(json.dumps({"kernel": kernel.__name__, "arch": target.arch, **constexprs,
-                      "shared_bytes": compiled.metadata.shared}), flush=True)
+                      **({"mixed": mixed} if mixed else {}), "shared_bytes": compiled.metadata.shared}), flush=True)
 
 
 def compile_all(arch=90, dtypes=("bf16", "fp32"), quick=False):
-    """quick: only the variant of each kernel with every optional feature on (8 compiles per dtype)."""
+    """quick: only the variant of each kernel with every optional feature on (8 compiles per dtype, and
+    4 mixed-dtype ones with bf16)."""
     target = GPUTarget("cuda", arch, 32)
     for dt in dtypes:
         ptr = lambda *names: {name: "*" + dt for name in names}  # noqa: E731
@@ -53,7 +57,7 @@ def compile_all(arch=90, dtypes=("bf16", "fp32"), quick=False):
                        dict(BLOCK_M=4, BLOCK_N=1024))
         tiles = {"TILE_EXPERT": "*i32", "TILE_FIRST_ROW": "*i64", "TILE_LAST_ROW": "*i64"}
         block_m, block_n, block_k, num_warps, num_stages = moe_kernel._blocks("cuda")
-        blocks = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        blocks = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=False)  # True: interpreter only
         options = dict(num_warps=num_warps, num_stages=num_stages)
         compile_kernel(moe_kernel._moe_gate_up_kernel, target, {**ptr("X", "WG", "WU", "HG", "HU", "ACT"), **tiles},
                        blocks, **options)
@@ -64,7 +68,24 @@ def compile_all(arch=90, dtypes=("bf16", "fp32"), quick=False):
                        "COUNTS": "*i64"}, blocks, **options)
         block_m, block_k, num_warps, num_stages = newton_schulz_kernel._blocks("cuda")
         compile_kernel(newton_schulz_kernel._gram_kernel, target, {**ptr("X", "C"), "PAIRS": "*i32"},
-                       dict(BLOCK_M=block_m, BLOCK_K=block_k), num_warps=num_warps, num_stages=num_stages)
+                       dict(BLOCK_M=block_m, BLOCK_K=block_k, FP32_DOT=False), num_warps=num_warps,
+                       num_stages=num_stages)
+        if dt == "bf16":  # what autocast launches: bf16 activations and operands next to fp32 tensors
+            fp32 = lambda *names: {name: "*fp32" for name in names}  # noqa: E731
+            note = "bf16 x with fp32 weight and e (q/k norm, BO of a bf16 h)"
+            flags = dict(HAS_WEIGHT=True, HAS_E=True, BLOCK_M=8, BLOCK_D=1024)
+            compile_kernel(rmsnorm_kernel._rmsnorm_fwd_kernel, target, {**ptr("X", "Y"), **fp32("W", "E", "RSTD")},
+                           flags, mixed=note, num_warps=8)
+            compile_kernel(rmsnorm_kernel._rmsnorm_bwd_kernel, target,
+                           {**ptr("X", "DY", "DX"), **fp32("W", "DE", "DW_PARTIAL", "RSTD")}, flags, mixed=note,
+                           num_warps=8)
+            for has_second in (True,) if quick else (True, False):  # fp32 result: y and d x of moe_experts
+                compile_kernel(moe_kernel._grouped_mm_kernel, target,
+                               {**ptr("A", "B", "A2", "B2"), **fp32("C"), **tiles},
+                               dict(HAS_SECOND=has_second, **blocks), mixed="bf16 operands, fp32 result", **options)
+            compile_kernel(moe_kernel._grouped_wgrad_kernel, target, {**ptr("A", "B"), **fp32("C"),
+                           "ROW_START": "*i64", "COUNTS": "*i64"}, blocks, mixed="bf16 operands, fp32 weight grad",
+                           **options)
 
 
 def main():

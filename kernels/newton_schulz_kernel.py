@@ -23,7 +23,7 @@ from muon import orthogonalize  # the one Newton-Schulz iteration of the project
 
 @triton.jit
 def _gram_kernel(X, C, PAIRS, M, K, stride_xb, stride_xm, stride_xk, stride_cb, stride_cm, stride_cn,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
     pair = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     tile_i = tl.load(PAIRS + 2 * pair)
@@ -38,6 +38,8 @@ def _gram_kernel(X, C, PAIRS, M, K, stride_xb, stride_xm, stride_xk, stride_cb, 
         k_mask = ks < K - k0
         xi = tl.load(xi_ptrs, mask=(rows_i[:, None] < M) & k_mask[None, :], other=0.0)
         xj = tl.load(xj_ptrs, mask=k_mask[:, None] & (rows_j[None, :] < M), other=0.0)
+        if FP32_DOT:  # interpreter: no bf16 arithmetic (see _fp32_dot)
+            xi, xj = xi.to(tl.float32), xj.to(tl.float32)
         acc = tl.dot(xi, xj, acc, input_precision="ieee")
         xi_ptrs += BLOCK_K * stride_xk
         xj_ptrs += BLOCK_K * stride_xk
@@ -60,6 +62,13 @@ def _blocks(device_type):
     return (64, 32, 4, 3) if device_type == "cuda" else (32, 32, 4, 1)  # BLOCK_M, BLOCK_K, warps, stages
 
 
+def _fp32_dot(device_type):
+    """FP32_DOT: convert the operands to fp32 after the load. Only for the interpreter (CPU), which cannot
+    multiply bf16; the product of two bf16 values is exact in fp32, so this is still the tensor cores'
+    arithmetic (bf16 operands, fp32 sums) up to summation order. On CUDA bf16 goes to tl.dot as is."""
+    return device_type != "cuda"
+
+
 class _GramFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -70,7 +79,8 @@ class _GramFunction(torch.autograd.Function):
         pairs = _tile_pairs(triton.cdiv(m, block_m), x.device)
         _gram_kernel[(pairs.shape[0], x3.shape[0])](
             x3, c, pairs, m, k, *x3.stride(), *c.stride(),
-            BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+            BLOCK_M=block_m, BLOCK_K=block_k, FP32_DOT=_fp32_dot(x.device.type),
+            num_warps=num_warps, num_stages=num_stages)
         ctx.save_for_backward(x)
         return c.view(*batch_shape, m, m)
 
@@ -81,7 +91,14 @@ class _GramFunction(torch.autograd.Function):
 
 
 def gram(x):
-    """x @ x.mT for x (..., m, k), computing only the upper-triangle tiles."""
+    """x @ x.mT for x (..., m, k), computing only the upper-triangle tiles.
+
+    Dtypes: returns x.dtype (fp32 accumulation, one rounding at the store; bf16 operands go to the tensor
+    cores as they are). Not autocast-aware: Muon calls it under no_grad with the Newton-Schulz dtype it chose.
+    Gradient (torch matmul): x.dtype.
+    Exactness: each off-diagonal tile is stored twice from the same registers, so C[i, j] == C[j, i].T
+    bit for bit there; a diagonal tile is one matmul X_i X_i^T, symmetric only up to rounding (on any
+    backend: the BLAS or tensor-core summation order need not be symmetric)."""
     if x.dim() < 2:
         raise ValueError(f"gram: x must have at least 2 dims (..., m, k), got shape {tuple(x.shape)}")
     if x.numel() == 0:
@@ -96,7 +113,9 @@ def gram_reference(x):
 
 def newton_schulz(update, steps=5, eps=1e-7, dtype=None, gram_fn=gram):
     """muon.orthogonalize with both Gram products (A = X X^T, and A A = A A^T since A is symmetric)
-    computed by `gram_fn`: the Triton kernel by default."""
+    computed by `gram_fn`: the Triton kernel by default.
+    Dtypes: dtype is the iteration's arithmetic dtype (None: bf16 on CUDA, fp32 elsewhere, as muon.py);
+    the Gram products come back in it; the result has update.dtype. bf16 works in the interpreter too."""
     return orthogonalize(update, steps, eps, dtype=dtype, gram=gram_fn)
 
 

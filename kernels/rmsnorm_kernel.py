@@ -150,7 +150,12 @@ def _check(x, weight, name="x"):
 
 
 def rmsnorm(x, weight=None, eps=1e-6):
-    """Fused RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight; weight=None means no gain."""
+    """Fused RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight; weight=None means no gain.
+
+    Dtypes: returns x.dtype. Arithmetic in fp32 whatever the inputs (converted after the load), one rounding
+    at the store. weight may have another float dtype (fp32 gain on a bf16 q/k). Not autocast-aware:
+    under autocast it returns what it returns outside (as F.rms_norm on CPU autocast). Gradients: d x in
+    x.dtype, d weight in weight.dtype (summed in fp32, cast once)."""
     _check(x, weight)
     if x.numel() == 0:
         return rmsnorm_reference(x, weight, eps)
@@ -158,7 +163,10 @@ def rmsnorm(x, weight=None, eps=1e-6):
 
 
 def boundary_operator(h, e, alpha, weight=None, eps=1e-6):
-    """[X3] BO(h, e) = RMSNorm(h) + alpha * e in one pass (alpha a python float, not learned)."""
+    """[X3] BO(h, e) = RMSNorm(h) + alpha * e in one pass (alpha a python float, not learned).
+
+    Dtypes: returns h.dtype; e and weight may have other float dtypes; fp32 arithmetic; not autocast-aware
+    (as rmsnorm). Gradients in each input's dtype (d h: h.dtype, d e: e.dtype, d weight: weight.dtype)."""
     _check(h, weight, name="h")
     if e.shape != h.shape:
         raise ValueError(f"boundary_operator: e shape {tuple(e.shape)} != h shape {tuple(h.shape)}")

@@ -93,7 +93,11 @@ class _SwiGLUFunction(torch.autograd.Function):
 
 
 def swiglu(gate, up):
-    """Fused silu(gate) * up (same shapes, any leading dims)."""
+    """Fused silu(gate) * up (same shapes, any leading dims).
+
+    Dtypes: gate and up share one dtype, which the result and both gradients have; arithmetic in fp32
+    (converted after the load), one rounding at each store. Not autocast-aware: under autocast its inputs
+    are the projections' bf16 outputs, so it returns bf16, as F.silu(gate) * up does."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
     if gate.dtype != up.dtype:

@@ -3,10 +3,21 @@ Every Triton kernel in kernels/ against its PyTorch twin: forward and every inpu
 (non power-of-two) shapes. On CPU the kernels run in the Triton interpreter (conftest.py sets
 TRITON_INTERPRET=1); on CUDA the same tests run compiled.
 
+What is asserted is what is guaranteed on any machine: kernel and twin are two code paths (the twin's
+matmuls go to the machine's BLAS, the interpreter's tl.dot to numpy's), so their floats are compared
+within tolerances, never bit for bit. Bit-equality is asserted only where the kernel guarantees it by
+construction: the mirrored off-diagonal tiles of gram (the same registers stored twice) and the exact
+zero gradient of an expert with no rows (an empty loop stores its zero accumulator).
+
 Tolerances (fp32): kernel and twin do the same fp32 arithmetic in a different summation order, so they
 differ by reassociation only: ~1e-6 relative for the norms and SwiGLU, ~1e-5 for the grouped GEMMs
 (sums over up to ~70 rows). We assert rtol = atol = 1e-5 (norms, SwiGLU) and 1e-4 (MoE, Gram).
 Gradients come from a random linear downstream loss sum(y * g), so every output element matters.
+
+bf16 (the CUDA default, under autocast): the interpreter cannot do bf16 arithmetic, but the kernels
+convert after every load, so bf16 tensors go through the real plumbing with fp32 arithmetic, as on the
+GPU. They are compared with the twin computed in fp32 on the same bf16-rounded values; the difference is
+then the kernel's bf16 roundings of stored results only: see assert_bf16_close.
 """
 import os
 import subprocess
@@ -17,6 +28,7 @@ import torch
 
 pytest.importorskip("triton")
 import kernels  # noqa: E402
+from kernels import moe_kernel, newton_schulz_kernel, rmsnorm_kernel  # noqa: E402  (imports triton)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
@@ -55,16 +67,6 @@ def test_rmsnorm_strided_input_and_eps():
     fn = lambda x, w: kernels.rmsnorm(x, w, eps=1e-2)  # noqa: E731
     twin = lambda x, w: kernels.rmsnorm_reference(x, w, eps=1e-2)  # noqa: E731
     assert_same_forward_and_grads(fn, twin, (x, weight), TOL)
-
-
-def test_rmsnorm_bf16_storage_fp32_math():
-    """bf16 in, bf16 out; the kernel computes in fp32 (like the twin), so they agree to one bf16 rounding."""
-    torch.manual_seed(2)
-    x = torch.randn(7, 33, device=DEVICE).bfloat16()
-    weight = torch.randn(33, device=DEVICE).bfloat16()
-    y = kernels.rmsnorm(x, weight)
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y, kernels.rmsnorm_reference(x, weight), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("shape,alpha", [((3, 5, 37), 1.0), ((2, 11, 96), 0.37), ((29, 3), -2.5)])
@@ -121,11 +123,22 @@ def test_moe_experts_matches_twin(counts):
     assert_same_forward_and_grads(kernels.moe_experts, kernels.moe_experts_reference, inputs, MOE_TOL)
 
 
-def test_moe_experts_zero_token_expert_gets_zero_grad():
-    x, counts, w_gate, w_up, w_down = moe_inputs([5, 0, 9], n_embd=33, hidden=19)
-    kernels.moe_experts(x, counts, w_gate, w_up, w_down).square().sum().backward()
+@pytest.mark.parametrize("counts", [[5, 0, 9], [0, 0, 0]])  # an empty expert; no rows at all
+@pytest.mark.parametrize("autocast", [False, True])
+def test_moe_experts_zero_token_expert_gets_zero_grad(counts, autocast):
+    """An expert with no rows gets an exact zero gradient (bit-equality is right here: the weight-gradient
+    kernel's loop is empty and it stores its zero accumulator; with no rows at all the twin's empty
+    matmuls give zeros), never None, in the weight's dtype. Also under autocast (bf16 operands)."""
+    x, counts_t, w_gate, w_up, w_down = moe_inputs(counts, n_embd=33, hidden=19)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        y = kernels.moe_experts(x, counts_t, w_gate, w_up, w_down)
+    assert y.shape == (sum(counts), 33) and y.dtype == x.dtype
+    y.square().sum().backward()
+    assert x.grad.shape == x.shape and x.grad.dtype == x.dtype
     for w in (w_gate, w_up, w_down):
-        assert torch.all(w.grad[1] == 0) and w.grad[0].abs().sum() > 0 and w.grad[2].abs().sum() > 0
+        assert w.grad is not None and w.grad.dtype == w.dtype
+        for e, count in enumerate(counts):
+            assert torch.all(w.grad[e] == 0) if count == 0 else w.grad[e].abs().sum() > 0
 
 
 def test_moe_experts_int32_counts_and_transposed_weights():
@@ -146,22 +159,277 @@ def test_moe_experts_bad_inputs_raise_clear_errors():
             kernels.moe_experts(x, torch.tensor([3, 5]), w_gate, w_up, w_down)
 
 
+def assert_gram_symmetry(c, x, store_rounding=0.0):
+    """What gram guarantees about symmetry, tile by tile (tiles of the size the kernel used):
+    off-diagonal tiles (i != j): C[j, i] is the registers of C[i, j] stored transposed: bit-equal.
+    diagonal tiles: one matmul X_i X_i^T, symmetric only up to rounding on any backend (summation order
+    of a BLAS kernel or the tensor cores). Any order of a k-term fp32 sum is within k * 2^-24 * sum|terms|
+    of the exact value, and sum_k |x_ik x_jk| <= sqrt(C_ii C_jj) <= max diag C: so |C_ij - C_ji| is at most
+    2 * maxdiag * (k * 2^-24 + store_rounding) (store_rounding: 2^-7 for a bf16 result, 0 for fp32)."""
+    block = newton_schulz_kernel._blocks(c.device.type)[0]
+    m, k = x.shape[-2:]
+    max_diag = c.float().diagonal(dim1=-2, dim2=-1).max().item()
+    atol = 2 * max_diag * (k * 2.0 ** -24 + store_rounding)
+    for i in range(0, m, block):
+        for j in range(0, m, block):
+            tile, mirror = c[..., i:i + block, j:j + block], c[..., j:j + block, i:i + block]
+            if i != j:
+                assert torch.equal(tile, mirror.mT), f"off-diagonal tile ({i}, {j}) is not an exact mirror"
+            else:
+                torch.testing.assert_close(tile.float(), mirror.mT.float(), rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("shape", [(45, 29), (3, 37, 50), (2, 70, 9)])
 def test_gram_matches_twin_and_is_symmetric(shape):
     torch.manual_seed(8)
     x = randn(*shape)
     assert_same_forward_and_grads(kernels.gram, kernels.gram_reference, (x,), MOE_TOL)
-    c = kernels.gram(x.detach())
-    assert torch.equal(c, c.mT)  # the mirrored tiles are the same registers stored twice
+    assert_gram_symmetry(kernels.gram(x.detach()), x)
 
 
 @pytest.mark.parametrize("shape", [(37, 50), (2, 61, 19)])
 def test_newton_schulz_matches_twin(shape):
-    """Muon's iteration amplifies round-off a little over 5 steps: rtol = atol = 1e-4 on O(1) outputs."""
+    """fp32 Newton-Schulz with the Triton Gram products vs plain matmuls. Muon's iteration amplifies
+    round-off a little over 5 steps: perturbing every Gram product by 1e-6 relative noise (~8 fp32 ulps,
+    more than a different BLAS or summation order does) moves these outputs (|x| < 0.5) by < 1e-5.
+    Asserted: rtol = atol = 1e-4."""
     torch.manual_seed(9)
     update = torch.randn(*shape, device=DEVICE)
-    torch.testing.assert_close(kernels.newton_schulz(update), kernels.newton_schulz_reference(update),
-                               rtol=1e-4, atol=1e-4)
+    expected = kernels.newton_schulz_reference(update, dtype=torch.float32)
+    for dtype in [torch.float32] + ([None] if DEVICE == "cpu" else []):  # None: fp32 on CPU, bf16 on CUDA
+        y = kernels.newton_schulz(update, 5, 1e-7, dtype)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# bf16 plumbing: what each wrapper casts, the dtypes it returns, empty experts, gradient dtypes
+
+BF16 = torch.bfloat16
+
+
+def assert_bf16_close(actual, expected, roundings):
+    """actual: a kernel result that went through `roundings` successive bf16 roundings of stored results
+    or intermediates; expected: the twin in fp32 on the same bf16-rounded inputs. One rounding moves a
+    value by < 2^-7 of itself (the interpreter's fp32 -> bf16 conversion truncates; the GPU rounds to
+    nearest: half that). A later sum mixes rounded terms and may cancel, so the absolute part of the
+    tolerance is taken against the tensor's largest magnitude."""
+    assert actual.shape == expected.shape
+    tol = roundings * 2.0 ** -7
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def fp32_leaves(*tensors):
+    """fp32 leaf copies of exactly the values given (pass bf16-rounded tensors), for the fp32 twin."""
+    return [t.detach().float().requires_grad_() if t is not None else None for t in tensors]
+
+
+def grads_of(y, g, inputs):
+    return torch.autograd.grad((y * g.to(y.dtype)).sum(), [t for t in inputs if t is not None])
+
+
+class LaunchSpy:
+    """Stands in for a @triton.jit kernel: records {argument name: dtype} of the tensors of each launch,
+    then launches the real kernel. Shows what a wrapper hands the kernel (the casts it did or did not do)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append({name: a.dtype for name, a in zip(self.kernel.arg_names, args)
+                                  if isinstance(a, torch.Tensor)})
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def spy(monkeypatch, module, name):
+    launcher = LaunchSpy(getattr(module, name))
+    monkeypatch.setattr(module, name, launcher)
+    return launcher
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, BF16, None])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_rmsnorm_bf16(weight_dtype, autocast, monkeypatch):
+    """bf16 activations (e.g. q/k under autocast) with an fp32 or bf16 gain. The wrapper casts nothing
+    (the kernel loads bf16 and converts to fp32); y and d x are bf16 (one rounding each); d weight has
+    the weight's dtype: for fp32 it is summed in fp32 from the same values as the twin (fp32 tolerance).
+    Autocast changes nothing."""
+    torch.manual_seed(2)
+    launches = spy(monkeypatch, rmsnorm_kernel, "_rmsnorm_fwd_kernel").launches
+    x = torch.randn(7, 33, device=DEVICE).to(BF16).requires_grad_()
+    weight = torch.randn(33, device=DEVICE).to(weight_dtype).requires_grad_() if weight_dtype else None
+    with torch.autocast(DEVICE, dtype=BF16, enabled=autocast):
+        y = kernels.rmsnorm(x, weight)
+    assert y.dtype == BF16
+    assert launches[0]["X"] == launches[0]["Y"] == BF16  # no cast before the kernel, none after
+    assert weight is None or launches[0]["W"] == weight_dtype
+    g = torch.randn_like(y)
+    grads = grads_of(y, g, (x, weight))
+    xf, wf = fp32_leaves(x, weight)
+    yf = kernels.rmsnorm_reference(xf, wf)
+    grads_f = grads_of(yf, g, (xf, wf))
+    assert_bf16_close(y, yf, roundings=1)
+    assert grads[0].dtype == BF16
+    assert_bf16_close(grads[0], grads_f[0], roundings=1)
+    if weight is not None:
+        assert grads[1].dtype == weight_dtype
+        if weight_dtype == torch.float32:
+            torch.testing.assert_close(grads[1], grads_f[1], **TOL)
+        else:
+            assert_bf16_close(grads[1], grads_f[1], roundings=1)
+
+
+def test_boundary_operator_bf16_h_with_fp32_e_and_weight_under_autocast():
+    """BO(h, e) with a bf16 h and an fp32 e and gain: the result and d h in h's dtype (bf16, one rounding),
+    d e and d weight in fp32 (fp32 arithmetic on the same values as the twin: fp32 tolerance)."""
+    torch.manual_seed(3)
+    h = torch.randn(2, 11, 96, device=DEVICE).to(BF16).requires_grad_()
+    e, weight = randn(2, 11, 96), randn(96)
+    with torch.autocast(DEVICE, dtype=BF16):
+        y = kernels.boundary_operator(h, e, 0.37, weight)
+    assert y.dtype == BF16
+    g = torch.randn_like(y)
+    dh, de, dw = grads_of(y, g, (h, e, weight))
+    assert (dh.dtype, de.dtype, dw.dtype) == (BF16, torch.float32, torch.float32)
+    hf, ef, wf = fp32_leaves(h, e, weight)
+    yf = kernels.boundary_operator_reference(hf, ef, 0.37, wf)
+    dhf, def_, dwf = grads_of(yf, g, (hf, ef, wf))
+    assert_bf16_close(y, yf, roundings=1)
+    assert_bf16_close(dh, dhf, roundings=1)
+    torch.testing.assert_close(de, def_, **TOL)
+    torch.testing.assert_close(dw, dwf, **TOL)
+
+
+def test_swiglu_bf16_on_a_projection_made_under_autocast():
+    """As the model calls it: gate and up are the two halves of one projection computed under autocast,
+    hence bf16 (strided views, no copy). The result and both gradients are bf16 (one rounding each);
+    the projection's fp32 weight still gets an fp32 gradient."""
+    torch.manual_seed(6)
+    x, w = randn(2, 9, 40, grad=False), (randn(2 * 75, 40, grad=False) / 40 ** 0.5).requires_grad_()
+    with torch.autocast(DEVICE, dtype=BF16):
+        fused = torch.nn.functional.linear(x, w)
+        y = kernels.swiglu(*fused.chunk(2, dim=-1))
+    assert fused.dtype == BF16 and y.dtype == BF16
+    g = torch.randn_like(y)
+    d_fused, dw = grads_of(y, g, (fused, w))
+    assert d_fused.dtype == BF16 and dw.dtype == torch.float32
+    (ff,) = fp32_leaves(fused)
+    yf = kernels.swiglu_reference(*ff.chunk(2, dim=-1))
+    (d_ff,) = grads_of(yf, g, (ff,))
+    assert_bf16_close(y, yf, roundings=1)
+    assert_bf16_close(d_fused, d_ff, roundings=1)
+
+
+@pytest.mark.parametrize("mode", ["bf16_tensors", "autocast"])
+def test_moe_experts_bf16(mode):
+    """bf16_tensors: x and weights bf16, no autocast: bf16 operands, result and gradients bf16.
+    autocast: fp32 x and weights (the model's residual stream and master weights) under bf16 autocast:
+    operands cast to bf16 as torch.matmul would, the result in x's dtype (fp32), each gradient in its
+    input's dtype (fp32), each stored straight from an fp32 accumulator.
+    Against the fp32 twin on the same bf16-rounded operands: the forward rounds act (and a bf16 result):
+    2 roundings; the backward rounds dy, d act, the saved pre-activations, d gate / d up and a bf16
+    result: 4. Measured here: <= 0.7% (forward) and <= 1.5% (gradients) of each tensor's max magnitude."""
+    x, counts, w_gate, w_up, w_down = (t.detach() if t.is_floating_point() else t
+                                       for t in moe_inputs([7, 0, 13, 1, 16]))
+    if mode == "bf16_tensors":
+        x, w_gate, w_up, w_down = (t.to(BF16) for t in (x, w_gate, w_up, w_down))
+    leaves = [t.requires_grad_() for t in (x, w_gate, w_up, w_down)]
+    with torch.autocast(DEVICE, dtype=BF16, enabled=mode == "autocast"):
+        y = kernels.moe_experts(x, counts, w_gate, w_up, w_down)
+    assert y.dtype == x.dtype
+    g = torch.randn_like(y)
+    grads = grads_of(y, g, leaves)
+    assert [d.dtype for d in grads] == [t.dtype for t in leaves]
+    leaves_f = fp32_leaves(*(t.to(BF16) for t in leaves))
+    y_f = kernels.moe_experts_reference(leaves_f[0], counts, *leaves_f[1:])
+    assert_bf16_close(y, y_f, roundings=2)
+    for d, d_f in zip(grads, grads_of(y_f, g.to(BF16), leaves_f)):  # the kernel's dy is bf16: so is the twin's
+        assert_bf16_close(d, d_f, roundings=4)
+
+
+def test_moe_experts_under_autocast_casts_operands_and_returns_the_activation_dtype(monkeypatch):
+    """The casts the wrapper does under autocast, seen by the kernels: bf16 operands and saved
+    pre-activations; the down projection and d x stored in x's dtype, the weight gradients in fp32.
+    And what model.MoE does with the result: x_sorted = flat[token_of] (fp32 residual stream), a weighted
+    index_add_ into zeros_like(flat), which needs result dtype == flat dtype, then backward."""
+    gate_up = spy(monkeypatch, moe_kernel, "_moe_gate_up_kernel").launches
+    mm = spy(monkeypatch, moe_kernel, "_grouped_mm_kernel").launches
+    wgrad = spy(monkeypatch, moe_kernel, "_grouped_wgrad_kernel").launches
+    _, counts, w_gate, w_up, w_down = moe_inputs([4, 0, 3])
+    flat = randn(5, 40)
+    token_of = torch.tensor([0, 1, 3, 4, 1, 2, 4], device=DEVICE)  # 7 (token, expert) pairs sorted by expert
+    route_weights = torch.rand(7, device=DEVICE)
+    with torch.autocast(DEVICE, dtype=BF16):
+        y_sorted = kernels.moe_experts(flat[token_of], counts, w_gate, w_up, w_down)
+        out = torch.zeros_like(flat).index_add_(0, token_of, y_sorted * route_weights[:, None].to(y_sorted.dtype))
+    assert y_sorted.dtype == out.dtype == torch.float32
+    out.square().sum().backward()
+    assert flat.grad.dtype == torch.float32 and all(w.grad.dtype == torch.float32 for w in (w_gate, w_up, w_down))
+    assert gate_up == [dict(X=BF16, WG=BF16, WU=BF16, HG=BF16, HU=BF16, ACT=BF16, TILE_EXPERT=torch.int32,
+                            TILE_FIRST_ROW=torch.int64, TILE_LAST_ROW=torch.int64)]
+    operands = ("A", "B", "A2", "B2")
+    # launches: down projection (forward), d act, d x
+    assert [{n: l[n] for n in operands} for l in mm] == [dict.fromkeys(operands, BF16)] * 3
+    assert [l["C"] for l in mm] == [torch.float32, BF16, torch.float32]
+    assert [(l["A"], l["B"], l["C"]) for l in wgrad] == [(BF16, BF16, torch.float32)] * 3
+
+
+def test_gram_bf16():
+    """bf16 in, bf16 out (fp32 accumulation, one rounding at the store); the mirrored tiles stay exact
+    copies; the gradient (a torch matmul) is bf16."""
+    torch.manual_seed(8)
+    x = torch.randn(2, 70, 9, device=DEVICE).to(BF16).requires_grad_()
+    c = kernels.gram(x)
+    assert c.dtype == BF16
+    (xf,) = fp32_leaves(x)
+    assert_bf16_close(c, kernels.gram_reference(xf), roundings=1)
+    assert_gram_symmetry(c.detach(), x, store_rounding=2.0 ** -7)
+    (dx,) = grads_of(c, torch.randn_like(c), (x,))
+    assert dx.dtype == BF16
+
+
+@pytest.mark.parametrize("shape", [(37, 50), (2, 61, 19)])
+def test_newton_schulz_bf16_arithmetic(shape, monkeypatch):
+    """dtype=bf16 (the CUDA default) runs through the Triton Gram kernel in the interpreter too: every
+    Gram product is a bf16 launch, the result has update's dtype. bf16 keeps 8 significant bits and five
+    iterations compound the roundings, so the bf16 result is only near the fp32 one. Measured over 30
+    random inputs of these shapes (|x| <= 0.45): max |kernel bf16 - fp32| 0.033, |kernel bf16 - twin bf16|
+    0.047, relative Frobenius distance to fp32 4.3%, singular values in [0.66, 1.15].
+    Asserted: 0.1 absolute from both, under 8% relative, singular values in Muon's band [0.6, 1.25]."""
+    torch.manual_seed(9)
+    launches = spy(monkeypatch, newton_schulz_kernel, "_gram_kernel").launches
+    update = torch.randn(*shape, device=DEVICE)
+    y = kernels.newton_schulz(update, dtype=BF16)
+    assert y.dtype == torch.float32
+    assert len(launches) == 10 and all(l["X"] == BF16 and l["C"] == BF16 for l in launches)  # 2 per step
+    y_fp32 = kernels.newton_schulz_reference(update, dtype=torch.float32)
+    for expected in (y_fp32, kernels.newton_schulz_reference(update, dtype=BF16)):
+        torch.testing.assert_close(y, expected, rtol=0, atol=0.1)
+    assert (y - y_fp32).norm() < 0.08 * y_fp32.norm()
+    s = torch.linalg.svdvals(y)
+    assert 0.6 < s.min() and s.max() < 1.25
+    assert kernels.newton_schulz(update.to(BF16), dtype=BF16).dtype == BF16  # the result keeps update's dtype
+
+
+@pytest.mark.parametrize("ns_dtype,atol", [(torch.float32, 1e-4), (BF16, 0.1)])
+def test_muon_use_triton_matches_plain_iteration(ns_dtype, atol):
+    """Muon(use_triton=True) goes through kernels.newton_schulz with its ns_dtype: one step on a 2-D and
+    a stacked (E, out, in) parameter equals the plain-matmul step within the Newton-Schulz tolerances
+    above (times lr)."""
+    from muon import Muon
+    torch.manual_seed(10)
+    start = [torch.randn(*shape, device=DEVICE) for shape in ((24, 40), (2, 40, 24))]
+    grads = [torch.randn_like(p) for p in start]
+    params = {flag: [torch.nn.Parameter(p.clone()) for p in start] for flag in (True, False)}
+    lr = 0.02
+    for flag, ps in params.items():
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        Muon(ps, lr=lr, ns_dtype=ns_dtype, use_triton=flag).step()
+    for p_triton, p_plain in zip(params[True], params[False]):
+        torch.testing.assert_close(p_triton, p_plain, rtol=0, atol=lr * 1.5 * atol)  # 1.5: tall-matrix lr scale
 
 
 def test_norm_and_swiglu_shape_errors():
@@ -201,7 +469,8 @@ def _has_bundled_ptxas():
 @pytest.mark.skipif(not _has_bundled_ptxas(), reason="this triton wheel ships no ptxas")
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter cannot see compile-only errors: build each kernel's bf16 cubin for sm_90
-    (the variant with every option on; `python -m kernels.aot_check` builds all variants)."""
+    (the variant with every option on, 8, and the 4 mixed bf16/fp32 variants autocast launches;
+    `python -m kernels.aot_check` builds all variants)."""
     result = _run_without_interpreter(["-m", "kernels.aot_check", "--arch=90", "--dtypes=bf16", "--quick"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count('"kernel"') == 8, result.stdout
+    assert result.stdout.count('"kernel"') == 12 and result.stdout.count('"mixed"') == 4, result.stdout
