@@ -16,7 +16,10 @@ Live model (train.py):
     param_map = grow.grow(model, n_passes=4, untie=False)     # model grown in place
     state = grow.copy_optimizer_state(state_by_name, param_map)
 Checkpoint:
-    python grow.py --ckpt out/ckpt.pt --passes 4 [--untie] --out out/grown.pt
+    python grow.py --ckpt out/demo/ckpt.pt --passes 4 [--untie]      # in place: then
+    python train.py --run_name=demo --resume=True                     # continues the grown run
+    python grow.py --ckpt out/demo/ckpt.pt --passes 4 --out grown.pt  # elsewhere: continue it as a new run
+    python train.py --init_from=grown.pt --run_name=demo_grown        # with init_from
 
 The parameter map {name_after: name_before} covers EVERY parameter of the grown model, in
 named_parameters order. Inserting cores shifts the coda's block indices, so names change even for
@@ -426,7 +429,8 @@ def main(argv=None):
     parser.add_argument("--untie", action="store_true", help="untie a tied core into K copies first (then grow)")
     parser.add_argument("--copies", choices=("fresh", "source"), default="fresh",
                         help="optimizer state of new copies: fresh (default, as the [X] code) or the source's")
-    parser.add_argument("--out", help="output checkpoint (written atomically)")
+    parser.add_argument("--out", help="output checkpoint, written atomically (default: grow --ckpt in place, so "
+                                      "`train.py --run_name=NAME --resume=True` continues it)")
     parser.add_argument("--schedule", metavar="CONFIG", help="print the growth schedule of a config file instead")
     parser.add_argument("--law", choices=sorted(AFFINE_LAW), help="affine law [X9] (default: by tie_core)")
     args = parser.parse_args(argv)
@@ -435,9 +439,9 @@ def main(argv=None):
             from model import ModelConfig
             print("\n".join(schedule_table(ModelConfig.from_file(args.schedule), args.passes, args.law)))
             return 0
-        if not args.ckpt or not args.out:
-            parser.error("--ckpt and --out are required (or --schedule CONFIG)")
-        grow_checkpoint(args.ckpt, args.passes, args.out, untie=args.untie, copies=args.copies)
+        if not args.ckpt:
+            parser.error("--ckpt is required (or --schedule CONFIG)")
+        grow_checkpoint(args.ckpt, args.passes, args.out or args.ckpt, untie=args.untie, copies=args.copies)
     except (ValueError, OSError) as e:
         return cli_error("grow.py", e)
     return 0

@@ -169,10 +169,8 @@ def run_experts(x_sorted, counts, w_gate, w_up, w_down):
     # unbind (not w[e]) so the backward stacks the per-expert gradients once instead of E full-size adds
     experts = zip(w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))
     for x_e, (gate, up, down) in zip(torch.split(x_sorted, counts.tolist()), experts):
-        if x_e.size(0) == 0:
-            continue
-        outputs.append((F.silu(x_e @ gate.t()) * (x_e @ up.t())) @ down.t())
-    return torch.cat(outputs) if outputs else x_sorted.new_zeros(0, w_down.size(1))
+        outputs.append((F.silu(x_e @ gate.t()) * (x_e @ up.t())) @ down.t())  # no rows: a (0, n_embd) block
+    return torch.cat(outputs)
 
 
 class MoE(nn.Module):

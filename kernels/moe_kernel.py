@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model import run_experts  # the readable reference: one MoE twin in the project
+
 from kernels.swiglu_kernel import swiglu_backward, swiglu_forward
 
 
@@ -331,10 +333,6 @@ def moe_experts(x_sorted, counts, w_gate, w_up, w_down):
 
 
 def moe_experts_reference(x_sorted, counts, w_gate, w_up, w_down):
-    """PyTorch twin of moe_experts: a python loop over experts with plain matmuls (under autocast they run
-    in the autocast dtype, like any matmul); the result in x_sorted.dtype, as moe_experts."""
-    outputs = []
-    for e, x_e in enumerate(torch.split(x_sorted, counts.tolist())):
-        outputs.append((torch.nn.functional.silu(x_e @ w_gate[e].T) * (x_e @ w_up[e].T)) @ w_down[e].T)
-    y = torch.cat(outputs) if outputs else x_sorted.new_zeros((0, w_down.shape[1]))
-    return y.to(x_sorted.dtype)
+    """PyTorch twin of moe_experts: the model's own readable loop over experts (model.run_experts; under
+    autocast its matmuls run in the autocast dtype), returned in x_sorted.dtype as moe_experts."""
+    return run_experts(x_sorted, counts, w_gate, w_up, w_down).to(x_sorted.dtype)
