@@ -511,11 +511,8 @@ def score_sequences(model, seqs, spans, pad_id, batch_tokens=16384, autocast_dty
         for r, i in enumerate(batch):
             idx[r, :len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
         idx = idx.to(device)
-        if autocast_dtype is not None and device.type == "cuda":
-            with torch.autocast("cuda", dtype=autocast_dtype):
-                logits = forward_logits(model, idx)
-        else:
-            logits = forward_logits(model, idx)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = forward_logits(model, idx)  # float32 whatever the forward ran in
         for r, i in enumerate(batch):
             lo, hi = spans[i]
             pred_logits = logits[r, lo - 1:hi - 1]  # position p predicts token p+1
@@ -949,7 +946,8 @@ def run(args):
         if eot != tokenizer.eot_token or prepared_with != tokenizer.name:
             raise ValueError(f"{args.length_buckets} was prepared with tokenizer {prepared_with!r} (eot {eot}) "
                              f"but the checkpoint uses {tokenizer.name!r} (eot {tokenizer.eot_token})")
-    autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+    # bf16 autocast on CUDA only: a CPU has no fast bf16 (the CPU rehearsal of that path is in the tests)
+    autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" and args.device.startswith("cuda") else None
     progress = not args.no_progress
     report = {"ckpt": args.ckpt}
     if bundle is not None:

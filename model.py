@@ -41,7 +41,10 @@ class RMSNorm(nn.Module):
         if self.use_triton:
             from kernels import rmsnorm
             return rmsnorm(x, self.weight, self.eps)
-        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+        weight = self.weight
+        if weight is not None and weight.dtype != x.dtype:  # bf16 q/k under autocast: keep the fused kernel
+            weight = weight.to(x.dtype)
+        return F.rms_norm(x, (x.size(-1),), weight, self.eps)
 
 
 def rope_tables(head_dim, max_len, base=10000.0):

@@ -1,7 +1,9 @@
 # Shared test setup. TRITON_INTERPRET must be set before triton is first imported, so it lives here:
 # on a machine without CUDA every Triton kernel runs in the interpreter (slow; keep shapes small).
+import json
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -9,3 +11,20 @@ if not torch.cuda.is_available():
 
 # one thread: the test models are tiny (thread overhead dominates) and results stay reproducible
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """A few acts of each source of the embedded corpus, prepared like the real thing (~30k tokens)."""
+    from data import prepare as prep
+    root = tmp_path_factory.mktemp("data")
+    lines, per_source = [], {}
+    with open(prep.DEFAULT_CORPUS) as f:
+        for line in f:
+            doc = json.loads(line)
+            if per_source.get(doc["source"], 0) < 3:
+                per_source[doc["source"]] = per_source.get(doc["source"], 0) + 1
+                lines.append(json.dumps({"text": doc["text"][:8000], "source": doc["source"]}))
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    return prep.prepare([str(corpus)], str(root / "prepared"), val_fraction=0.34, seed=0, verbose=False)

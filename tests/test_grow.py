@@ -420,25 +420,7 @@ def test_x_d8_grow_configs_follow_x13_x14(name, tpp_ref, rho):
 # ---- resume across the growth step through train.py
 
 
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory):
-    """A small slice of the embedded corpus, prepared like the real thing."""
-    import json
-    from data import prepare as prep
-    root = tmp_path_factory.mktemp("grow_data")
-    lines = []
-    with open(prep.DEFAULT_CORPUS) as f:
-        for i, line in enumerate(f):
-            if i >= 6:
-                break
-            doc = json.loads(line)
-            lines.append(json.dumps({"text": doc["text"][:6000], "source": doc["source"]}))
-    (root / "corpus.jsonl").write_text("\n".join(lines) + "\n")
-    return prep.prepare([str(root / "corpus.jsonl")], str(root / "prepared"), val_fraction=0.34, seed=0,
-                        verbose=False)
-
-
-def test_resume_across_growth_is_exact_through_train_py(tmp_path, small_data):
+def test_resume_across_growth_is_exact_through_train_py(tmp_path, data_dir):
     """A straight run that grows (untied 2 -> 4 cores) at step 2 of 4, against: a run stopped at step 2
     (just before the switch) and resumed; and the same step-2 checkpoint grown by the grow.py CLI and
     resumed (train.py then skips its own growth but keeps the LR re-warm). Losses must match bitwise."""
@@ -447,17 +429,23 @@ def test_resume_across_growth_is_exact_through_train_py(tmp_path, small_data):
     common = dict(layout="pcc", n_layer=3, n_passes=2, tie_core=False, n_expert=0, n_embd=32, n_head=2, block_size=32,
                   batch_size=4, max_steps=4, grow_at=2.0, grow_to=4, grow_rewarm_steps=2, warmup_steps=1,
                   optimizer="adamw",  # Muon's Newton-Schulz is slow on 2 CPU cores; state is remapped the same
-                  eval_interval=100, eval_tokens=256, progress=False, data_dir=small_data)
+                  eval_interval=100, eval_tokens=256, progress=False, sample=False, data_dir=data_dir)
     straight = train.train(dict(common, out_dir=str(tmp_path / "a")))
-    first = train.train(dict(common, out_dir=str(tmp_path / "b"), stop_at_step=2))
+    first = train.train(dict(common, out_dir=str(tmp_path / "b"), stop_at_step=2, save_steps=[2]))
     assert first["step"] == 2
     shutil.copytree(tmp_path / "b", tmp_path / "c")
     resumed = train.train(dict(out_dir=str(tmp_path / "b"), resume=True, progress=False))
     assert first["train_losses"] + resumed["train_losses"] == straight["train_losses"]
     ckpt_path = os.path.join(str(tmp_path / "c"), "tiny", "ckpt.pt")
-    assert grow.main(["--ckpt", ckpt_path, "--passes", "4", "--out", ckpt_path]) == 0
+    assert grow.main(["--ckpt", ckpt_path, "--passes", "4"]) == 0  # in place: --resume continues it
     via_cli = train.train(dict(out_dir=str(tmp_path / "c"), resume=True, progress=False))
     assert first["train_losses"] + via_cli["train_losses"] == straight["train_losses"]
+    # grown elsewhere and continued as a new run with init_from: the same curve
+    elsewhere = str(tmp_path / "grown.pt")
+    assert grow.main(["--ckpt", os.path.join(str(tmp_path / "b"), "tiny", "ckpt_step2.pt"), "--passes", "4",
+                      "--out", elsewhere]) == 0
+    forked = train.train(dict(out_dir=str(tmp_path / "d"), init_from=elsewhere, run_name="grown", progress=False))
+    assert first["train_losses"] + forked["train_losses"] == straight["train_losses"]
     grown, _ = GPT.from_checkpoint(straight["ckpt_path"])
     assert grown.config.n_passes == 4 and len(grown.blocks) == 1 + 4 + 1
     assert all(math.isfinite(v) for v in straight["train_losses"])

@@ -22,22 +22,6 @@ SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt"
              batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=100, progress=False, sample=False)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """A few acts of each source of the embedded corpus, prepared like the real thing (~30k tokens)."""
-    root = tmp_path_factory.mktemp("data")
-    lines, per_source = [], {}
-    with open(prep.DEFAULT_CORPUS) as f:
-        for line in f:
-            doc = json.loads(line)
-            if per_source.get(doc["source"], 0) < 3:
-                per_source[doc["source"]] = per_source.get(doc["source"], 0) + 1
-                lines.append(json.dumps({"text": doc["text"][:8000], "source": doc["source"]}))
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("\n".join(lines) + "\n")
-    return prep.prepare([str(corpus)], str(root / "prepared"), val_fraction=0.34, seed=0, verbose=False)
-
-
 def run(data_dir, out, **overrides):
     return train.train(SMALL | dict(data_dir=data_dir, out_dir=str(out)) | overrides)
 
