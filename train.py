@@ -850,6 +850,40 @@ def check_passes(cfg, config, grown=False):
             raise ValueError(f"grow_to={config.grow_to}: must be more than the model's {k} passes")
 
 
+def available_memory(device):
+    """Bytes this process can still allocate: free GPU memory, or the host's MemAvailable shared by the
+    processes of this node; None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def check_memory(cfg, config, device, use_bf16):
+    """Refuse, before allocating anything, a run whose estimated memory exceeds what is available:
+    weights, gradients and optimizer state, the activations autograd keeps (match.py's planner), and on
+    the SDPA path the boolean document mask (batch x block_size^2 bytes, twice while it is built)."""
+    available = available_memory(device)
+    if available is None:
+        return
+    states = match.state_bytes_per_rank(cfg, 1, config.optimizer)
+    activations = match.activation_bytes(cfg, config.batch_size, mixed_precision=use_bf16,
+                                         kernels=bool(cfg.use_triton))["total"]
+    flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
+    mask = 0 if flex else 2 * config.batch_size * cfg.block_size ** 2
+    need = states + activations + mask
+    if need > available:
+        gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+        raise ValueError(f"block_size={cfg.block_size}, batch_size={config.batch_size}: this run needs about "
+                         f"{gib(need)} (weights, gradients and optimizer state {gib(states)}, activations "
+                         f"{gib(activations)}, attention mask {gib(mask)}) but {gib(available)} is available "
+                         f"on {device}; lower batch_size (raise grad_accum) or block_size")
+
+
 def open_data(config, model_config, world, master):
     """The data (prepared once by rank 0 when it is the embedded corpus) and the stream of training
     windows: the stable region, or the held-back tail for a decay branch."""
@@ -958,16 +992,21 @@ def train(overrides=None):
     rank, world, device = setup_distributed(run.config.device)
     model_config = model_config_from(run.model_settings, device.type)
     check_passes(model_config, run.config, grown=bool(run.source and run.source.get("grown")))
+    check_memory(model_config, run.config, device, uses_bf16(run.config, device))
     if rank == 0:
         make_run_dir(run.run_dir)
     with run_dir_lock(run.run_dir) if rank == 0 else contextlib.nullcontext():
         return train_run(run, model_config, rank, world, device)
 
 
+def uses_bf16(config, device):
+    return config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
+
+
 def train_run(run, model_config, rank, world, device):
     config, master = run.config, rank == 0
     log = tqdm.write if master else (lambda *args: None)
-    use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
+    use_bf16 = uses_bf16(config, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
     ns_dtype = torch.bfloat16 if use_bf16 else torch.float32  # Muon's Newton-Schulz arithmetic
     data, stream = open_data(config, model_config, world, master)

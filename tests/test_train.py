@@ -388,6 +388,7 @@ def test_a_second_training_into_a_locked_run_dir_is_refused(tmp_path, data_dir):
     ("run_name", "../../x", "run_name='../../x': must be a plain folder name"),
     ("grow_to", 1, "grow_to=1: must be more than the model's 2 passes"),
     ("adam_betas", (0.9, 1.5), "adam_betas"),
+    ("block_size", 300_000, r"block_size=300000, batch_size=4: this run needs about .* GiB .* is available"),
 ])
 def test_bad_settings_are_refused_before_training_naming_the_setting(tmp_path, data_dir, setting, value, message):
     overrides = {setting: value} | (dict(grow_at=0.5) if setting == "grow_to" else {})
