@@ -165,21 +165,32 @@ class MLP(nn.Module):
         return self.w_down(h), None
 
 
-def run_experts(x_sorted, counts, w_gate, w_up, w_down):
-    """SwiGLU experts over expert-sorted tokens: rows [offset_e, offset_e + counts[e]) go to expert e only.
-    The readable reference; kernels.moe_experts is the same computation as one grouped GEMM launch."""
-    outputs = []
+def run_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None):
+    """The routed SwiGLU experts, sparse: assignment rows [offset_e, offset_e + counts[e]) of token_of
+    belong to expert e, which gathers only those tokens of x (N, n_embd), scales its hidden activation by
+    the router weight of each assignment (row_weights, optional: the narrow expert_hidden side costs
+    less than the n_embd output) and adds its output back to the tokens' rows. Returns (N, n_embd) in
+    x's dtype. With token_of = arange and no row weights this is the twin of kernels.moe_experts."""
+    sizes = counts.tolist()
+    out = torch.zeros_like(x)
+    x_sorted = x[token_of]  # one gather for all experts (a gather per expert costs a full-size backward each)
+    rows_of, weights_of = torch.split(token_of, sizes), [None] * len(sizes)
+    if row_weights is not None:
+        weights_of = torch.split(row_weights, sizes)
     # unbind (not w[e]) so the backward stacks the per-expert gradients once instead of E full-size adds
     experts = zip(w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))
-    for x_e, (gate, up, down) in zip(torch.split(x_sorted, counts.tolist()), experts):
-        outputs.append((F.silu(x_e @ gate.t()) * (x_e @ up.t())) @ down.t())  # no rows: a (0, n_embd) block
-    return torch.cat(outputs)
+    for x_e, rows, weight, (gate, up, down) in zip(torch.split(x_sorted, sizes), rows_of, weights_of, experts):
+        h = F.silu(x_e @ gate.t()) * (x_e @ up.t())  # an expert without tokens runs on 0 rows: zero gradient
+        if weight is not None:
+            h = h * weight.unsqueeze(1).to(h.dtype)
+        out.index_add_(0, rows, (h @ down.t()).to(out.dtype))  # fp32 sum of bf16 outputs under autocast
+    return out
 
 
 class MoE(nn.Module):
     """Top-k routed mixture of fine-grained SwiGLU experts. n_expert == top_k is [S1]'s fully activated
     reference. Dispatch is sparse: assignments are sorted by expert, each expert runs only its tokens,
-    and the weighted outputs are scattered back with index_add."""
+    and the weighted outputs are added back to their tokens with index_add."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -202,19 +213,17 @@ class MoE(nn.Module):
         # sparse dispatch: group the N*k (token, expert) assignments by expert
         flat_ids = expert_ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
-        token_of = order // self.top_k
+        token_of, weight_of = order // self.top_k, weights.reshape(-1)[order]
         # tokens per expert (like bincount, but without a host sync on CUDA)
         counts = torch.zeros(self.n_expert, dtype=torch.long, device=x.device).index_add_(
             0, flat_ids, torch.ones_like(flat_ids))
-        x_sorted = flat[token_of]
-        if self.use_triton:
+        if self.use_triton:  # one grouped-GEMM launch over the expert-sorted copies of the tokens
             from kernels import moe_experts
-            y_sorted = moe_experts(x_sorted, counts, self.w_gate, self.w_up, self.w_down)
+            y_sorted = moe_experts(flat[token_of], counts, self.w_gate, self.w_up, self.w_down)
+            y_sorted = y_sorted * weight_of.unsqueeze(1).to(y_sorted.dtype)
+            out = y_sorted.new_zeros(flat.shape).index_add_(0, token_of, y_sorted)
         else:
-            y_sorted = run_experts(x_sorted, counts, self.w_gate, self.w_up, self.w_down)
-        y_sorted = y_sorted * weights.reshape(-1)[order].unsqueeze(1).to(y_sorted.dtype)
-        # scatter back in the experts' dtype (bf16 under autocast, whatever dtype the norm handed in)
-        out = y_sorted.new_zeros(flat.shape).index_add_(0, token_of, y_sorted)
+            out = run_experts(flat, token_of, counts, self.w_gate, self.w_up, self.w_down, weight_of)
         # load-balancing loss (Switch): E * sum_e f_e P_e, minimum 1 for a uniform router
         fraction = counts.float() / (n_tokens * self.top_k)
         balance = self.n_expert * (fraction * probs.mean(dim=0)).sum()
@@ -240,11 +249,16 @@ class Block(nn.Module):
 
     def forward(self, x, scale, ctx):
         update_scale = scale * self.residual_multiplier
-        h = x + update_scale * self.attn(self.norm1(x), ctx)  # [S8] attention write scaled by 1/r
+        h = x + scaled(self.attn(self.norm1(x), ctx), update_scale)  # [S8] attention write scaled by 1/r
         ffn_out, router = self.ffn(self.norm2(h))  # [S9] the FFN/MoE sublayer sees the scaled attention write
         if router is not None:
             ctx.router.append(router)
-        return h + update_scale * ffn_out  # [S9] MoE write scaled by 1/r
+        return h + scaled(ffn_out, update_scale)  # [S9] MoE write scaled by 1/r
+
+
+def scaled(x, scale):
+    """scale * x, skipping the multiply (a full copy forward and backward) when scale is 1."""
+    return x if scale == 1.0 else scale * x
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -610,7 +624,7 @@ class GPT(nn.Module):
                     h = torch.zeros_like(h)
             else:  # [X3] boundary operator BO(h, e) = RMSNorm(h) + alpha * e
                 h = self.boundary(h, anchor, step.norm, step.inject)
-        logits = self.lm_head(self.norm_f(h)) * cfg.output_multiplier  # [X] OM on the unembedding
+        logits = scaled(self.lm_head(self.norm_f(h)), cfg.output_multiplier)  # [X] OM on the unembedding
         loss = None
         if targets is not None:
             ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)

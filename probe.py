@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import cli_error, write_atomic
-from model import GPT
+from model import GPT, scaled
 
 ATTENTION_QUANTITIES = (("X", "attn_in"), ("Q", "q"), ("K", "k"), ("V", "v"), ("PV", "attn_context"),
                         ("O", "attn_output"))
@@ -205,8 +205,8 @@ def record_blocks(model):
         x, scale, _ = args
         r = records[-1]
         update_scale = scale * block.residual_multiplier  # as Block.forward scales both writes
-        r.update(resid_in=x.detach(), resid_out=output.detach(), attn_update=update_scale * r["attn_output"],
-                 ffn_update=update_scale * r.pop("ffn_output"))
+        r.update(resid_in=x.detach(), resid_out=output.detach(), attn_update=scaled(r["attn_output"], update_scale),
+                 ffn_update=scaled(r.pop("ffn_output"), update_scale))
 
     def attention(attn, args, output):
         x, ctx = args
@@ -247,7 +247,7 @@ def record_blocks(model):
 
 def logit_lens(model, resid):
     """Decode a residual stream with the model's own final norm and head (and [X] output multiplier)."""
-    return model.lm_head(model.norm_f(resid)) * model.config.output_multiplier
+    return scaled(model.lm_head(model.norm_f(resid)), model.config.output_multiplier)
 
 
 # ----------------------------------------------------------------------------------------------------

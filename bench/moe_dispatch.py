@@ -3,7 +3,7 @@ Forward+backward time of the sparse MoE layer against a dense SwiGLU with the sa
 and of a looped model (SMELT r=2) against its unrolled untied twin of the same executed depth.
 Both sides of each ratio run in the same process, interleaved, on the same tokens.
 
-    python bench/moe_dispatch.py [--tokens 4096] [--n_embd 256] [--repeats 5]
+    python bench/moe_dispatch.py [--tokens 4096] [--n_embd 256] [--repeats 5] [--threads 1]
 
 Prints one JSON line per measurement. Targets on the 2-core CPU: moe/dense <= 1.5, looped/unrolled <= 1.05.
 """
@@ -59,7 +59,10 @@ def main():
     ap.add_argument("--top_k", type=int, default=8)
     ap.add_argument("--expert_hidden", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: as bench/efficiency.py; small expert "
+                                                             "matmuls gain little from a second core, the dense one does)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     moe_cfg = ModelConfig(n_embd=args.n_embd, n_head=4, n_expert=args.n_expert, top_k=args.top_k,
@@ -91,7 +94,7 @@ def main():
 
     t_loop, t_unrolled = interleaved(Loss(looped), Loss(unrolled), idx.float(), idx.float(), args.repeats)
     report("looped_vs_unrolled_fwd_bwd", "looped", "unrolled", t_loop, t_unrolled, 1.05, tokens=args.tokens,
-           executed_layers=looped.config.executed_layers())
+           executed_layers=looped.config.executed_layers(), threads=torch.get_num_threads())
 
 
 if __name__ == "__main__":

@@ -335,4 +335,5 @@ def moe_experts(x_sorted, counts, w_gate, w_up, w_down):
 def moe_experts_reference(x_sorted, counts, w_gate, w_up, w_down):
     """PyTorch twin of moe_experts: the model's own readable loop over experts (model.run_experts; under
     autocast its matmuls run in the autocast dtype), returned in x_sorted.dtype as moe_experts."""
-    return run_experts(x_sorted, counts, w_gate, w_up, w_down).to(x_sorted.dtype)
+    rows = torch.arange(x_sorted.size(0), device=x_sorted.device)  # row i is its own token
+    return run_experts(x_sorted, rows, counts, w_gate, w_up, w_down).to(x_sorted.dtype)
