@@ -615,9 +615,12 @@ def activation_bytes(cfg, micro_batch, mixed_precision=True, activation_checkpoi
                    [QK-norm adds its input a (q + kv), f (n_head + n_kv_head) and g f (q + kv)]
       dense FFN  = norm(H) + c a H + (4 unfused, 3 with the SwiGLU kernel) a mlp_hidden
       MoE FFN    = norm(H) + a H (router input) + f (2 E + 2) (router logits, probs, logsumexp, top-k sum)
-                   + top_k [a (3 H + (4 unfused, 2 with the grouped-GEMM kernel) expert_hidden) (routed
-                   copy of the token, SwiGLU, expert output, weighted output that index_add keeps)
-                   + 3 i + f + a (expert id, sort order, token index, top-k weight, its gathered copy)]
+                   + top_k [routed + 3 i + f + a (expert id, sort order, token index, top-k weight, its
+                   gathered copy)], where routed = c a H + 5 a expert_hidden + f H on the PyTorch path
+                   (model.run_experts: the token's sorted copy, c = 2 casts under autocast; gate
+                   pre-activation, its SiLU, up, the hidden and the router-weighted hidden; the fp32 expert
+                   output, which index_add_ keeps) and a (3 H + 2 expert_hidden) with the grouped-GEMM
+                   kernel (sorted copy, kernel-saved SwiGLU, expert output, weighted output index_add keeps)
       block      = attention + FFN, once per *executed* block (each loop visit / pass saves its own)
       embedding  = i (token ids) [+ norm(H) with embed_norm];  boundary [X3] = norm(H) where it norms
       head       = norm(H) + a H (lm_head input) + f V (log-probs of the cross-entropy) + i (targets)
@@ -646,8 +649,11 @@ def activation_bytes(cfg, micro_batch, mixed_precision=True, activation_checkpoi
     if cfg.qk_norm:
         attention += a * (q + kv) + f * (cfg.n_head + cfg.n_kv_head) + g * f * (q + kv)
     if E:
-        ffn = norm(H) + a * H + f * (2 * E + 2) + k * (a * (3 * H + (2 if kernels else 4) * cfg.expert_hidden)
-                                                       + 3 * i + f + a)
+        if kernels:  # sorted copy, kernel-saved SwiGLU, expert output, the weighted output index_add keeps
+            routed = a * (3 * H + 2 * cfg.expert_hidden)
+        else:  # model.run_experts: the sorted token (cast once per matmul under autocast), five hidden-wide
+            routed = copies(2) * a * H + 5 * a * cfg.expert_hidden + f * H  # tensors, the fp32 expert output
+        ffn = norm(H) + a * H + f * (2 * E + 2) + k * (routed + 3 * i + f + a)
     else:
         ffn = norm(H) + copies(2) * a * H + (3 if kernels else 4) * a * cfg.mlp_hidden
     block = attention + ffn

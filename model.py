@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -248,12 +249,12 @@ class Block(nn.Module):
         self.residual_multiplier = cfg.residual_multiplier  # [X] RM on attention-out and MLP-down
 
     def forward(self, x, scale, ctx):
+        """-> (new residual stream, router statistics or None). The router's auxiliary losses leave as an
+        output, not through ctx: FSDP2 then sees their gradient arrive with the block's other outputs."""
         update_scale = scale * self.residual_multiplier
         h = x + scaled(self.attn(self.norm1(x), ctx), update_scale)  # [S8] attention write scaled by 1/r
         ffn_out, router = self.ffn(self.norm2(h))  # [S9] the FFN/MoE sublayer sees the scaled attention write
-        if router is not None:
-            ctx.router.append(router)
-        return h + scaled(ffn_out, update_scale)  # [S9] MoE write scaled by 1/r
+        return h + scaled(ffn_out, update_scale), router  # [S9] MoE write scaled by 1/r
 
 
 def scaled(x, scale):
@@ -505,7 +506,6 @@ class ForwardContext:
     block_mask: object = None  # FlexAttention BlockMask of the same document mask (attention="flex")
     cache: Optional["KVCache"] = None
     attention_calls: int = 0
-    router: list = field(default_factory=list)
 
 
 class KVCache:
@@ -550,6 +550,7 @@ class GPT(nn.Module):
         self.plan = execution_plan(cfg)
         self.reset_parameters()
         self.last_stats = {}  # itemised losses and router load of the last forward (for logging)
+        self.activation_checkpointing = False  # recompute each executed block in the backward (train.py)
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -614,10 +615,16 @@ class GPT(nn.Module):
         h = self.wte(idx)
         if self.embed_norm is not None:
             h = self.embed_norm(h)
-        anchor = None
+        anchor, routers = None, []
         for step in plan:
             if step.kind == "block":
-                h = self.blocks[step.block](h, step.scale, ctx)
+                block = self.blocks[step.block]
+                if self.activation_checkpointing and torch.is_grad_enabled():
+                    # keep only the block's input; each visit recomputes its own activations in the backward
+                    h, router = checkpoint(block, h, step.scale, ctx, use_reentrant=False)
+                else:
+                    h, router = block(h, step.scale, ctx)
+                routers.append(router)
             elif step.kind == "anchor":  # e = prelude output; h0 = 0 when e is injected ([X] Algorithm 1)
                 anchor = h
                 if step.inject:
@@ -630,12 +637,13 @@ class GPT(nn.Module):
             ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
             loss = ce
             self.last_stats = {"ce": ce.detach()}
-            if ctx.router:
-                balance = torch.stack([r["balance"] for r in ctx.router]).mean()
-                z_loss = torch.stack([r["z_loss"] for r in ctx.router]).mean()
+            routers = [r for r in routers if r is not None]
+            if routers:
+                balance = torch.stack([r["balance"] for r in routers]).mean()
+                z_loss = torch.stack([r["z_loss"] for r in routers]).mean()
                 loss = ce + cfg.balance_loss_coef * balance + cfg.z_loss_coef * z_loss
                 self.last_stats.update(balance=balance.detach(), z_loss=z_loss.detach(),
-                                       expert_counts=torch.stack([r["counts"] for r in ctx.router]))
+                                       expert_counts=torch.stack([r["counts"] for r in routers]))
         return logits, loss
 
     def boundary(self, h, anchor, norm, inject):
@@ -690,7 +698,7 @@ class GPT(nn.Module):
             if i not in used_blocks:
                 inactive += block_params
             elif isinstance(block.ffn, MoE):
-                per_expert = block.ffn.w_gate[0].numel() + block.ffn.w_up[0].numel() + block.ffn.w_down[0].numel()
+                per_expert = 3 * math.prod(block.ffn.w_gate.shape[1:])  # gate, up, down: hidden x n_embd each
                 inactive += (block.ffn.n_expert - block.ffn.top_k) * per_expert
         return dict(embedding=embedding, non_embedding=total - embedding, total=total,
                     active=total - embedding - inactive)

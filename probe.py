@@ -202,7 +202,7 @@ def record_blocks(model):
         records.append(dict(block=i, visit=visit))
 
     def close_record(block, args, output):
-        x, scale, _ = args
+        (x, scale, _), (output, _) = args, output
         r = records[-1]
         update_scale = scale * block.residual_multiplier  # as Block.forward scales both writes
         r.update(resid_in=x.detach(), resid_out=output.detach(), attn_update=scaled(r["attn_output"], update_scale),

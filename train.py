@@ -47,14 +47,11 @@ In-process use (the ladder): `summary = train.train({"max_steps": 100, "n_embd":
 
 import ast
 import contextlib
-import errno
 import inspect
 import json
 import math
 import os
 import re
-import shutil
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -65,11 +62,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import checkpoint
 import grow
 import match
-from common import TEMP_MARK, cli_error, write_atomic
+from checkpoint import NonFiniteLoss
+from common import cli_error
 from data.tokenizer import get_tokenizer
-from model import GPT, ModelConfig, load_checkpoint, read_config_file
+from model import GPT, ModelConfig, read_config_file
 from muon import Muon
 from sample import sample_text
 
@@ -138,13 +137,20 @@ class TrainConfig:
     device: str = "auto"  # "auto": cuda if available else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto": bfloat16 autocast on CUDA, float32 on CPU; or "float32" / "bfloat16"
     compile: bool = False  # torch.compile the model
+    parallel: str = "ddp"  # under torchrun: "ddp" (a full replica per process) or "fsdp" (FSDP2: weights,
+    #   gradients and optimizer state sharded over the processes; checkpoints sharded too)
+    reshard_after_forward: bool = True  # fsdp: free a block's gathered weights after every visit (ZeRO-3
+    #   memory; a looped block is gathered once per visit), or keep them until its backward (one gather
+    #   per step, the unsharded blocks in memory)
+    activation_checkpointing: bool = False  # keep only each executed block's input; recompute the rest in
+    #   the backward (each visit of a looped block its own): far less activation memory, ~1/3 more compute
 
     def __post_init__(self):
         def bad(name, why):
             raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
         choices = dict(optimizer=("muon", "adamw"), decay_shape=("cosine", "linear"),
-                       dtype=("auto", "float32", "bfloat16"))
+                       dtype=("auto", "float32", "bfloat16"), parallel=("ddp", "fsdp"))
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 bad(name, f"must be one of {', '.join(map(repr, allowed))}")
@@ -444,18 +450,36 @@ def optimizer_state_by_name(optimizers):
             groups.append({k: v for k, v in group.items() if k != "params"})
             for p, name in zip(group["params"], group["param_names"]):
                 if p in opt.state:
-                    state[name] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+                    state[name] = dict(opt.state[p])
     return {"state": state, "param_groups": groups}
 
 
 def load_optimizer_state(optimizers, state_by_name):
-    """Put saved per-parameter state back by name (parameters without saved state start fresh)."""
+    """Put saved per-parameter state back by name (parameters without saved state start fresh). Whole
+    tensors of a parameter FSDP has sharded are sharded the same way (distribute_tensor)."""
     for opt in optimizers:
         for group in opt.param_groups:
             for p, name in zip(group["params"], group["param_names"]):
                 if name in state_by_name:
-                    opt.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v
-                                    for k, v in state_by_name[name].items()}
+                    opt.state[p] = {k: like_param(v, p) for k, v in state_by_name[name].items()}
+
+
+def like_param(value, p):
+    """A saved state tensor placed like its parameter: on its device, and sharded like it under FSDP."""
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return value
+    if hasattr(p, "device_mesh") and not hasattr(value, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+        return distribute_tensor(value.to(p.device), p.device_mesh, p.placements)
+    return value.to(p.device)
+
+
+def empty_optimizer_state(opt, p):
+    """A parameter's optimizer state before its first step, with the shapes (and shards) a sharded
+    checkpoint loads into."""
+    if isinstance(opt, Muon):
+        return {"momentum_buffer": torch.zeros_like(p)}
+    return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 def set_learning_rates(optimizers, multiplier):
@@ -529,19 +553,33 @@ def flops_per_token(cfg, n_passes=None, avg_doc_len=0):
 # Distributed
 
 
-def setup_distributed(device_setting):
-    """(rank, world_size, device); initialises the process group under torchrun."""
-    if "RANK" not in os.environ:
-        device = device_setting if device_setting != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        return 0, 1, torch.device(device)
+def setup_distributed(config):
+    """(rank, world_size, device); initialises the process group under torchrun (gloo on CPU, nccl on
+    CUDA). parallel="fsdp" in one process runs as one shard in a one-process group."""
+    setting = config.device
+    use_cuda = setting.startswith("cuda") or (setting == "auto" and torch.cuda.is_available())
+    if "RANK" not in os.environ and config.parallel != "fsdp":
+        return 0, 1, torch.device(setting if setting != "auto" else ("cuda" if use_cuda else "cpu"))
     import torch.distributed as dist
-    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    use_cuda = device_setting.startswith("cuda") or (device_setting == "auto" and torch.cuda.is_available())
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        backend = "nccl" if use_cuda else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend=backend)
+        else:  # one process, one shard
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                    world_size=1)
     return rank, world, torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def all_reduce_sum(tensor, world):
@@ -551,14 +589,69 @@ def all_reduce_sum(tensor, world):
     return tensor
 
 
+def shard_model(model, config, device, world, use_bf16):
+    """FSDP2: fully_shard every stored block, then the whole model (embedding, head, norms) on one
+    DeviceMesh; every parameter becomes a DTensor holding 1/world of its rows. On CUDA the blocks compute
+    in bf16 (MixedPrecisionPolicy) with fp32 master weights and fp32 gradient reduction; on CPU in fp32
+    (autocast still applies with --dtype=bfloat16).
+    Looped blocks: a tied core or a SMELT span runs the same sharded block several times per forward.
+    Gradients accumulate over the visits and are reduce-scattered once per backward (tested equal to one
+    process). With reshard_after_forward=True each visit all-gathers the block again (forward and
+    backward): r or K gathers of a looped block per pass, but only one gathered block in memory at a
+    time, which is what lets the 21.5B / 53.9B-parameter [S] MoEs fit. reshard_after_forward=False
+    gathers every block once per step and keeps it until its backward: fewer collectives when the
+    unsharded model fits (match.py --memory says whether it does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.type, (world,))
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if use_bf16 and device.type == "cuda" else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mixed, reshard_after_forward=config.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mixed)
+    return model
+
+
+def is_sharded(model):
+    return any(hasattr(p, "device_mesh") for p in model.parameters())
+
+
 def wrap_model(model, config, device, world):
-    """torch.compile and / or DDP around the model (the unwrapped model stays the one to save)."""
+    """The module the training step calls: DDP around the model (several processes, parallel="ddp"),
+    and / or torch.compile. The unwrapped model (sharded in place under FSDP) stays the one to save."""
     if config.compile:
         model = torch.compile(model)
-    if world > 1:
+    if world > 1 and config.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                        gradient_as_bucket_view=True)  # no second copy of the gradients
     return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model, raw_model, sync):
+    """Gradient accumulation: reduce gradients across processes only on the last micro-batch."""
+    if sync:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(raw_model, "set_requires_gradient_sync"):  # FSDP2
+        raw_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            raw_model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def local_state_bytes(model, optimizers):
+    """Bytes of weights, gradients and optimizer state this process holds (its shards under FSDP)."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for opt in optimizers for s in opt.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0]
+    return sum(checkpoint.local(t).numel() * t.element_size() for t in tensors)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -582,14 +675,18 @@ def evaluate(model, data, seq_len, eval_tokens, batch_size, autocast, rank=0, wo
     n_batches = torch.zeros(1, dtype=torch.float64)
     expert_counts = None
     mine = list(range(rank, n_windows, world))
-    was_training = model.training
+    n_batches_each = math.ceil(math.ceil(n_windows / world) / batch_size)  # the same on every rank (FSDP:
+    was_training = model.training                                           # every forward is collective)
     model.eval()
-    for i in range(0, len(mine), batch_size):
-        offsets = starts[mine[i:i + batch_size]]
+    for i in range(0, n_batches_each * batch_size, batch_size):
+        padding = i >= len(mine)  # this rank ran out of windows: a forward the others need, not counted
+        offsets = starts[mine[i:i + batch_size] if not padding else [0]]
         rows = torch.from_numpy(np.stack([np.asarray(val_tokens[o:o + seq_len + 1], dtype=np.int64) for o in offsets]))
         x, y = rows[:, :-1].to(device), rows[:, 1:].to(device)
         with autocast:
             logits, _ = model(x, y)
+        if padding:
+            continue
         ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double().cpu()
         loss_sum[0] += ce.sum()
         count[0] += ce.numel()
@@ -622,11 +719,7 @@ def evaluate(model, data, seq_len, eval_tokens, batch_size, autocast, rank=0, wo
 
 
 # ----------------------------------------------------------------------------------------------------
-# Checkpoints, the run directory and its lock
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
+# Checkpoints (checkpoint.py writes and reads them)
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -685,106 +778,6 @@ def state_from_checkpoint(ckpt, region):
                       data_position=position.get("windows", 0) if position.get("region", "stable") == region else 0)
 
 
-def save_checkpoint(path, ckpt_dict, model):
-    """Write atomically after checking the weights are finite: a checkpoint that exists is usable, and a
-    failed write (disk full, killed) leaves the previous file at `path` intact."""
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise NonFiniteLoss(f"the weights became non-finite at step {ckpt_dict['step']} (after the update): "
-                            f"{path} was not written; the last good checkpoint is kept. Lower the learning rates.")
-    try:
-        write_atomic(path, lambda f: torch.save(ckpt_dict, f))
-    except (OSError, RuntimeError) as e:
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-        full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "unexpected pos" in str(e) or free < 1 << 20
-        why = f"the disk is full ({free / 2**20:.0f} MB free)" if full else f"{type(e).__name__}: {e}"
-        raise OSError(f"could not write checkpoint {path}: {why}; the previous checkpoint there is kept") from None
-
-
-def load_train_checkpoint(path):
-    """A train.py checkpoint: model.load_checkpoint's checks plus the keys training needs."""
-    ckpt = load_checkpoint(path)
-    for key in ("optimizer", "step", "train_config"):
-        if key not in ckpt:
-            raise ValueError(f"{path} is not a train.py checkpoint (missing {key!r})")
-    return ckpt
-
-
-def sync_log(log_path, ckpt):
-    """Cut log.jsonl back to the checkpoint being resumed (lines of later steps were written by the
-    interrupted run after it), and add the checkpoint's own eval line if the run died before writing it."""
-    if not os.path.exists(log_path):
-        return
-    with open(log_path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    kept = [r for r in records if r["step"] <= ckpt["step"]]
-    last_eval = ckpt.get("last_eval")
-    if last_eval and (not kept or kept[-1]["step"] < last_eval["step"]):
-        kept.append(last_eval)
-    if kept != records:
-        write_atomic(log_path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
-
-
-def remove_stale_temp_files(run_dir):
-    """Temp files of this run dir that a killed checkpoint write left behind (.<name>.tmp-*)."""
-    for name in os.listdir(run_dir):
-        if name.startswith(".") and TEMP_MARK in name:
-            os.remove(os.path.join(run_dir, name))
-
-
-@contextlib.contextmanager
-def run_dir_lock(run_dir):
-    """Hold run_dir/lock (host and pid) while training: a second training into the same folder stops
-    with a clear message; a lock left by a process that no longer exists (on this host) is taken over."""
-    path, me = os.path.join(run_dir, "lock"), f"{socket.gethostname()} {os.getpid()}"
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-            break
-        except FileExistsError:
-            try:
-                host, pid = open(path).read().split()
-            except (OSError, ValueError):  # half-written or vanished: a lock that holds nothing
-                host, pid = socket.gethostname(), "0"
-            if host == socket.gethostname() and not process_alive(int(pid)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)  # stale: its process is gone
-                continue
-            raise ValueError(f"{run_dir} is in use by process {pid} on {host} (lock file {path}); wait for it "
-                             "to finish, use another --run_name, or delete the lock file if that process is gone")
-    with os.fdopen(fd, "w") as f:
-        f.write(me)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            if open(path).read() == me:
-                os.remove(path)
-
-
-def process_alive(pid):
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def make_run_dir(run_dir):
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ValueError(f"cannot create the run directory {run_dir}: a file is in the way; use another "
-                         "--out_dir or --run_name") from None
-    except PermissionError:
-        raise ValueError(f"cannot create the run directory {run_dir}: permission denied; use another --out_dir") from None
-    if not os.access(run_dir, os.W_OK):
-        raise ValueError(f"the run directory {run_dir} is not writable; use another --out_dir")
-
-
 # ----------------------------------------------------------------------------------------------------
 # Training
 
@@ -802,6 +795,10 @@ class Run:
         return os.path.join(self.run_dir, "ckpt.pt")
 
     @property
+    def sharded_path(self):  # FSDP
+        return os.path.join(self.run_dir, "ckpt.dcp")
+
+    @property
     def log_path(self):
         return os.path.join(self.run_dir, "log.jsonl")
 
@@ -815,10 +812,13 @@ def resolve_run(overrides):
     base = DEFAULTS | overrides
     resume, source_path = base["resume"], base["init_from"]
     if resume and not source_path:
-        source_path = os.path.join(base["out_dir"], base["run_name"] or "tiny", "ckpt.pt")
+        run_dir = os.path.join(base["out_dir"], base["run_name"] or "tiny")
+        source_path = checkpoint.find_resume_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+        if source_path is None:
+            raise FileNotFoundError(f"resume=True: no checkpoint to resume in {run_dir} (ckpt.pt or ckpt.dcp)")
     source = None
     if source_path:
-        source = load_train_checkpoint(source_path)
+        source = checkpoint.load_train_checkpoint(source_path)
         differ = sorted(k for k in overrides if k in MODEL_KEYS and k != "use_triton"
                         and overrides[k] != source["model_config"].get(k))
         if differ:
@@ -863,15 +863,17 @@ def available_memory(device):
     return kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def check_memory(cfg, config, device, use_bf16):
+def check_memory(cfg, config, device, use_bf16, world=1):
     """Refuse, before allocating anything, a run whose estimated memory exceeds what is available:
-    weights, gradients and optimizer state, the activations autograd keeps (match.py's planner), and on
-    the SDPA path the boolean document mask (batch x block_size^2 bytes, twice while it is built)."""
+    weights, gradients and optimizer state (this rank's shard under FSDP), the activations autograd keeps
+    (match.py's planner), and on the SDPA path the boolean document mask (batch x block_size^2 bytes,
+    twice while it is built)."""
     available = available_memory(device)
     if available is None:
         return
-    states = match.state_bytes_per_rank(cfg, 1, config.optimizer)
+    states = match.state_bytes_per_rank(cfg, world if config.parallel == "fsdp" else 1, config.optimizer)
     activations = match.activation_bytes(cfg, config.batch_size, mixed_precision=use_bf16,
+                                         activation_checkpointing=config.activation_checkpointing,
                                          kernels=bool(cfg.use_triton))["total"]
     flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
     mask = 0 if flex else 2 * config.batch_size * cfg.block_size ** 2
@@ -903,16 +905,25 @@ def open_data(config, model_config, world, master):
     return data, TokenStream(data.train_tokens, seq_len, config.seed, 0, split, "stable")
 
 
-def build_model(run, model_config, device, region, ns_dtype):
-    """The model, its optimizers and the training state: fresh, or from the source checkpoint."""
+def build_model(run, model_config, device, world, region, use_bf16):
+    """The model (sharded under FSDP), its optimizers and the training state: fresh, or from the source
+    checkpoint (a ckpt.pt file: whole tensors, sharded as they load; a ckpt.dcp/ directory: loaded shard
+    by shard onto however this run holds the parameters)."""
     config, source = run.config, run.source
     torch.manual_seed(config.seed)
     model = GPT(model_config).to(device)
-    optimizers = build_optimizers(model, config, ns_dtype)
+    model.activation_checkpointing = config.activation_checkpointing
+    if source is not None and not source.get("sharded"):
+        model.load_state_dict(source["model"])
+    if config.parallel == "fsdp":
+        shard_model(model, config, device, world, use_bf16)
+    optimizers = build_optimizers(model, config, ns_dtype(use_bf16))
     if source is None:
         return model, optimizers, TrainState(data_region=region, lr_scaling_params=grow.stored_params(model_config))
-    model.load_state_dict(source["model"])
-    load_optimizer_state(optimizers, source["optimizer"]["state"])
+    if source.get("sharded"):
+        checkpoint.load_sharded_tensors(source, model, optimizers, empty_optimizer_state)
+    else:
+        load_optimizer_state(optimizers, source["optimizer"]["state"])
     state = state_from_checkpoint(source, region)
     if config.decay_branch and not config.resume:  # a fresh branch from a stable checkpoint
         state.branch_start_step, state.last_eval = source["step"], None
@@ -948,14 +959,31 @@ def check_data_budget(stream, state, schedule, seqs_per_step, log):
         "(log.jsonl has the epoch count)")
 
 
-def grow_during_training(model, optimizers, config, ns_dtype):
-    """[X] growth: more passes (tied) or copied cores (untied), in place; optimizers rebuilt with every
-    parameter's state carried over by name (grow.copy_optimizer_state decides what copies get)."""
+def grow_during_training(model, optimizers, config, device, world, use_bf16):
+    """[X] growth: more passes (tied) or copied cores (untied); optimizers rebuilt with every parameter's
+    state carried over by name (grow.copy_optimizer_state decides what copies get). Returns the model
+    (grown in place; under FSDP a grown copy of the gathered model, sharded again) and its optimizers."""
     saved = optimizer_state_by_name(optimizers)["state"]
+    if is_sharded(model):  # grow the whole model, then shard it again
+        weights, saved = full_state(model.state_dict()), {n: full_state(s) for n, s in saved.items()}
+        model = GPT(model.config).to(device)
+        model.load_state_dict(weights)
+        model.activation_checkpointing = config.activation_checkpointing
     param_map = grow.grow(model, config.grow_to, config.grow_untie)
-    optimizers = build_optimizers(model, config, ns_dtype)
+    if config.parallel == "fsdp":
+        shard_model(model, config, device, world, use_bf16)
+    optimizers = build_optimizers(model, config, ns_dtype(use_bf16))
     load_optimizer_state(optimizers, grow.copy_optimizer_state(saved, param_map))
-    return optimizers
+    return model, optimizers
+
+
+def full_state(tensors):
+    """{name: tensor} with every FSDP shard gathered into the whole tensor (a collective: every rank)."""
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in tensors.items()}
+
+
+def ns_dtype(use_bf16):
+    return torch.bfloat16 if use_bf16 else torch.float32  # Muon's Newton-Schulz arithmetic
 
 
 def train_step(model, raw_model, optimizers, stream, state, config, n_passes, autocast, rank, world):
@@ -969,7 +997,7 @@ def train_step(model, raw_model, optimizers, stream, state, config, n_passes, au
         x, y, offsets = stream.batch(first, config.batch_size)
         offsets_read.append(offsets)
         last = micro == config.grad_accum - 1
-        with (model.no_sync() if world > 1 and not last else contextlib.nullcontext()), autocast:
+        with gradient_sync(model, raw_model, sync=last or world == 1), autocast:
             _, loss = model(x.to(device), y.to(device), n_passes=n_passes)
             (loss / config.grad_accum).backward()
         step_loss += raw_model.last_stats["ce"].double().cpu() / config.grad_accum
@@ -989,13 +1017,13 @@ def train(overrides=None):
     """Run one training run in this process. overrides: {setting: value} on top of DEFAULTS (and, with
     init_from / resume, on top of the checkpoint's own settings). Returns a summary dict."""
     run = resolve_run(dict(overrides or {}))
-    rank, world, device = setup_distributed(run.config.device)
+    rank, world, device = setup_distributed(run.config)
     model_config = model_config_from(run.model_settings, device.type)
     check_passes(model_config, run.config, grown=bool(run.source and run.source.get("grown")))
-    check_memory(model_config, run.config, device, uses_bf16(run.config, device))
+    check_memory(model_config, run.config, device, uses_bf16(run.config, device), world)
     if rank == 0:
-        make_run_dir(run.run_dir)
-    with run_dir_lock(run.run_dir) if rank == 0 else contextlib.nullcontext():
+        checkpoint.make_run_dir(run.run_dir)
+    with checkpoint.run_dir_lock(run.run_dir) if rank == 0 else contextlib.nullcontext():
         return train_run(run, model_config, rank, world, device)
 
 
@@ -1004,29 +1032,30 @@ def uses_bf16(config, device):
 
 
 def train_run(run, model_config, rank, world, device):
-    config, master = run.config, rank == 0
+    config, master, sharded = run.config, rank == 0, run.config.parallel == "fsdp"
     log = tqdm.write if master else (lambda *args: None)
     use_bf16 = uses_bf16(config, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    ns_dtype = torch.bfloat16 if use_bf16 else torch.float32  # Muon's Newton-Schulz arithmetic
     data, stream = open_data(config, model_config, world, master)
-    raw_model, optimizers, state = build_model(run, model_config, device, stream.name, ns_dtype)
+    raw_model, optimizers, state = build_model(run, model_config, device, world, stream.name, use_bf16)
     model = wrap_model(raw_model, config, device, world)
     seqs_per_step = config.batch_size * config.grad_accum * world
     tokens_per_step = seqs_per_step * model_config.block_size
     schedule = plan_schedule(config, state, tokens_per_step)
     check_data_budget(stream, state, schedule, seqs_per_step, log)
+    ckpt_path = run.sharded_path if sharded else run.ckpt_path  # the checkpoint a resume continues
     if master:
-        remove_stale_temp_files(run.run_dir)
+        checkpoint.remove_stale_temp_files(run.run_dir)
         if config.resume:
-            sync_log(run.log_path, run.source)
+            checkpoint.sync_log(run.log_path, run.source)
         elif os.path.exists(run.log_path):
             os.remove(run.log_path)
         counts = raw_model.num_params()
         log(f"run {run.run_dir}: {model_config.layout} n_layer={model_config.n_layer} n_embd={model_config.n_embd} "
             f"n_expert={model_config.n_expert} passes={current_passes(model_config)}; params total {counts['total']:,} "
             f"active {counts['active']:,}; {tokens_per_step:,} tokens/step x {schedule.max_steps} steps; "
-            f"world_size {world}; device {device}{' with bf16 autocast' if use_bf16 else ''}")
+            f"world_size {world}{' (FSDP)' if sharded else ''}; device {device}"
+            f"{' with bf16 autocast' if use_bf16 else ''}")
         log(f"data {data.data_dir}: {len(data.train_tokens):,} train tokens ({stream.name} region "
             f"[{stream.start:,}, {stream.stop:,})), unigram entropy of the train split {data.unigram_entropy:.3f} nats")
 
@@ -1037,9 +1066,11 @@ def train_run(run, model_config, rank, world, device):
                     lr=lr, train_loss=train_loss, **result, epochs=state.data_position / stream.n_windows,
                     n_passes=passes_seen or current_passes(raw_model.config), seconds=round(time.time() - t0, 3))
 
-    def save(path):  # rank 0 writes; save_checkpoint refuses non-finite weights
-        if master:
-            save_checkpoint(path, checkpoint_dict(raw_model, optimizers, config, state, data), raw_model)
+    def save(path):  # a sharded checkpoint: every rank its shards; a file: rank 0. Never non-finite weights.
+        if sharded:
+            checkpoint.save_sharded(path, checkpoint_dict(raw_model, optimizers, config, state, data))
+        elif master:
+            checkpoint.save_file(path, checkpoint_dict(raw_model, optimizers, config, state, data))
 
     def append_log(record):
         if master:
@@ -1061,7 +1092,7 @@ def train_run(run, model_config, rank, world, device):
     try:
         while state.step < schedule.max_steps:
             if state.step == schedule.grow_step and not state.grown:  # [X] growth, once
-                optimizers = grow_during_training(raw_model, optimizers, config, ns_dtype)
+                raw_model, optimizers = grow_during_training(raw_model, optimizers, config, device, world, use_bf16)
                 model, state.grown = wrap_model(raw_model, config, device, world), True
                 log(f"step {state.step}: grew to {current_passes(raw_model.config)} passes"
                     f"{' (untied)' if not raw_model.config.tie_core else ''}")
@@ -1085,31 +1116,41 @@ def train_run(run, model_config, rank, world, device):
             stop = state.step == config.stop_at_step
             if state.step % config.eval_interval == 0 or state.step == schedule.max_steps or stop:
                 state.last_eval = evaluate_and_record(sum(window) / len(window), sum(passes_seen) / len(passes_seen), lr)
-                save(run.ckpt_path)  # the checkpoint first, then its log line: the log never runs ahead
+                save(ckpt_path)  # the checkpoint first, then its log line: the log never runs ahead
                 saved_step = state.step
                 append_log(state.last_eval)
                 window, passes_seen = [], []
                 bar.set_postfix(loss=f"{loss:.3f}", val=f"{state.last_eval['val_loss']:.3f}")
             if state.step in config.save_steps:
-                save(os.path.join(run.run_dir, f"ckpt_step{state.step}.pt"))
+                save(os.path.join(run.run_dir, f"ckpt_step{state.step}{'.dcp' if sharded else '.pt'}"))
             if stop:
                 break
     except NonFiniteLoss as e:
-        last = run.ckpt_path if saved_step is not None else "none written yet"
+        last = ckpt_path if saved_step is not None else "none written yet"
         raise NonFiniteLoss(f"{e}. Stopped; the last good checkpoint is kept: {last}. Lower the learning "
                             "rates or check the data.") from None
     except KeyboardInterrupt:
-        where = (f"the last checkpoint is {run.ckpt_path} (step {saved_step}); continue with: python train.py "
+        where = (f"the last checkpoint is {ckpt_path} (step {saved_step}); continue with: python train.py "
                  f"--out_dir={config.out_dir} --run_name={config.run_name} --resume=True" if saved_step is not None
                  else "no checkpoint was written yet")
         raise TrainingInterrupted(f"interrupted at step {state.step}: {where}") from None
     finally:
         bar.close()
 
+    sample_model = raw_model
+    if sharded:  # the consolidated weights: one file that eval_core, probe, grow and sample load
+        weights = full_state(raw_model.state_dict())
+        sample_model = None
+        if master:
+            ckpt = checkpoint_dict(raw_model, optimizers, config, state, data) | dict(model=weights, optimizer=None)
+            checkpoint.save_file(run.ckpt_path, ckpt)
+            if raw_model.num_params()["total"] < 1e9:  # small enough to sample from in one process
+                sample_model = GPT(raw_model.config)
+                sample_model.load_state_dict(weights)
     final = state.last_eval or {}
     read = np.concatenate(offsets_read) if offsets_read else np.zeros(0, dtype=np.int64)
-    summary = dict(run_dir=run.run_dir, ckpt_path=run.ckpt_path, log_path=run.log_path, step=state.step,
-                   max_steps=schedule.max_steps, tokens=state.tokens_seen, flops=state.flops_seen,
+    summary = dict(run_dir=run.run_dir, ckpt_path=run.ckpt_path, resume_path=ckpt_path, log_path=run.log_path,
+                   step=state.step, max_steps=schedule.max_steps, tokens=state.tokens_seen, flops=state.flops_seen,
                    val_loss=final.get("val_loss"), val_loss_by_source=final.get("val_loss_by_source"),
                    train_losses=train_losses, unigram_entropy=data.unigram_entropy, data_region=stream.name,
                    data_read=(int(read.min()), int(read.max()) + stream.seq_len + 1) if len(read) else None,
@@ -1120,9 +1161,10 @@ def train_run(run, model_config, rank, world, device):
             print(f"step {state.step}: val loss {summary['val_loss']:.4f} nats vs unigram entropy "
                   f"{data.unigram_entropy:.4f} ({state.tokens_seen:,} tokens, {state.flops_seen:.3e} FLOPs, "
                   f"{summary['seconds']:.0f} s)")
-        print(f"checkpoint: {run.ckpt_path}\nlog:        {run.log_path}")
-        if config.sample and data.meta.get("tokenizer"):
-            text = sample_text(raw_model, get_tokenizer(data.meta["tokenizer"]), max_new_tokens=64,
+        print(f"checkpoint: {run.ckpt_path}{f' (resume from {ckpt_path})' if sharded else ''}\n"
+              f"log:        {run.log_path}")
+        if config.sample and data.meta.get("tokenizer") and sample_model is not None:
+            text = sample_text(sample_model, get_tokenizer(data.meta["tokenizer"]), max_new_tokens=64,
                                temperature=0.8, top_k=200, seed=config.seed)
             print(f"sample (more with: python sample.py --ckpt {run.ckpt_path}):\n{text}")
     return summary
@@ -1141,12 +1183,22 @@ def main(argv=None):
     except (ValueError, OSError, NonFiniteLoss) as e:
         return cli_error("train.py", e)
     finally:
-        if "RANK" in os.environ:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        end_distributed()
     return 0
 
 
+def end_distributed():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if "RANK" in os.environ and not torch.cuda.is_available():
+        # gloo's worker threads can outlive destroy_process_group and abort the interpreter's shutdown
+        # after FSDP2 collectives ("terminate called without an active exception", about 1 run in 10 on
+        # CPU; a torch issue without an upstream fix). Everything is written and flushed: leave directly.
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

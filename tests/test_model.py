@@ -252,7 +252,7 @@ def test_gradients_reach_every_pass_and_every_used_expert():
     pass_grads = []
 
     def keep_grad(module, inputs, output):
-        output.register_hook(lambda g: pass_grads.append(g.norm().item()))
+        output[0].register_hook(lambda g: pass_grads.append(g.norm().item()))  # (residual stream, router)
 
     handle = core.register_forward_hook(keep_grad)
     idx = tokens(B=2, T=32)
