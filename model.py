@@ -231,7 +231,7 @@ class MoE(nn.Module):
         z_loss = torch.logsumexp(router_logits, dim=-1).square().mean()  # router z-loss (ST-MoE)
         router = dict(balance=balance, z_loss=z_loss, counts=counts.detach(),
                       expert_ids=expert_ids.view(*shape[:-1], self.top_k),
-                      weights=weights.view(*shape[:-1], self.top_k))
+                      weights=weights.detach().view(*shape[:-1], self.top_k))  # statistics for probes
         return out.view(shape), router
 
 

@@ -652,7 +652,7 @@ def _cli_cases(tmp_path):
         ("missing ckpt", ckpt + ok, "checkpoint not found"),
         ("corrupt ckpt", ["--ckpt", str(tmp_path / "corrupt.pt")] + ok, "cannot read checkpoint"),
         ("foreign ckpt", ["--ckpt", str(tmp_path / "foreign.pt")] + ok, "is not a loopstudy checkpoint"),
-        ("weights mismatch", ["--ckpt", str(tmp_path / "mismatch.pt")] + ok, "cannot build the model"),
+        ("weights mismatch", ["--ckpt", str(tmp_path / "mismatch.pt")] + ok, "weights do not match the model config"),
         ("missing bundle", ckpt + ["--bundle", str(tmp_path / "nope")], "eval bundle directory not found"),
         ("no core.yaml", ckpt + ["--bundle", bundles["core.yaml"]], "missing " + bundles["core.yaml"]),
         ("no meta csv", ckpt + ["--bundle", bundles["eval_meta_data.csv"]], "eval_meta_data.csv"),
