@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -506,3 +507,87 @@ def test_malformed_chinchilla_input(tmp_path, capsys):
     path = write(tmp_path, "c2.csv", "N,D,loss\n" + "".join(f"{1e9 * (i + 1)},1e10,2.0\n" for i in range(4)))
     assert fit.main(["chinchilla", path]) == 2
     assert "too few to fit 5" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- plots (matplotlib is optional)
+
+@pytest.fixture(scope="module")
+def plot_calls():
+    """name -> call(path) for each plot function, on real fits of the synthetic runs."""
+    runs = {}
+    for seed in (0, 1):  # two seeds: repeated points at every budget
+        cols = fit.synthetic_power_runs(seed=seed)
+        for a in dict.fromkeys(cols["arch"].tolist()):
+            m = cols["arch"] == a
+            C, L = runs.get(a, ((), ()))
+            runs[a] = (np.concatenate([C, cols["C"][m]]), np.concatenate([L, cols["loss"][m]]))
+    fits = fit.fit_power_laws(runs, "vanilla")
+    ref_C = runs["vanilla"][0]
+    mult = {a: fit.compute_multiplier(*runs["vanilla"], *runs[a]) for a in runs}  # nan outside the range
+    bands = {a: (0.95 * m, 1.05 * m) for a, m in mult.items()}
+    surface = fit.synthetic_surface_runs()
+    budgets, sparsities = [1e20, 1e21, 1e22], [0.85, 0.95]
+    boot = fit.cell_bootstrap(surface, "baseline", "smelt", budgets, sparsities, n_draws=4, n_workers=1, progress=False)
+    curves = {f"{arch} L4w32-e16 b{b}": (list(range(b, 60)), [3 + 5 / (1 + x / 10) for x in range(b, 60)])
+              for arch in ("baseline", "smelt") for b in (10, 20, 40)}
+    return {
+        "loss_vs_compute": lambda p: fit.plot_loss_vs_compute(runs, fits, p),
+        "multipliers": lambda p: fit.plot_multipliers(ref_C, mult, p, bands=bands, ref="vanilla"),
+        "power_laws": lambda p: fit.plot_power_laws(runs, fits, mult, "vanilla", p),
+        "ce_gain": lambda p: fit.plot_ce_gain(budgets, sparsities, boot["value"]["ce_gain"], p,
+                                              lo=boot["lo"]["ce_gain"], hi=boot["hi"]["ce_gain"]),
+        "loss_curves": lambda p: fit.plot_loss_curves(curves, p, title="decay branches", xlabel="step"),
+        "surface_frontiers": lambda p: fit.plot_surface_frontiers(boot["full_fits"], sparsities, p, C_range=(1e19, 1e22)),
+    }
+
+
+PLOTS = ["loss_vs_compute", "multipliers", "power_laws", "ce_gain", "loss_curves", "surface_frontiers"]
+
+
+@pytest.mark.parametrize("name", PLOTS)
+def test_plot_writes_png(plot_calls, tmp_path, name):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / f"{name}.png"
+    assert plot_calls[name](str(path)) is True
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 1000
+    assert os.listdir(tmp_path) == [path.name]  # written atomically: no temp file left beside it
+    assert plot_calls[name](str(tmp_path / "again.png")) and (tmp_path / "again.png").read_bytes() == data  # deterministic
+
+
+@pytest.mark.parametrize("name", PLOTS)
+def test_plot_without_matplotlib_is_one_line_and_no_file(plot_calls, tmp_path, monkeypatch, capsys, name):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    path = tmp_path / f"{name}.png"
+    capsys.readouterr()
+    assert plot_calls[name](str(path)) is False
+    assert not path.exists() and os.listdir(tmp_path) == []
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == "" and len(lines) == 1 and "pip install -r requirements-plot.txt" in lines[0], captured.err
+
+
+def test_plot_cli_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    png = tmp_path / "m.png"
+    assert fit.main(["power", POWER_EXAMPLE, "--ref", "vanilla", "--json", "--plot", str(png)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["fits"] and not png.exists()
+    assert captured.err.splitlines() == [f"{png}: matplotlib is not installed, so no figure was written "
+                                         "(figures are optional: pip install -r requirements-plot.txt)"]
+
+
+def test_plot_ce_gain_checks_shapes(tmp_path):
+    with pytest.raises(ValueError, match=r"gain has shape \(2,\), expected"):
+        fit.plot_ce_gain([1e20, 1e21], [0.9], [0.1, 0.2], str(tmp_path / "g.png"))
+    with pytest.raises(ValueError, match="both lo and hi"):
+        fit.plot_ce_gain([1e20], [0.9], [[0.1]], str(tmp_path / "g.png"), lo=[[0.0]])
+    assert not (tmp_path / "g.png").exists()
+
+
+def test_requirements_plot_names_matplotlib():
+    path = os.path.join(os.path.dirname(__file__), "..", "requirements-plot.txt")
+    lines = [l.strip() for l in open(path) if l.strip()]
+    assert [l for l in lines if not l.startswith("#")] == ["matplotlib"] and "optional" in lines[0].lower()
