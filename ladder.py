@@ -1,65 +1,66 @@
 """
-Both papers' experiments in miniature, end to end: grid -> match -> train -> fit -> report.
+Both papers' experiments in miniature, end to end: grid -> match -> LR sweep -> train -> fit -> report.
 
-    python ladder.py --preset smelt-cpu-mini [--out out/ladder-smelt] [--bootstrap 2000]
-    python ladder.py --preset x-cpu-mini [--out out/ladder-x]
-    python ladder.py --preset smelt-micro          # seconds: the whole pipeline, numbers meaningless
-    python ladder.py --list                        # every preset with its grid and estimated cost
-    python ladder.py --preset smelt-cpu-mini --fit-only   # refit / re-report the finished runs only
+    python ladder.py --list [--json]                 # every preset: its runs, tokens, FLOPs, TPP, epochs
+    python ladder.py --preset smelt-cpu-mini [--out out/ladder-smelt-cpu-mini] [--plot]
+    python ladder.py --preset x-cpu-mini [--plot]
+    python ladder.py --preset smelt-micro            # seconds: the whole pipeline, numbers meaningless
+    python ladder.py --preset x-cpu-mini --fit-only --plot   # refit / re-report / re-plot finished runs
     # GPU presets (documented, not run here); every rank runs the same ladder, rank 0 writes results
     torchrun --standalone --nproc_per_node=8 ladder.py --preset x-gpu-1node
-    torchrun --nnodes=2 --node_rank=R --nproc_per_node=8 --master_addr=A --master_port=29500 \
-        ladder.py --preset smelt-gpu-2node    # --out must be on a filesystem both nodes share
+
+Design principles of the cpu-mini presets (both papers), fixed before any run:
+  * Near the compute-optimal frontier: every run's budget is set in tokens per compute-active
+    non-embedding parameter (TPP = D / N, N = the block matmul parameters one token passes through,
+    every loop visit counted, active experts only: [X10]'s N_c without the lm head), >= 10 everywhere
+    and the same at every ladder point.
+  * A model that is mostly model: byte-level tokens (gpt2-257: the 256 GPT-2 byte tokens + eot, like
+    nanoGPT's shakespeare_char), so the embedding and head are a small share of the parameters.
+  * Per-architecture learning rate: a sweep of the hidden matrices' LR (3 values, 2x apart) at the
+    smallest ladder point; each architecture's best value is carried up its ladder unchanged (the [X]
+    rule (16) scales LR with N from sweeps at three depths, which a CPU miniature cannot afford).
+  * Growth ([X] Loop-Grow / Untied-Grow, K 2 -> 4) at the step [X15] gives (rho* from the affine law
+    [X9] at the run's own TPP), never at the step the WSD decay starts.
+  * Noise: the reference architecture runs with 3 seeds at every point (init and data order change);
+    the report gives the seed spread and marks every multiplier / CE Gain whose 95% interval does not
+    exclude "no difference" as within noise.
+  * The embedded corpus is small: a run may read its data more than once; runs.csv and the report say
+    how many epochs each run reads (at most 4 by design).
 
 [S] SMELT protocol (kind "smelt"): every (scale, sparsity) cell has a MoE baseline; match.match() gives
 its SMELT twin with the same per-token training FLOPs, non-embedding params and KV cache ([S] Table 10
-ratios are printed). Both train on the same token sequence (same seed, batch and data order) with a
-WSD stable phase (constant LR after warmup, never decayed) that saves checkpoints at `branch_steps`;
-from each one a decay branch (cosine to 0 over `decay_tokens`, on the held-back tail of the train
-split the stable phase never reads) gives one point (F, S, D, loss) of the [S2] surface L(F, S, D).
-fit.py fits one surface per architecture; CE Gain [S5] with cell-bootstrap intervals and TPP
-= D*/(F*/6) are reported at `budgets` (default: two budgets inside the measured compute range), and
-the per-pair win counts (twin vs baseline at the same cell and branch).
+ratios are printed). A cell trains the baseline (every seed) and the twin (first seed) with a WSD
+stable phase that saves a checkpoint at each branch point, and from each one a decay branch (cosine to
+0 on the held-back tail of the train split the stable phase never reads) gives one point (F, S, D,
+loss) of the [S2] surface L(F, S, D). Branch points are budgets in TPP of the baseline (the twin has
+the same F, so the same D costs both the same compute). fit.py fits one surface per architecture; CE
+Gain [S5] with cell-bootstrap intervals and TPP = D*/(F*/6) are reported at budgets inside the measured
+range, with the per-pair win counts.
 
 [X] protocol (kind "x"): ladders of Vanilla (plain), Operator-1 (prelude-core-coda, K = 1, boundary
 operator), Loop-2 (tied core, K = 2), Untied-2 (K = 2 independent cores), Loop-Grow and Untied-Grow
-(K = 2 -> 4 at grow_at of training, i.e. rho = 1 - grow_at of the tokens after growth) at nominal
-depths d with width = width_per_depth x d. The paper uses width = 128 x d (d8 = 1024 wide); CPU
-presets use 16 x d (d3..d6 = 48..96 wide), head_dim 16 (n_head = width / 16) and mlp_hidden = 8/3 x
-width rounded up to 32 (the [X] code rounds to 256, which at width 48 would be a 5x MLP). Every
-architecture at a ladder point spends the same training compute: the budget is C(d) = tpp x N_s x F
-of Vanilla at depth d (N_s stored params incl. the lm head [X10], F its analytic FLOPs per token,
-match.py), and every architecture gets C(d) / F_arch tokens (growth: the token-weighted mean F of
-its two phases). [X] Table 1 settings: no norm gains, QK-norm, embedding norm, the "x" init, Muon.
-fit.py fits E on Vanilla (Huber), shared-E log-log regressions per architecture [X7], and the
-compute multipliers: measured [X6] (interpolated between an architecture's own measured points) and
-from the fitted laws, at Vanilla's budgets. The per-architecture LR tuning of [X] is NOT done here:
-every architecture trains with the same settings (say so when quoting these numbers).
+(K = 2 -> 4) at nominal depths d with width = width_per_depth x d; [X] Table 1 settings (no norm gains,
+QK-norm, embedding norm, the "x" init, Muon). As in [X], every architecture trains at its own
+budget (its TPP times its own N), so the ladders cover different compute: fit.py fits E on Vanilla
+(Huber, all seeds), shared-E power laws per architecture [X7], and compute multipliers at Vanilla's
+budgets [X6], measured (interpolated between an architecture's own points) and from the fitted laws,
+with 95% bands from a seed bootstrap (resample Vanilla's seeds, perturb the other points by the
+measured seed spread, refit).
 
-Presets (python ladder.py --list prints each with its number of runs and planned FLOPs):
+Presets (python ladder.py --list prints each with its runs and planned compute):
   smelt-micro / x-micro     seconds; tests/test_ladder.py runs them end to end. Numbers mean nothing.
-  smelt-cpu-mini            [S] scaled down: 3 scales (L4 w64, L6 w128, L8 w128) x 2 sparsities (top-2 of
-                            8 or 16 experts of hidden size w) = 6 cells; 6 query / 3 KV heads of 16
-                            (the twin gets 2 KV heads: KV matched exactly); context 128, batch 8;
-                            stable phase 160 steps (164k tokens), branches at steps 40/80/160, each
-                            decaying over 40,960 held-back tokens -> 18 surface points per architecture.
-                            (Paper: 4 scales x 3-4 sparsities, 6 branches, 10B-token decays, 205B tokens.)
-  x-cpu-mini                [X] scaled down: d3..d6 at width 16 x d, context 128, batch 8, budget
-                            C(d) = 0.4 tokens per stored Vanilla parameter (the paper: TPP ~5 at 128 x d);
-                            the 4096-token lm head is a large share of every model's FLOPs at this width.
+  smelt-cpu-mini, x-cpu-mini   the miniatures above, two CPU workers (1 thread each), about an hour each.
   smelt-gpu-1node/2node,    sized for one / two 8-GPU nodes (documented, not run here); they read
   x-gpu-1node/2node         data/cache/fineweb (prepare it with data/prepare.py), see GPU_DATA.
-Measured on this 2-core machine (1 torch thread, other jobs running): see the README for the
-cpu-mini wall times; every run's own time is in its result.json ("seconds").
 
-Resumable: every run lives in OUT/runs/<run_id>/ (train.py's ckpt.pt, log.jsonl, train.out = its
+Resumable: every run lives in OUT/runs/<run_id>/ (train.py's checkpoints, log.jsonl, train.out = its
 printed output) and is finished when OUT/runs/<run_id>/result.json exists, written atomically after
 training. A finished run is never redone (a result from different settings is an error, not a silent
 mix; a setting added to model.py / train.py since, left at its default, is not a difference); an
-unfinished run is restarted from scratch. So killing the ladder at any moment and running the
-same command again continues where it stopped. OUT/runs.csv, OUT/report.txt and OUT/report.json are
-rebuilt from the result files at the end of every invocation. Decay branches delete their own
-ckpt.pt when finished unless --keep-checkpoints (stable checkpoints are kept: branches need them).
+unfinished run is restarted from scratch. So killing the ladder at any moment and running the same
+command again continues where it stopped. OUT/runs.csv, OUT/report.txt and OUT/report.json (and with
+--plot the figures) are rebuilt from the result files at the end of every invocation. Decay branches
+delete their own ckpt.pt when finished unless --keep-checkpoints (stable checkpoints are kept).
 """
 
 import argparse
@@ -68,43 +69,46 @@ import csv
 import io
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import sys
+import warnings
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 from tqdm import tqdm
 
 import fit
+import grow
 import match
 import train
-from data.prepare import write_atomic
-from grow import growth_step
+from common import cli_error, write_atomic
 from model import ModelConfig
 
 # ----------------------------------------------------------------------------------------------------
 # Presets. Shared model/training settings first, then one dict per preset.
 
-TOKENIZER_MODEL = dict(vocab_size=4096, eot_token=4095)  # data/cache/default (gpt2-4096)
-
-# [S]: MoE baselines, top-2 of fine-grained experts; 6 query heads of 16 on 3 KV heads, so that the
-# SMELT twin (1.5x the executed layers) matches the KV cache exactly with 2 KV heads of 16.
-SMELT_MODEL = dict(TOKENIZER_MODEL, n_head=6, n_kv_head=3, head_dim=16, top_k=2, layout="plain", n_loops=1)
-# match.match keyword arguments for small widths: finer width / hidden / expert grids than the
-# paper-scale defaults (multiples of 32 / 16 / 8 leave no feasible twin at width 64)
-SMELT_MATCH = dict(width_multiple=(16, 8), hidden_multiple=8, expert_multiple=1)
+BYTES = dict(vocab_size=257, eot_token=256)  # gpt2-257: the 256 byte tokens + eot (data: "tokenizer" key)
+GPT2_4096 = dict(vocab_size=4096, eot_token=4095)  # data/cache/default
+# [S]: MoE baselines, top-2 of fine-grained experts; 6 query heads on 3 KV heads, so that the SMELT twin
+# (1.5x the executed layers) matches the KV cache exactly with 2 KV heads of the same size.
+SMELT_MODEL = dict(n_head=6, n_kv_head=3, top_k=2, layout="plain", n_loops=1)
+# match.match search for small widths: a finer grid than the paper-scale default leaves a twin in every cell
+SMELT_MATCH = dict(width_multiple=(16, 8, 4), hidden_multiple=4, expert_multiple=1, head_dim_range=(4, 64),
+                   head_multiple=4)
 # [X] Table 1
-X_MODEL = dict(TOKENIZER_MODEL, norm_gain=False, qk_norm=True, embed_norm=True, init="x")
-# GPU presets need far more tokens than the embedded corpus (0.8M): prepare e.g. FineWeb shards with
-#   python -m data.prepare /path/to/fineweb/*.jsonl --out data/cache/fineweb
+X_MODEL = dict(norm_gain=False, qk_norm=True, embed_norm=True, init="x")
+# GPU presets need far more tokens than the embedded corpus: prepare e.g. FineWeb shards with
+#   python data/prepare.py /path/to/fineweb/*.jsonl --tokenizer gpt2 --out data/cache/fineweb
 GPU_DATA = "data/cache/fineweb"
 X_ARCHS = ("vanilla", "operator-1", "loop-2", "untied-2", "loop-grow", "untied-grow")
+SEEDS = [1337, 1338, 1339]  # the reference architecture runs all; the others the first
 
 SMELT_GPU_1NODE = dict(
     kind="smelt", about="one 8-GPU node (documented, not run): 4 scales x 3 sparsities, 6 branches",
-    model=dict(TOKENIZER_MODEL, n_head=8, n_kv_head=4, head_dim=64, top_k=8, layout="plain", n_loops=1,
-               block_size=1024),
+    model=dict(GPT2_4096 | SMELT_MODEL, head_dim=64, n_head=8, n_kv_head=4, top_k=8, block_size=1024),
     scales={"L8w512": dict(n_layer=8, n_embd=512, expert_hidden=176),
             "L10w640": dict(n_layer=10, n_embd=640, expert_hidden=208),
             "L12w768": dict(n_layer=12, n_embd=768, expert_hidden=256),
@@ -112,61 +116,68 @@ SMELT_GPU_1NODE = dict(
     cells=[(s, e) for s in ("L8w512", "L10w640", "L12w768", "L16w1024") for e in (48, 96, 128)],
     recipe="smelt", match_kwargs=dict(width_multiple=(32, 16), expert_multiple=4),
     train=dict(optimizer="adamw", batch_size=16, grad_accum=1, warmup_steps=200, eval_tokens=1 << 20,
-               data_dir=GPU_DATA),
-    branch_steps=[500, 1000, 2000, 4000, 8000, 12000], decay_tokens=1000 * 16 * 1024 * 8, gpus=8,
-    budgets=None, bootstrap=2000, seed=1337)
+               data_dir=GPU_DATA, branch_data_fraction=0.1),
+    branch_tpp=[10, 20, 40, 80], decay_share=0.1, seeds=SEEDS[:1], gpus=8, bootstrap=2000, seed=1337)
 
 PRESETS = {
     # ---- [S] SMELT
     "smelt-micro": dict(
         kind="smelt", about="pipeline check in seconds (tests); the numbers mean nothing",
-        model=dict(SMELT_MODEL, block_size=32),
-        scales={"w64": dict(n_layer=4, n_embd=64, expert_hidden=64),
-                "w96": dict(n_layer=4, n_embd=96, expert_hidden=96),
-                "w128": dict(n_layer=4, n_embd=128, expert_hidden=128)},
-        cells=[("w64", 8), ("w64", 16), ("w96", 8), ("w128", 16)],  # (scale, experts per layer)
+        data=dict(tokenizer="gpt2-257"),
+        model=dict(BYTES | SMELT_MODEL, head_dim=8, block_size=32),
+        scales={"w32": dict(n_layer=4, n_embd=32, expert_hidden=16),
+                "w56": dict(n_layer=4, n_embd=56, expert_hidden=28)},
+        cells=[("w32", 8), ("w32", 16), ("w56", 16)],  # (scale, experts per layer)
         recipe="smelt", match_kwargs=SMELT_MATCH,
-        train=dict(optimizer="adamw", batch_size=4, warmup_steps=2, eval_tokens=512),
-        branch_steps=[4, 8], decay_tokens=512, budgets=None, bootstrap=20, seed=1337, threads=1),
+        train=dict(optimizer="adamw", batch_size=4, warmup_steps=2, eval_tokens=512, branch_data_fraction=0.2),
+        branch_tpp=[0.1, 0.2, 0.3], decay_share=0.2, seeds=SEEDS[:2], lr_sweep=dict(key="adamw_matrix_lr",
+                                                                            values=[2e-3, 4e-3]),
+        bootstrap=20, seed=1337, threads=1),
     "smelt-cpu-mini": dict(
-        kind="smelt", about="[S] in miniature: 3 scales x 2 sparsities, 3 decay branches per cell, "
-                            "under an hour on 2 CPU cores",
-        model=dict(SMELT_MODEL, block_size=128),
-        scales={"L4w64": dict(n_layer=4, n_embd=64, expert_hidden=64),
-                "L6w128": dict(n_layer=6, n_embd=128, expert_hidden=128),
-                "L8w128": dict(n_layer=8, n_embd=128, expert_hidden=128)},
-        cells=[("L4w64", 8), ("L4w64", 16), ("L6w128", 8), ("L6w128", 16), ("L8w128", 8), ("L8w128", 16)],
+        kind="smelt", about="[S] in miniature: 3 scales x 2 sparsities, 3 decay branches, 3 baseline seeds",
+        data=dict(tokenizer="gpt2-257"),
+        model=dict(BYTES | SMELT_MODEL, head_dim=8, block_size=256),
+        # compute-active non-embedding params 33k / 91k / 163k (F 5.5e5 .. 1.6e6 FLOPs per token)
+        scales={"L4w32": dict(n_layer=4, n_embd=32, expert_hidden=16),
+                "L4w64": dict(n_layer=4, n_embd=64, expert_hidden=32),
+                "L6w72": dict(n_layer=6, n_embd=72, head_dim=12, expert_hidden=36)},
+        cells=[(s, e) for s in ("L4w32", "L4w64", "L6w72") for e in (16, 32)],  # S ~ 0.73-0.80, 0.85-0.90
         recipe="smelt", match_kwargs=SMELT_MATCH,
-        train=dict(optimizer="adamw", batch_size=8, warmup_steps=10, eval_tokens=1 << 15),
-        branch_steps=[40, 80, 160], decay_tokens=40960, budgets=None, bootstrap=2000, seed=1337, threads=1),
+        train=dict(optimizer="adamw", batch_size=8, warmup_steps=20, eval_tokens=1 << 15, branch_data_fraction=0.2),
+        branch_tpp=[10, 20, 30], decay_share=0.2, seeds=SEEDS,
+        lr_sweep=dict(key="adamw_matrix_lr", values=[1.5e-3, 3e-3, 6e-3]),
+        bootstrap=2000, seed=1337, threads=1, workers=2),
     "smelt-gpu-1node": SMELT_GPU_1NODE,
     "smelt-gpu-2node": dict(SMELT_GPU_1NODE, about="two 8-GPU nodes (documented, not run): the 1-node grid, "
-                                                  "2x the tokens per step",
-                            decay_tokens=1000 * 16 * 1024 * 16, gpus=16),
+                                                  "2x the tokens per step", gpus=16),
     # ---- [X] scaling exponents
     "x-micro": dict(
         kind="x", about="pipeline check in seconds (tests); the numbers mean nothing",
-        model=dict(X_MODEL, block_size=32), depths=[2, 3, 4, 5], width_per_depth=16, head_dim=16,
-        mlp_multiple=32, archs=X_ARCHS, tpp=0.005, grow_at=0.7, grow_to=4, rewarm_fraction=0.05,
+        data=dict(tokenizer="gpt2-257"),
+        model=dict(BYTES | X_MODEL, block_size=32), depths=[3, 4, 5], width_per_depth=8, head_dim=8,
+        mlp_multiple=8, archs=X_ARCHS, tpp=0.1, grow_to=4, rewarm_fraction=0.05,
         train=dict(optimizer="muon", batch_size=4, warmup_fraction=0.1, decay_fraction=0.3, eval_tokens=512),
-        seed=1337, threads=1),
+        seeds=SEEDS[:2], lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04]), seed=1337, threads=1),
     "x-cpu-mini": dict(
-        kind="x", about="[X] in miniature: 6 ladders x 4 depths at width 16 x depth, equal FLOPs per "
-                        "point, under an hour on 2 CPU cores",
-        model=dict(X_MODEL, block_size=128), depths=[3, 4, 5, 6], width_per_depth=16, head_dim=16,
-        mlp_multiple=32, archs=X_ARCHS, tpp=0.4, grow_at=0.7, grow_to=4, rewarm_fraction=0.05,
+        kind="x", about="[X] in miniature: 6 architectures x depths 3..6 at width 12 x depth, TPP 10 each, "
+                        "3 Vanilla seeds",
+        data=dict(tokenizer="gpt2-257"),
+        model=dict(BYTES | X_MODEL, block_size=256), depths=[3, 4, 5, 6], width_per_depth=12, head_dim=12,
+        mlp_multiple=32, archs=X_ARCHS, tpp=10, grow_to=4, rewarm_fraction=0.05,
         train=dict(optimizer="muon", batch_size=8, warmup_fraction=0.05, decay_fraction=0.3, eval_tokens=1 << 15),
-        seed=1337, threads=1),
+        seeds=SEEDS, lr_sweep=dict(key="matrix_lr", values=[0.01, 0.02, 0.04]), seed=1337, threads=1, workers=2),
     "x-gpu-1node": dict(
-        kind="x", about="one 8-GPU node (documented, not run): the paper's width 128 x depth, d6..d10, TPP 5",
-        model=dict(X_MODEL, block_size=2048), depths=[6, 7, 8, 9, 10], width_per_depth=128, head_dim=128,
-        mlp_multiple=256, archs=X_ARCHS, tpp=5.0, grow_at=0.7, grow_to=4, rewarm_fraction=0.02, gpus=8,
+        kind="x", about="one 8-GPU node (documented, not run): the paper's width 128 x depth, d6..d10",
+        model=dict(dict(vocab_size=50304, eot_token=50256) | X_MODEL, block_size=2048), depths=[6, 7, 8, 9, 10],
+        width_per_depth=128, head_dim=128, mlp_multiple=256, archs=X_ARCHS, tpp=10, grow_to=4,
+        rewarm_fraction=0.02, gpus=8, seeds=SEEDS[:1],
         train=dict(optimizer="muon", batch_size=16, grad_accum=2, warmup_fraction=0.02, decay_fraction=0.3,
                    eval_tokens=1 << 21, data_dir=GPU_DATA), seed=1337),
     "x-gpu-2node": dict(
-        kind="x", about="two 8-GPU nodes (documented, not run): d8..d12 at width 128 x depth, TPP 5",
-        model=dict(X_MODEL, block_size=2048), depths=[8, 9, 10, 11, 12], width_per_depth=128, head_dim=128,
-        mlp_multiple=256, archs=X_ARCHS, tpp=5.0, grow_at=0.7, grow_to=4, rewarm_fraction=0.02, gpus=16,
+        kind="x", about="two 8-GPU nodes (documented, not run): d8..d12 at width 128 x depth",
+        model=dict(dict(vocab_size=50304, eot_token=50256) | X_MODEL, block_size=2048), depths=[8, 9, 10, 11, 12],
+        width_per_depth=128, head_dim=128, mlp_multiple=256, archs=X_ARCHS, tpp=10, grow_to=4,
+        rewarm_fraction=0.02, gpus=16, seeds=SEEDS[:1],
         train=dict(optimizer="muon", batch_size=16, grad_accum=1, warmup_fraction=0.02, decay_fraction=0.3,
                    eval_tokens=1 << 21, data_dir=GPU_DATA), seed=1337),
 }
@@ -184,6 +195,56 @@ def get_preset(name, **overrides):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Data: the prepared corpus a preset trains on, and how much of it a run reads
+
+
+@dataclass
+class DataPlan:
+    """Where a preset's data is and how big its regions are (None when it is not prepared here)."""
+    data_dir: str
+    train_tokens: int = None  # the train split
+    stable_tokens: int = None  # what a stable run reads (the split minus the held-back tail)
+    branch_tokens: int = None  # the held-back tail that decay branches read
+
+
+def data_plan(preset, prepare=True):
+    """The preset's data: the embedded corpus in the preset's tokenizer (prepared once, offline) or
+    the train data_dir it names (GPU presets: their sizes are unknown until it is prepared)."""
+    from data import prepare as prep
+    tokenizer = preset.get("data", {}).get("tokenizer")
+    if tokenizer:
+        out = os.path.join(prep.DATA_DIR, "cache", f"default-{tokenizer}")
+        data_dir = prep.prepare_default(out, tokenizer=tokenizer, verbose=False) if prepare else out
+    else:
+        data_dir = preset["train"].get("data_dir", "")
+    try:
+        n = int(prep.load_meta(data_dir or prep.DEFAULT_OUT)["splits"]["train"]["tokens"])
+    except (FileNotFoundError, ValueError):
+        return DataPlan(data_dir)
+    held = int(n * preset["train"].get("branch_data_fraction", train.DEFAULTS["branch_data_fraction"]))
+    return DataPlan(data_dir, n, n - held, held)
+
+
+def compute_active(cfg):
+    """N: the non-embedding parameters one token's compute runs through ([X10]'s N_c without the lm
+    head): every executed block's matmul weights, once per visit, the active experts only."""
+    return match.accounting(cfg)["params_compute_active"] - cfg.vocab_size * cfg.n_embd
+
+
+def tokens_per_step(preset, world=None):
+    t = preset["train"]
+    return t["batch_size"] * t.get("grad_accum", 1) * preset["model"]["block_size"] * (world or world_size(preset))
+
+
+def world_size(preset=None):
+    """DDP processes (torchrun sets WORLD_SIZE): a step reads batch_size x grad_accum x world sequences.
+    Outside torchrun a preset's intended `gpus` is used for planning only (--list)."""
+    if "WORLD_SIZE" in os.environ or preset is None:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return int(preset.get("gpus", 1))
+
+
+# ----------------------------------------------------------------------------------------------------
 # Runs: a RunSpec is one train.train() call; its result.json marks it finished
 
 
@@ -192,16 +253,14 @@ class RunSpec:
     run_id: str  # unique in the ladder; the run's folder name
     arch: str
     cell: str  # SMELT: "<scale>-e<experts>" (shared by baseline and twin); [X]: "d<depth>"
-    role: str  # "stable" (branch source), "branch" (a decay branch -> one fit point) or "run" ([X])
-    settings: dict  # train.train overrides (out_dir / run_name are filled in by run_ladder)
-    meta: dict = field(default_factory=dict)  # what the report needs: F, S, depth, target C, ...
+    role: str  # "stable" (branch source), "branch" (a decay branch -> one fit point), "run" ([X]), "sweep"
+    settings: dict  # train.train overrides (out_dir / run_name / data_dir are filled in by run_ladder)
+    meta: dict = field(default_factory=dict)  # what the report needs: F, S, N, depth, planned tokens, ...
     needs: str = ""  # run_id whose checkpoint this run starts from
 
 
 def write_json_atomic(path, obj):
-    """JSON through a temp file and a rename (data.prepare.write_atomic): never half a result file."""
     path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     text = json.dumps(obj, indent=1, default=_json_default)
     write_atomic(path, lambda f: f.write(text.encode()))
 
@@ -263,67 +322,157 @@ def _barrier():
         dist.barrier()
 
 
-def _quiet(*args, **kwargs):
-    pass
-
-
 def _is_master():
     import torch.distributed as dist
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def run_ladder(specs, out_dir, train_fn=None, progress=True, keep_checkpoints=False, log=print):
-    """Train every spec that has no result yet, in order; returns {run_id: result}. train_fn defaults
-    to train.train (tests pass a counting wrapper). Stops with ValueError when a run's source
-    checkpoint is missing."""
-    train_fn = train_fn or train.train
+def init_path(spec, out_dir):
+    """The checkpoint a run starts from. Specs say "{runs}/<stable run>/ckpt_step<N>.pt" so that the
+    settings identifying a run do not depend on where its output folder is; an FSDP stable run wrote
+    ckpt_step<N>.dcp instead."""
+    path = spec.settings["init_from"].replace("{runs}", os.path.join(out_dir, "runs"))
+    sharded = os.path.splitext(path)[0] + ".dcp"
+    return sharded if not os.path.exists(path) and os.path.exists(sharded) else path
+
+
+def train_in_run_dir(settings, directory, threads=None):
+    """train.train with its printed output in directory/train.out (what a worker process runs)."""
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "train.out"), "a") as out, contextlib.redirect_stdout(out):
+        summary = train.train(settings)
+    return {k: summary.get(k) for k in RESULT_KEYS} | {"train_losses": summary.get("train_losses")}
+
+
+RESULT_KEYS = ("val_loss", "val_loss_by_source", "tokens", "flops", "step", "max_steps", "seconds", "unigram_entropy",
+               "data_region", "data_read", "data_split", "ckpt_path", "log_path")
+
+
+def run_ladder(specs, out_dir, train_fn=None, progress=True, keep_checkpoints=False, log=print, workers=1,
+               threads=None, data_dir=""):
+    """Train every spec that has no result yet (a run whose checkpoint another needs first); returns
+    {run_id: result}. workers > 1: that many processes train at once, threads torch threads each.
+    train_fn (tests: a counting wrapper of train.train) runs in this process, one run at a time."""
     results = {s.run_id: load_result(out_dir, s) for s in specs}
     ids = [s.run_id for s in specs]
     if len(set(ids)) != len(ids):
         raise ValueError("duplicate run ids in the ladder")
     todo = [s for s in specs if results[s.run_id] is None]
-    log(f"ladder {out_dir}: {len(specs)} runs, {len(specs) - len(todo)} finished, {len(todo)} to train")
+    log(f"ladder {out_dir}: {len(specs)} runs, {len(specs) - len(todo)} finished, {len(todo)} to train"
+        + (f" ({workers} workers)" if workers > 1 and todo else ""))
     bar = tqdm(total=len(specs), initial=len(specs) - len(todo), desc="ladder", unit="run",
                disable=not (progress and _is_master()), position=0, dynamic_ncols=True)
-    for spec in todo:
+
+    def settings_of(spec):
         directory = run_dir(out_dir, spec.run_id)
         if _is_master() and os.path.isdir(directory):  # an interrupted attempt: start it again
             shutil.rmtree(directory, ignore_errors=True)
         _barrier()
         settings = dict(spec.settings, out_dir=os.path.join(out_dir, "runs"), run_name=spec.run_id,
-                        progress=progress)
+                        progress=progress and workers == 1, sample=False)
+        if data_dir:
+            settings["data_dir"] = data_dir
         if spec.needs:
             source = settings["init_from"] = init_path(spec, out_dir)
             if not os.path.exists(source):
-                raise ValueError(f"run {spec.run_id} starts from {source}, which is missing (the finished "
-                                 f"run {spec.needs} lost its checkpoints?); delete {run_dir(out_dir, spec.needs)} "
-                                 "to retrain it")
-        bar.set_postfix_str(spec.run_id)
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "train.out"), "a") as out, contextlib.redirect_stdout(out):
-            summary = train_fn(settings)
-        result = dict(run_id=spec.run_id, arch=spec.arch, cell=spec.cell, role=spec.role,
-                      settings=spec.settings, meta=spec.meta, needs=spec.needs,
-                      **{k: summary.get(k) for k in ("val_loss", "val_loss_by_source", "tokens", "flops", "step",
-                                                     "max_steps", "seconds", "unigram_entropy", "data_region",
-                                                     "data_read", "data_split", "ckpt_path", "log_path")})
-        if summary.get("train_losses"):
-            result["final_train_loss"] = float(np.mean(summary["train_losses"][-max(1, len(summary["train_losses"]) // 10):]))
+                raise ValueError(f"run {spec.run_id} starts from {source}, which is missing (the finished run "
+                                 f"{spec.needs} lost its checkpoints?); delete {run_dir(out_dir, spec.needs)} to retrain it")
+        return settings
+
+    def finish(spec, summary):
+        result = dict(run_id=spec.run_id, arch=spec.arch, cell=spec.cell, role=spec.role, settings=spec.settings,
+                      meta=spec.meta, needs=spec.needs, **{k: summary.get(k) for k in RESULT_KEYS})
+        losses = summary.get("train_losses") or []
+        if losses:
+            result["final_train_loss"] = float(np.mean(losses[-max(1, len(losses) // 10):]))
         if _is_master():
             if spec.role == "branch" and not keep_checkpoints and os.path.exists(summary.get("ckpt_path") or ""):
                 os.remove(summary["ckpt_path"])  # a branch's final weights are not needed by the ladder
                 result["ckpt_path"] = None
-            write_json_atomic(os.path.join(directory, "result.json"), result)
+            write_json_atomic(os.path.join(run_dir(out_dir, spec.run_id), "result.json"), result)
         _barrier()
         results[spec.run_id] = result
         bar.update(1)
-        loss = result["val_loss"]
-        if _is_master():
-            bar.write(f"  {spec.run_id}: val loss {loss:.4f}, {result['tokens']:,} tokens, "
-                      f"{result['flops']:.3e} FLOPs, {result['seconds']:.0f} s" if loss is not None
-                      else f"  {spec.run_id}: done")
+        if _is_master() and result["val_loss"] is not None:
+            bar.write(f"  {spec.run_id}: val loss {result['val_loss']:.4f}, {result['tokens']:,} tokens, "
+                      f"{result['flops']:.3e} FLOPs, {result['seconds']:.0f} s")
+
+    if workers <= 1 or train_fn is not None:
+        for spec in todo:
+            bar.set_postfix_str(spec.run_id)
+            settings = settings_of(spec)
+            if train_fn is None:
+                summary = train_in_run_dir(settings, run_dir(out_dir, spec.run_id))
+            else:
+                os.makedirs(run_dir(out_dir, spec.run_id), exist_ok=True)
+                with open(os.path.join(run_dir(out_dir, spec.run_id), "train.out"), "a") as out, \
+                        contextlib.redirect_stdout(out):
+                    summary = train_fn(settings)
+            finish(spec, summary)
+    else:  # a pool of worker processes; a run starts once the run it branches from has finished
+        pending, running = list(todo), {}
+        context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            while pending or running:
+                for spec in [s for s in pending if not s.needs or results.get(s.needs)]:
+                    if len(running) >= workers:
+                        break
+                    pending.remove(spec)
+                    running[pool.submit(train_in_run_dir, settings_of(spec), run_dir(out_dir, spec.run_id),
+                                        threads)] = spec
+                if not running:
+                    raise ValueError(f"runs {[s.run_id for s in pending]} wait for runs that are not in the ladder")
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    finish(running.pop(future), future.result())
     bar.close()
     return results
+
+
+# ----------------------------------------------------------------------------------------------------
+# LR sweep: the first ladder point, every architecture, each value of one learning rate
+
+
+def sweep_values(preset):
+    sweep = preset.get("lr_sweep")
+    return (sweep["key"], sweep["values"]) if sweep else (None, [None])
+
+
+def best_lrs(preset, results, sweep_specs):
+    """{arch: the swept value with the lowest validation loss}, or None while sweep runs are missing."""
+    key, values = sweep_values(preset)
+    if key is None:
+        return {}
+    best = {}
+    for s in sweep_specs:
+        r = results.get(s.run_id)
+        if r is None:
+            return None
+        value = s.settings[key]
+        if s.arch not in best or r["val_loss"] < best[s.arch][1]:
+            best[s.arch] = (value, r["val_loss"])
+    return {arch: value for arch, (value, _) in best.items()}
+
+
+def sweep_table(preset, results, sweep_specs, chosen):
+    key, values = sweep_values(preset)
+    lines = [f"LR sweep ({key}) at the first ladder point, validation loss (* = carried up the ladder)"]
+    lines.append(f"  {'':>12} " + " ".join(f"{v:>10g}" for v in values))
+    by = {(s.arch, s.settings[key]): results.get(s.run_id) for s in sweep_specs}
+    archs = list(dict.fromkeys(s.arch for s in sweep_specs))
+    table = {}
+    for a in archs:
+        cells = []
+        for v in values:
+            r = by.get((a, v))
+            loss = r["val_loss"] if r else None
+            table.setdefault(a, {})[str(v)] = loss
+            cells.append(f"{loss:9.4f}{'*' if chosen.get(a) == v else ' '}" if loss is not None else f"{'-':>10}")
+        lines.append(f"  {a:>12} " + " ".join(cells))
+    return lines, table
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -337,8 +486,7 @@ def smelt_cells(preset):
         if scale not in preset["scales"]:
             raise ValueError(f"preset {preset['name']}: cell ({scale}, {n_expert}) names an unknown scale; "
                              f"scales are {sorted(preset['scales'])}")
-        fields_ = dict(preset["model"], **preset["scales"][scale], n_expert=n_expert)
-        baseline = ModelConfig.from_dict(fields_)
+        baseline = ModelConfig.from_dict(dict(preset["model"], **preset["scales"][scale], n_expert=n_expert))
         try:
             twin, report = match.match(baseline, preset["recipe"], **preset.get("match_kwargs", {}))
         except ValueError as e:
@@ -348,46 +496,97 @@ def smelt_cells(preset):
 
 
 def model_settings(cfg):
-    """ModelConfig -> train.py model overrides (the resolved fields, so the run is fully specified)."""
-    d = asdict(cfg)
+    """ModelConfig -> train.py model overrides (the resolved fields as plain ints, so the run is fully
+    specified and JSON-stable)."""
+    d = {k: (int(v) if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in asdict(cfg).items()}
     d.pop("use_triton", None)
     return d
 
 
-def smelt_specs(preset, cells=None):
-    """Per cell and architecture: one stable run saving checkpoints at branch_steps, then one decay
-    branch per checkpoint. Baseline and twin share seed, batch and data: the same token sequence."""
-    cells = smelt_cells(preset) if cells is None else cells
-    steps = sorted(preset["branch_steps"])
-    if not steps or steps[0] < 1:
-        raise ValueError(f"preset {preset['name']}: branch_steps must be positive step numbers, got {steps}")
-    common = dict(preset["train"], seed=preset["seed"], decay_fraction=0.0, eval_interval=steps[-1])
+def smelt_branch_plan(preset, cfg, data, world=None):
+    """[(TPP, stable steps before the branch, decay tokens)] of one cell: the branch's total tokens are
+    TPP x N (N of the baseline: the twin is matched to it), the last decay_share of them decay, capped
+    to what the held-back data holds (a branch never rereads it)."""
+    step_tokens = tokens_per_step(preset, world)
+    n = compute_active(cfg)
+    plan = []
+    for tpp in preset["branch_tpp"]:
+        total = tpp * n
+        decay_steps = max(1, math.ceil(preset["decay_share"] * total / step_tokens))
+        if data.branch_tokens:
+            decay_steps = min(decay_steps, int(0.9 * data.branch_tokens) // step_tokens)
+        stable = max(1, math.ceil(total / step_tokens) - decay_steps)  # whole steps, at least tpp x N tokens
+        plan.append((tpp, stable, decay_steps * step_tokens))
+    return plan
+
+
+def smelt_specs(preset, cells, data, lrs=None, world=None):
+    """Per cell and architecture (the baseline with every seed, the twin with the first): one stable run
+    saving checkpoints at the branch points, then one decay branch per checkpoint. Baseline and twin of a
+    seed share batch and data order: the same token sequence. Without lrs: the LR sweep runs only."""
+    key, values = sweep_values(preset)
+    common = dict(preset["train"], decay_fraction=0.0)
+    step_tokens = tokens_per_step(preset, world)
     specs = []
     for cell, baseline, twin, _ in cells:
         attended = match.resolve_attended(baseline)
+        plan = smelt_branch_plan(preset, baseline, data, world)
+        steps = [s for _, s, _ in plan]
         for arch, cfg in (("baseline", baseline), ("smelt", twin)):
             F = train.flops_per_token(cfg)
-            S = match.sparsity(cfg, attended, baseline=baseline)["S"]
-            N = match.accounting(cfg, attended)["params_nonembedding"]
-            meta = dict(F=F, S=S, N=N, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_expert=cfg.n_expert,
-                        layout=cfg.layout)
-            stable_id = f"{arch}-{cell}-stable"
-            specs.append(RunSpec(stable_id, arch, cell, "stable",
-                                 dict(common, **model_settings(cfg), max_steps=steps[-1], save_steps=steps), meta))
-            for step in steps:
-                source = f"{{runs}}/{stable_id}/ckpt_step{step}.pt"
-                specs.append(RunSpec(f"{arch}-{cell}-decay{step}", arch, cell, "branch",
-                                     dict(init_from=source, decay_branch=True, decay_tokens=preset["decay_tokens"],
-                                          eval_tokens=preset["train"].get("eval_tokens", 16384),
-                                          eval_interval=10 ** 9),
-                                     dict(meta, branch_step=step), needs=stable_id))
+            meta = dict(F=F, S=match.sparsity(cfg, attended, baseline=baseline)["S"], N=compute_active(baseline),
+                        N_s=match.accounting(cfg)["params_stored"], n_layer=cfg.n_layer, n_embd=cfg.n_embd,
+                        n_expert=cfg.n_expert, layout=cfg.layout)
+            if lrs is None:  # the sweep: the first branch's budget as one WSD run, at the first cell only
+                if cell != cells[0][0] or key is None:
+                    continue
+                tpp, stable, decay = plan[0]
+                total_steps = stable + decay // step_tokens
+                for value in values:
+                    specs.append(RunSpec(f"sweep-{arch}-{cell}-{key}{value:g}", arch, cell, "sweep",
+                                         dict(common, **model_settings(cfg), seed=SEEDS[0], max_steps=total_steps,
+                                              decay_fraction=preset["decay_share"], eval_interval=total_steps,
+                                              **{key: value}),
+                                         dict(meta, tpp=tpp, tokens=total_steps * step_tokens)))
+                continue
+            lr = {key: lrs[arch]} if key else {}
+            for seed in preset["seeds"] if arch == "baseline" else preset["seeds"][:1]:
+                stable_id = f"{arch}-{cell}-s{seed}-stable"
+                specs.append(RunSpec(stable_id, arch, cell, "stable",
+                                     dict(common, **model_settings(cfg), **lr, seed=seed, max_steps=steps[-1],
+                                          save_steps=steps, eval_interval=max(1, steps[-1] // 8)),
+                                     dict(meta, seed=seed, tokens=steps[-1] * step_tokens,
+                                          tpp=steps[-1] * step_tokens / meta["N"])))
+                for tpp, step, decay in plan:
+                    decay_steps = decay // step_tokens
+                    specs.append(RunSpec(f"{arch}-{cell}-s{seed}-b{tpp:g}", arch, cell, "branch",
+                                         dict(init_from=f"{{runs}}/{stable_id}/ckpt_step{step}.pt", decay_branch=True,
+                                              decay_tokens=decay, eval_tokens=preset["train"]["eval_tokens"],
+                                              eval_interval=max(1, decay_steps // 4)),
+                                         dict(meta, seed=seed, branch_step=step, branch_tpp=tpp,
+                                              tokens=step * step_tokens + decay,
+                                              tpp=(step * step_tokens + decay) / meta["N"]),
+                                         needs=stable_id))
     return specs
 
 
-def init_path(spec, out_dir):
-    """The checkpoint a run starts from. Specs say "{runs}/<stable run>/ckpt_step<N>.pt" so that the
-    settings identifying a run do not depend on where its output folder is."""
-    return spec.settings["init_from"].replace("{runs}", os.path.join(out_dir, "runs"))
+def smelt_rows(results):
+    """One CSV row per finished decay branch: arch, cell, seed, F, S, D, C, loss (+ val loss per source)."""
+    branch = [r for r in results if r and r["role"] == "branch"]
+    sources = sources_of(branch)
+    rows = []
+    for r in branch:
+        m = r["meta"]
+        # F: the per-token training FLOPs train.py counted (= match.py's analytic F when the run was made)
+        row = dict(arch=r["arch"], cell=r["cell"], seed=m["seed"], branch_tpp=m["branch_tpp"],
+                   branch_step=m["branch_step"], F=r["flops"] / r["tokens"], S=m["S"], D=r["tokens"], C=r["flops"],
+                   loss=r["val_loss"], N=m["N"], tpp=r["tokens"] / m["N"], epochs=m.get("epochs"),
+                   n_layer=m["n_layer"], n_embd=m["n_embd"], n_expert=m["n_expert"], run_id=r["run_id"],
+                   seconds=r["seconds"])
+        for s in sources:
+            row[f"loss_{s}"] = (r.get("val_loss_by_source") or {}).get(s)
+        rows.append(row)
+    return rows
 
 
 def sources_of(results):
@@ -399,21 +598,8 @@ def sources_of(results):
     return names
 
 
-def smelt_rows(results):
-    """One CSV row per finished decay branch: arch, cell, F, S, D, C, loss (+ val loss per source)."""
-    branch = [r for r in results if r and r["role"] == "branch"]
-    sources = sources_of(branch)
-    rows = []
-    for r in branch:
-        m = r["meta"]
-        # F: the per-token training FLOPs train.py counted (= match.py's analytic F when the run was made)
-        row = dict(arch=r["arch"], cell=r["cell"], branch_step=m["branch_step"], F=r["flops"] / r["tokens"], S=m["S"],
-                   D=r["tokens"], C=r["flops"], loss=r["val_loss"], N=m["N"], n_layer=m["n_layer"],
-                   n_embd=m["n_embd"], n_expert=m["n_expert"], run_id=r["run_id"], seconds=r["seconds"])
-        for s in sources:
-            row[f"loss_{s}"] = (r.get("val_loss_by_source") or {}).get(s)
-        rows.append(row)
-    return rows
+def sources_of_rows(rows):
+    return [k[len("loss_"):] for k in (rows[0] if rows else {}) if k.startswith("loss_")]
 
 
 def columns_to_arrays(rows, keys=("arch", "cell", "F", "S", "D", "loss")):
@@ -453,11 +639,11 @@ def match_table(cells):
 
 
 def win_counts(rows, ref="baseline", target="smelt", key="loss"):
-    """Pairs (same cell and branch step) where the target's loss is lower: (wins, pairs)."""
-    by = {(r["arch"], r["cell"], r["branch_step"]): r for r in rows}
+    """Pairs (same cell, branch and seed) where the target's loss is lower: (wins, pairs)."""
+    by = {(r["arch"], r["cell"], r["branch_tpp"], r["seed"]): r for r in rows}
     wins = pairs = 0
-    for (a, cell, step), r in by.items():
-        other = by.get((target, cell, step))
+    for (a, cell, tpp, seed), r in by.items():
+        other = by.get((target, cell, tpp, seed))
         if a != ref or other is None or r.get(key) is None or other.get(key) is None:
             continue
         pairs += 1
@@ -465,18 +651,47 @@ def win_counts(rows, ref="baseline", target="smelt", key="loss"):
     return wins, pairs
 
 
-def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, plot_path=None):
-    """Fit both surfaces, CE Gain with cell-bootstrap intervals, TPP, win counts -> (text, dict)."""
-    lines, out = [], {"preset": preset["name"], "match": [], "fits": {}, "ce_gain": [], "tpp": [], "wins": {}}
+def seed_spread(rows, group_keys, ref):
+    """Loss spread over the reference's repeated seeds: per group (its keys) the mean and sample std,
+    and the pooled std over groups (the noise scale the report compares differences with)."""
+    groups = {}
+    for r in rows:
+        if r["arch"] == ref and r.get("loss") is not None:
+            groups.setdefault(tuple(r[k] for k in group_keys), []).append(r["loss"])
+    per = {k: (float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else None, len(v)) for k, v in groups.items()}
+    replicated = [v for v in groups.values() if len(v) > 1]
+    pooled = math.sqrt(sum(np.var(v, ddof=1) * (len(v) - 1) for v in replicated) /
+                       sum(len(v) - 1 for v in replicated)) if replicated else None
+    return per, pooled
+
+
+def within_noise(lo, hi, no_difference):
+    """True when the interval [lo, hi] does not exclude 'no difference' (None: no interval)."""
+    if lo is None or hi is None or not (np.isfinite(lo) and np.isfinite(hi)):
+        return None
+    return bool(lo <= no_difference <= hi)
+
+
+def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True):
+    """Fit both surfaces, CE Gain with cell-bootstrap intervals, TPP, seed spread, win counts -> (text, dict)."""
+    lines, out = [], {"preset": preset["name"], "match": [], "fits": {}, "ce_gain": [], "tpp": [], "wins": {},
+                      "seed_spread": {}}
     lines.append(f"== {preset['name']}: [S] SMELT vs matched baseline ({len(cells)} cells)")
     table, out["match"] = match_table(cells)
     lines += table
     if not rows:
         lines.append("no finished decay branches yet")
-        return "\n".join(lines), out
+        return "\n".join(lines), out, None
+    per, pooled = seed_spread(rows, ("cell", "branch_tpp"), "baseline")
+    out["seed_spread"] = dict(pooled_std=pooled, groups=[dict(cell=k[0], branch_tpp=k[1], mean=m, std=s, n=n)
+                                                         for k, (m, s, n) in per.items()])
+    stds = [s for _, s, _ in per.values() if s is not None]
+    if stds:
+        lines.append(f"seed spread of the baseline ({max(n for *_, n in per.values())} seeds per cell and branch): "
+                     f"std {min(stds):.4f}..{max(stds):.4f} nats, pooled {pooled:.4f}")
     wins, pairs = win_counts(rows)
     out["wins"]["all"] = [wins, pairs]
-    lines.append(f"per-pair wins (SMELT loss < baseline loss at the same cell and branch): {wins}/{pairs}")
+    lines.append(f"per-pair wins (SMELT loss < baseline loss at the same cell, branch and seed): {wins}/{pairs}")
     for s in sources_of_rows(rows):
         w, p = win_counts(rows, key=f"loss_{s}")
         out["wins"][s] = [w, p]
@@ -487,24 +702,13 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, plot_path=N
         m = runs["arch"].astype(str) == arch
         try:
             fits[arch] = fit.fit_surface(runs["F"][m], runs["S"][m], runs["D"][m], runs["loss"][m])
+            out["fits"][arch] = dict(fits[arch].to_dict(), n_points=fits[arch].n_points)
         except ValueError as e:
             lines.append(f"surface fit of {arch} not possible: {e}")
             out["fits"][arch] = {"error": str(e)}
     if len(fits) < 2:
         lines.append("CE Gain and TPP need both surfaces; train more cells/branches")
-        return "\n".join(lines), out
-    lines.append("[S2] surfaces L = E + A (1-S)^b / F^a + K / D^c (Huber on log-loss, fit.py)")
-    lines.append(f"  {'arch':>9} {'E':>8} {'A':>10} {'a':>7} {'b':>7} {'K':>10} {'c':>7} {'gamma':>7} {'rmse':>8} {'pts':>4}")
-    for arch, f in fits.items():
-        lines.append(f"  {arch:>9} {f.E:8.4f} {f.A:10.4g} {f.a:7.4f} {f.b:7.4f} {f.K:10.4g} {f.c:7.4f} "
-                     f"{f.gamma:7.4f} {f.rmse:8.5f} {f.n_points:4d}")
-        out["fits"][arch] = dict(f.to_dict(), n_points=f.n_points)
-        if f.a < 1e-3 or f.c < 1e-3:  # [S3]-[S4] need a, c > 0: no compute-optimal frontier otherwise
-            which = "F" if f.a < 1e-3 else "D"
-            lines.append(f"  note: the {arch} surface is degenerate ({'a' if which == 'F' else 'c'} = "
-                         f"{min(f.a, f.c):.2g}): on this grid its loss does not fall with {which}, so its "
-                         "frontier, and every CE Gain / TPP that uses it, is undefined")
-            out["fits"][arch]["degenerate"] = True
+        return "\n".join(lines), out, None
     budgets = preset.get("budgets") or default_budgets(runs["F"] * runs["D"])
     sparsities = sorted({round(float(s), 3) for s in runs["S"][runs["arch"].astype(str) == "baseline"]})
     boot = None
@@ -514,22 +718,46 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, plot_path=N
                                      full_fits=fits, progress=progress)
         except ValueError as e:
             lines.append(f"cell bootstrap failed: {e}")
+    interval = lambda key: ((float(boot["lo"][key]), float(boot["hi"][key])) if boot and key in boot["lo"]  # noqa
+                            else (None, None))
+    lines.append("[S2] surfaces L = E + A (1-S)^b / F^a + K / D^c (Huber on log-loss, fit.py)"
+                 + (" with 95% cell-bootstrap intervals of a and c" if boot else ""))
+    lines.append(f"  {'arch':>9} {'E':>8} {'A':>10} {'a':>7} {'b':>7} {'K':>10} {'c':>7} {'gamma':>7} {'rmse':>8} {'pts':>4}")
+    for arch, f in fits.items():
+        role = "ref" if arch == "baseline" else "target"
+        lines.append(f"  {arch:>9} {f.E:8.4f} {f.A:10.4g} {f.a:7.4f} {f.b:7.4f} {f.K:10.4g} {f.c:7.4f} "
+                     f"{f.gamma:7.4f} {f.rmse:8.5f} {f.n_points:4d}")
+        for coef in ("a", "c"):
+            lo, hi = interval(f"{role}.{coef}")
+            out["fits"][arch][f"{coef}_interval"] = [_finite(lo), _finite(hi)]
+            if lo is not None:
+                excludes = lo > 0
+                lines.append(f"      {coef} = {getattr(f, coef):.4f} [{lo:.4f}, {hi:.4f}]"
+                             + ("" if excludes else "  <- interval reaches 0: this exponent is not resolved"))
+        if f.a < 1e-3 or f.c < 1e-3:  # [S3]-[S4] need a, c > 0: no compute-optimal frontier otherwise
+            which = "F" if f.a < 1e-3 else "D"
+            lines.append(f"  note: the {arch} surface is degenerate: on this grid its loss does not fall with "
+                         f"{which}, so its frontier, and every CE Gain / TPP that uses it, is undefined")
+            out["fits"][arch]["degenerate"] = True
     CC, SS = np.meshgrid(budgets, sparsities, indexing="ij")
     gain = fit.ce_gain(fits["baseline"], fits["smelt"], CC, SS)
     note = ""
     if boot:
         note = f" ({boot['n_draws']} cell-bootstrap draws, 95%"
         note += f"; {boot['skipped']} underdetermined draws skipped)" if boot["skipped"] else ")"
-    lines.append(f"[S5] CE Gain of SMELT over the baseline{note}; > 0: SMELT needs less compute. Budgets C inside the measured "
-                 f"{runs['F'].min() * runs['D'].min():.3g}..{(runs['F'] * runs['D']).max():.3g} FLOPs")
+    lines.append(f"[S5] CE Gain of SMELT over the baseline{note}; > 0: SMELT needs less compute; '~' = the "
+                 f"interval does not exclude 0 (within noise). Budgets C inside the measured "
+                 f"{(runs['F'] * runs['D']).min():.3g}..{(runs['F'] * runs['D']).max():.3g} FLOPs")
     for i, C in enumerate(budgets):
         for j, S in enumerate(sparsities):
             lo = hi = None
             if boot and "ce_gain" in boot["lo"]:
                 lo, hi = float(boot["lo"]["ce_gain"][i, j]), float(boot["hi"]["ce_gain"][i, j])
-            ci = f"  [{_fmt(lo, '+.3f')}, {_fmt(hi, '+.3f')}]" if lo is not None else ""
+            noise = within_noise(lo, hi, 0.0)
+            ci = f"  [{_fmt(lo, '+.3f')}, {_fmt(hi, '+.3f')}]{' ~' if noise else ''}" if lo is not None else ""
             lines.append(f"  C={C:.3g} S={S:.3f}: {_fmt(gain[i, j], '+.4f')}{ci}")
-            out["ce_gain"].append(dict(C=C, S=S, value=_finite(gain[i, j]), lo=_finite(lo), hi=_finite(hi)))
+            out["ce_gain"].append(dict(C=C, S=S, value=_finite(gain[i, j]), lo=_finite(lo), hi=_finite(hi),
+                                       within_noise=noise))
     lines.append("TPP = D*/(F*/6) at the same budgets")
     for role, arch in (("ref", "baseline"), ("target", "smelt")):
         values = fit.tpp(fits[arch], CC, SS)
@@ -542,11 +770,9 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, plot_path=N
                 lines.append(f"  {arch:>9} C={C:.3g} S={S:.3f}: {_fmt(values[i, j], '.4g')}{ci}")
                 out["tpp"].append(dict(arch=arch, C=C, S=S, value=_finite(values[i, j]), lo=_finite(lo),
                                        hi=_finite(hi)))
-    if plot_path:  # fit.py's frontier plot over the measured compute range (needs matplotlib)
-        C_all = runs["F"] * runs["D"]
-        if fit.plot_surface_frontiers(fits, sparsities, plot_path, C_range=(float(C_all.min()), float(C_all.max()))):
-            lines.append(f"plot: {plot_path}")
-    return "\n".join(lines), out
+    figures = dict(fits=fits, sparsities=sparsities, budgets=budgets, gain=gain, boot=boot,
+                   C_range=(float((runs["F"] * runs["D"]).min()), float((runs["F"] * runs["D"]).max())))
+    return "\n".join(lines), out, figures
 
 
 def _finite(v):
@@ -558,16 +784,12 @@ def _fmt(v, spec):
     return "undefined" if _finite(v) is None else format(float(v), spec)
 
 
-def sources_of_rows(rows):
-    return [k[len("loss_"):] for k in (rows[0] if rows else {}) if k.startswith("loss_")]
-
-
 # ----------------------------------------------------------------------------------------------------
 # [X] ladders
 
 
 def x_config(preset, arch, depth):
-    """(ModelConfig at the start of training, train.py growth overrides) of one ladder point."""
+    """(ModelConfig at the start of training, grows: bool) of one ladder point."""
     width = preset["width_per_depth"] * depth
     hd = preset["head_dim"]
     if width % hd:
@@ -586,56 +808,72 @@ def x_config(preset, arch, depth):
     }
     if arch not in shapes:
         raise ValueError(f"unknown [X] architecture {arch!r}; choose from {list(shapes)}")
-    cfg = ModelConfig.from_dict(dict(base, **shapes[arch]))
-    grow = {}
-    if arch.endswith("-grow"):
-        grow = dict(grow_at=preset["grow_at"], grow_to=preset["grow_to"], grow_untie=False)
-    return cfg, grow
+    return ModelConfig.from_dict(dict(base, **shapes[arch])), arch.endswith("-grow")
 
 
-def x_flops_per_token(cfg, grow, steps):
-    """Mean training FLOPs per token over `steps` steps, growing at the step train.py grows at."""
-    if not grow:
+def growth_plan(preset, cfg, tokens, steps):
+    """[X15]: the fraction rho* of tokens after growth (K0 -> grow_to) from the affine law [X9] at this
+    run's TPP_K0 = D / N_s,K0 (stored parameters, [X10]) -> (grow step, rho*). The step moves one later
+    if it falls on the step the WSD decay starts (a grown model would re-warm into the decay start)."""
+    law = grow.AFFINE_LAW["loop_grow" if cfg.tie_core else "untied_grow"]
+    e_ratio = grow.compute_active_params(cfg, preset["grow_to"]) / grow.compute_active_params(cfg)
+    rho = grow.optimal_growth_fraction(tokens / grow.stored_params(cfg), *law, e_ratio)
+    rho = min(max(rho, 0.05), 0.95)
+    step = max(1, min(steps - 1, round((1 - rho) * steps)))
+    if step == decay_start(preset, steps):
+        step += 1
+    return step, rho
+
+
+def decay_start(preset, steps):
+    return steps - round(preset["train"].get("decay_fraction", train.DEFAULTS["decay_fraction"]) * steps)
+
+
+def x_flops_per_token(cfg, grow_to, grow_step, steps):
+    """Mean training FLOPs per token over `steps`, growing at grow_step (None: no growth)."""
+    if grow_step is None:
         return train.flops_per_token(cfg)
-    g = growth_step(steps, grow["grow_at"])
-    grown = replace(cfg, n_passes=grow["grow_to"])  # untied growth copies cores: the grown stored model
-    return (g * train.flops_per_token(cfg) + (steps - g) * train.flops_per_token(grown)) / steps
+    grown = replace(cfg, n_passes=grow_to)  # untied growth copies cores: the grown stored model
+    return (grow_step * train.flops_per_token(cfg) + (steps - grow_step) * train.flops_per_token(grown)) / steps
 
 
-def world_size(preset=None):
-    """DDP processes (torchrun sets WORLD_SIZE): a step reads batch_size x grad_accum x world sequences.
-    Outside torchrun a preset's intended `gpus` is used for planning only (--list)."""
-    if "WORLD_SIZE" in os.environ or preset is None:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    return int(preset.get("gpus", 1))
-
-
-def x_specs(preset, world=None):
-    """One run per (architecture, depth); every architecture at a depth gets the same compute."""
+def x_specs(preset, data, lrs=None, world=None):
+    """Every architecture at every depth trains tpp x its own N tokens ([X]: each ladder at its own budget,
+    [X10]). Without lrs: only the first depth, once per swept LR (the sweep); with lrs (arch -> value)
+    every depth at that value; the reference runs every seed."""
     t = dict(preset["train"])
     warmup_fraction = t.pop("warmup_fraction", 0.05)
-    tokens_per_step = t["batch_size"] * t.get("grad_accum", 1) * preset["model"]["block_size"] * (world or world_size())
+    step_tokens = tokens_per_step(preset, world)
+    key, values = sweep_values(preset)
     specs = []
     for depth in preset["depths"]:
-        vanilla, _ = x_config(preset, "vanilla", depth)
-        a = match.accounting(vanilla)
-        budget = preset["tpp"] * a["params_stored"] * train.flops_per_token(vanilla)  # C(d)
+        if lrs is None and depth != preset["depths"][0]:
+            break
         for arch in preset["archs"]:
-            cfg, grow = x_config(preset, arch, depth)
-            steps = max(1, round(budget / train.flops_per_token(cfg) / tokens_per_step))
-            for _ in range(3):  # growth: mean F depends on the step count; settle it
-                steps = max(1, round(budget / x_flops_per_token(cfg, grow, steps) / tokens_per_step))
-            if steps < 4:
-                raise ValueError(f"preset {preset['name']}: {arch} at d{depth} gets {steps} steps; raise tpp")
-            settings = dict(t, **model_settings(cfg), **grow, seed=preset["seed"], max_steps=steps,
-                            warmup_steps=max(1, round(warmup_fraction * steps)), eval_interval=steps)
-            if grow:
-                settings["grow_rewarm_steps"] = max(1, round(preset["rewarm_fraction"] * steps))
+            cfg, grows = x_config(preset, arch, depth)
+            n = compute_active(cfg)
+            steps = max(4, math.ceil(preset["tpp"] * n / step_tokens))
+            tokens = steps * step_tokens
+            settings = dict(t, **model_settings(cfg), max_steps=steps, eval_interval=steps,
+                            warmup_steps=max(1, round(warmup_fraction * steps)))
+            grow_step = rho = None
+            if grows:
+                grow_step, rho = growth_plan(preset, cfg, tokens, steps)
+                settings.update(grow_at=float(grow_step), grow_to=preset["grow_to"], grow_untie=False,
+                                grow_rewarm_steps=max(1, round(preset["rewarm_fraction"] * steps)))
             acc = match.accounting(cfg)
-            meta = dict(depth=depth, width=cfg.n_embd, budget=budget, N_s=acc["params_stored"],
-                        N_c=acc["params_compute_active"], F=x_flops_per_token(cfg, grow, steps),
-                        executed_layers=acc["executed_layers"], stored_blocks=acc["stored_blocks"])
-            specs.append(RunSpec(f"{arch}-d{depth}", arch, f"d{depth}", "run", settings, meta))
+            meta = dict(depth=depth, width=cfg.n_embd, N=n, N_s=acc["params_stored"], tokens=tokens, tpp=tokens / n,
+                        F=x_flops_per_token(cfg, preset["grow_to"], grow_step, steps), grow_step=grow_step, rho=rho,
+                        decay_start_step=decay_start(preset, steps), executed_layers=acc["executed_layers"],
+                        stored_blocks=acc["stored_blocks"])
+            seeds = preset["seeds"] if arch == "vanilla" else preset["seeds"][:1]
+            lr_values = values if lrs is None else [lrs.get(arch) if key else None]
+            for value in lr_values:
+                for seed in (seeds[:1] if lrs is None else seeds):
+                    lr = {key: value} if key else {}
+                    run_id = f"{arch}-d{depth}" + (f"-{key}{value:g}" if key else "") + f"-s{seed}"
+                    specs.append(RunSpec(run_id, arch, f"d{depth}", "run" if lrs is not None else "sweep",
+                                         dict(settings, **lr, seed=seed), dict(meta, seed=seed)))
     return specs
 
 
@@ -646,157 +884,289 @@ def x_rows(results):
         if not r:
             continue
         m = r["meta"]
-        row = dict(arch=r["arch"], cell=r["cell"], depth=m["depth"], width=m["width"], C=r["flops"],
-                   C_target=m["budget"], D=r["tokens"], F=m["F"], N_s=m["N_s"], N_c=m["N_c"],
-                   loss=r["val_loss"], run_id=r["run_id"], seconds=r["seconds"])
+        row = dict(arch=r["arch"], cell=r["cell"], depth=m["depth"], width=m["width"], seed=m["seed"], C=r["flops"],
+                   D=r["tokens"], F=m["F"], N=m["N"], N_s=m["N_s"], tpp=r["tokens"] / m["N"], epochs=m.get("epochs"),
+                   grow_step=m.get("grow_step"), loss=r["val_loss"], run_id=r["run_id"], seconds=r["seconds"])
         for s in sources:
             row[f"loss_{s}"] = (r.get("val_loss_by_source") or {}).get(s)
         rows.append(row)
     return rows
 
 
-def x_report(preset, rows, ref="vanilla", plot_path=None):
-    """Shared-E power laws [X5]-[X7] and compute multipliers [X6] -> (text, dict)."""
-    lines = [f"== {preset['name']}: [X] ladders at width {preset['width_per_depth']} x depth, equal FLOPs per point"]
-    out = {"preset": preset["name"], "fits": {}, "multipliers": {}, "points": []}
-    archs = list(dict.fromkeys(r["arch"] for r in rows))
-    depths = sorted({r["depth"] for r in rows})
-    lines.append("final validation loss (rows: architecture; columns: depth; C = training FLOPs)")
-    lines.append(f"  {'':>12} " + " ".join(f"{f'd{d}':>9}" for d in depths))
-    by = {(r["arch"], r["depth"]): r for r in rows}
-    C_row = [by.get((ref, d)) for d in depths]
-    lines.append(f"  {'C':>12} " + " ".join(f"{r['C']:9.3g}" if r else f"{'-':>9}" for r in C_row))
-    for a in archs:
-        cells = [by.get((a, d)) for d in depths]
-        lines.append(f"  {a:>12} " + " ".join(f"{r['loss']:9.4f}" if r else f"{'-':>9}" for r in cells))
-    spread = max((abs(r["C"] / r["C_target"] - 1) for r in rows), default=0.0)
-    lines.append(f"  (measured C within {spread * 100:.1f}% of each point's target budget: whole steps)")
-    runs = {}
-    for a in archs:
-        pts = sorted((r["C"], r["loss"]) for r in rows if r["arch"] == a)
-        runs[a] = (np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
-    if ref not in runs:
-        lines.append(f"no {ref} runs yet: nothing to fit")
-        return "\n".join(lines), out
+def power_fits(runs, ref):
+    """Shared-E power laws [X7]: E from the reference (Huber), then (A, gamma) per architecture."""
     C0 = float(np.exp(np.mean(np.log(runs[ref][0]))))  # [X] C0 = where Vanilla is tuned; here its mid budget
-    try:
-        ref_fit = fit.fit_power_law(*runs[ref], C0=C0)
-    except ValueError as e:
-        lines.append(f"[X7] E cannot be fitted on {ref}: {e}")
-        return "\n".join(lines), out
-    lines.append(f"[X7] E = {ref_fit.E:.4f} (Huber fit on {ref}), C0 = {C0:.3g}; L = E + A (C/C0)^-gamma per arch")
-    fits = {}
+    ref_fit = fit.fit_power_law(*runs[ref], C0=C0)
+    fits = {a: fit.fit_power_law_fixed_E(C, L, ref_fit.E, C0, a) for a, (C, L) in runs.items()}
+    return fits
+
+
+def multipliers(runs, fits, ref, ref_C, ref_L):
+    """[X6] per architecture: (measured, by interpolating its own points; fitted, from the laws) at the
+    reference's budgets ref_C (losses ref_L)."""
+    out = {}
     for a, (C, L) in runs.items():
-        try:
-            fits[a] = fit.fit_power_law_fixed_E(C, L, ref_fit.E, C0, a)
-            lines.append(f"  {a:>12}: A={fits[a].A:.4f} gamma={fits[a].gamma:.4f}")
-            out["fits"][a] = fits[a].to_dict()
-        except ValueError as e:
-            lines.append(f"  {a:>12}: not fitted: {e}")
-            out["fits"][a] = {"error": str(e)}
-    lines.append(f"[X6] compute multipliers vs {ref} at its measured budgets: measured (interpolated "
-                 "between the arch's own points, nan outside them) / from the fitted laws")
-    ref_C, ref_L = runs[ref]
-    lines.append(f"  {'':>12} " + " ".join(f"{c:>13.3g}" for c in ref_C))
-    for a in archs:
         if a == ref:
             continue
-        measured = fit.compute_multiplier(ref_C, ref_L, *runs[a])
-        fitted = [float("nan")] * len(ref_C)
-        if a in fits and ref in fits:
-            fitted = [float(ref_fit_c / arm_c) for ref_fit_c, arm_c in
-                      zip(fits[ref].compute(fits[ref].loss(ref_C)), fits[a].compute(fits[ref].loss(ref_C)))]
-        lines.append(f"  {a:>12} " + " ".join(f"{m:6.3f}/{f:<6.3f}" for m, f in zip(measured, fitted)))
-        out["multipliers"][a] = [dict(C=float(c), measured=float(m), fitted=float(f))
-                                 for c, m, f in zip(ref_C, measured, fitted)]
-    out["points"] = rows
-    if plot_path and ref in fits:  # fit.py's power laws + measured multipliers (needs matplotlib)
-        fitted_runs = {a: runs[a] for a in fits}
-        mult = {a: fit.compute_multiplier(ref_C, ref_L, *runs[a]) for a in fits if a != ref}
-        if fit.plot_power_laws(fitted_runs, fits, mult, ref, plot_path):
-            lines.append(f"plot: {plot_path}")
-    return "\n".join(lines), out
+        order = np.argsort(C)
+        measured = fit.compute_multiplier(ref_C, ref_L, C[order], L[order])
+        target = fits[ref].loss(ref_C)
+        fitted = fits[ref].compute(target) / fits[a].compute(target)
+        out[a] = (np.asarray(measured, dtype=float), np.asarray(fitted, dtype=float))
+    return out
+
+
+def multiplier_bootstrap(points, ref, sigma, n_draws=400, seed=0):
+    """95% bands of the multipliers from the measured noise: each draw resamples the reference's seeds
+    at every depth (with replacement) and moves every other architecture's loss by N(0, sigma^2)
+    (sigma: the reference's pooled seed spread), refits, and recomputes both multipliers at the
+    reference's mean budgets. Returns (budgets, {arch: {"measured": (lo, hi), "fitted": (lo, hi)}})."""
+    rng = np.random.default_rng(seed)
+    ref_by_depth = {}
+    for C, L, depth in points[ref]:
+        ref_by_depth.setdefault(depth, []).append((C, L))
+    depths = sorted(ref_by_depth)
+    ref_C = np.array([np.mean([c for c, _ in ref_by_depth[d]]) for d in depths])
+    draws = {a: ([], []) for a in points if a != ref}
+    for _ in range(n_draws):  # the reference: its seeds resampled with replacement at every depth
+        chosen = {d: [reps[i] for i in rng.integers(len(reps), size=len(reps))] for d, reps in ref_by_depth.items()}
+        runs = {ref: (np.array([c for d in depths for c, _ in chosen[d]]),
+                      np.array([l for d in depths for _, l in chosen[d]]))}
+        for a, pts in points.items():
+            if a != ref:
+                runs[a] = (np.array([c for c, _, _ in pts]), np.array([l for _, l, _ in pts]) +
+                           sigma * rng.standard_normal(len(pts)))
+        try:
+            fits = power_fits(runs, ref)
+        except ValueError:
+            continue
+        ref_L = np.array([np.mean([l for _, l in chosen[d]]) for d in depths])
+        for a, (measured, fitted) in multipliers(runs, fits, ref, ref_C, ref_L).items():
+            draws[a][0].append(measured)
+            draws[a][1].append(fitted)
+    bands = {}
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an all-nan column (no interpolation possible) stays nan
+        for a, (measured, fitted) in draws.items():
+            bands[a] = {name: tuple(np.nanpercentile(np.array(d), [2.5, 97.5], axis=0)) if d else None
+                        for name, d in (("measured", measured), ("fitted", fitted))}
+    return ref_C, bands
+
+
+def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400):
+    """LR sweep, final losses, seed spread, shared-E power laws [X5]-[X7] and compute multipliers [X6]
+    with seed-bootstrap bands -> (text, dict, figure data)."""
+    lines = [f"== {preset['name']}: [X] ladders at width {preset['width_per_depth']} x depth, TPP {preset['tpp']:g} "
+             "per compute-active non-embedding parameter for every architecture"]
+    out = {"preset": preset["name"], "fits": {}, "multipliers": {}, "seed_spread": {}, "points": rows}
+    if sweep:
+        lines += sweep[0]
+        out["lr_sweep"] = sweep[1]
+    archs = list(dict.fromkeys(r["arch"] for r in rows))
+    depths = sorted({r["depth"] for r in rows})
+    per, pooled = seed_spread(rows, ("depth",), ref)
+    out["seed_spread"] = dict(pooled_std=pooled, per_depth={str(k[0]): dict(mean=m, std=s, n=n)
+                                                              for k, (m, s, n) in per.items()})
+    lines.append("final validation loss (rows: architecture; columns: depth; the reference: mean over seeds)")
+    lines.append(f"  {'':>12} " + " ".join(f"{f'd{d}':>9}" for d in depths))
+    for a in archs:
+        cells = []
+        for d in depths:
+            losses = [r["loss"] for r in rows if r["arch"] == a and r["depth"] == d]
+            cells.append(f"{np.mean(losses):9.4f}" if losses else f"{'-':>9}")
+        lines.append(f"  {a:>12} " + " ".join(cells))
+    C_row = [np.mean([r["C"] for r in rows if r["arch"] == a and r["depth"] == d] or [np.nan]) for a in archs
+             for d in depths]
+    lines.append(f"  training FLOPs range {np.nanmin(C_row):.3g}..{np.nanmax(C_row):.3g}; epochs read "
+                 f"{min(r['epochs'] or 0 for r in rows):.2f}..{max(r['epochs'] or 0 for r in rows):.2f}")
+    if pooled is not None:
+        stds = ", ".join(f"d{k[0]} {s:.4f}" for k, (_, s, _) in sorted(per.items()) if s is not None)
+        lines.append(f"seed spread of {ref} ({max(n for *_, n in per.values())} seeds): std {stds}; pooled "
+                     f"{pooled:.4f} nats")
+    points = {a: [(r["C"], r["loss"], r["depth"]) for r in rows if r["arch"] == a] for a in archs}
+    runs = {a: (np.array([c for c, _, _ in p]), np.array([l for _, l, _ in p])) for a, p in points.items()}
+    if ref not in runs or len({d for *_, d in points[ref]}) < 3:
+        lines.append(f"[X7] needs {ref} at 3 depths or more: nothing to fit yet")
+        return "\n".join(lines), out, None
+    try:
+        fits = power_fits(runs, ref)
+    except ValueError as e:
+        lines.append(f"[X7] power laws cannot be fitted: {e}")
+        return "\n".join(lines), out, None
+    lines.append(f"[X7] E = {fits[ref].E:.4f} (Huber fit on {ref}, every seed), C0 = {fits[ref].C0:.3g}; "
+                 "L = E + A (C/C0)^-gamma per arch")
+    for a, f in fits.items():
+        lines.append(f"  {a:>12}: A={f.A:.4f} gamma={f.gamma:.4f}")
+        out["fits"][a] = f.to_dict()
+    ref_C, bands = multiplier_bootstrap(points, ref, pooled or 0.0, n_draws=n_boot if pooled else 0,
+                                        seed=preset.get("seed", 0))
+    ref_L = np.array([np.mean([l for c, l, d in points[ref] if d == dep]) for dep in depths])
+    mult = multipliers(runs, fits, ref, ref_C, ref_L)
+    lines.append(f"[X6] compute multipliers vs {ref} at its budgets: measured (interpolated between the arch's own "
+                 "points, nan outside them) / fitted (from the laws) [95% seed-bootstrap band of the fitted one]; "
+                 "'~' = the band includes 1 (within noise)")
+    lines.append(f"  {'':>12} " + " ".join(f"{c:>26.3g}" for c in ref_C))
+    for a, (measured, fitted) in mult.items():
+        band = (bands.get(a) or {}).get("fitted")
+        cells, records = [], []
+        for i, c in enumerate(ref_C):
+            lo, hi = (float(band[0][i]), float(band[1][i])) if band is not None else (None, None)
+            noise = within_noise(lo, hi, 1.0)
+            mband = (bands.get(a) or {}).get("measured")
+            mlo, mhi = (float(mband[0][i]), float(mband[1][i])) if mband is not None else (None, None)
+            cells.append(f"{measured[i]:6.3f}/{fitted[i]:5.3f} [{_fmt(lo, '.2f')},{_fmt(hi, '.2f')}]{'~' if noise else ' '}")
+            records.append(dict(C=float(c), measured=_finite(measured[i]), fitted=_finite(fitted[i]),
+                                fitted_lo=_finite(lo), fitted_hi=_finite(hi), measured_lo=_finite(mlo),
+                                measured_hi=_finite(mhi), within_noise=noise))
+        lines.append(f"  {a:>12} " + " ".join(f"{c:>26}" for c in cells))
+        out["multipliers"][a] = records
+    figures = dict(runs=runs, fits=fits, ref_C=ref_C, mult=mult, bands=bands)
+    return "\n".join(lines), out, figures
 
 
 # ----------------------------------------------------------------------------------------------------
-# CSV, estimates, the whole ladder
+# CSV, the plan, the whole ladder
 
 
 def write_csv(path, rows):
     """Atomic CSV with the union of the rows' keys (first-seen order) as the header."""
     columns = list(dict.fromkeys(k for r in rows for k in r))
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     buffer = io.StringIO()
     w = csv.DictWriter(buffer, fieldnames=columns)
     w.writeheader()
     for r in rows:
         w.writerow({k: ("" if r.get(k) is None else r[k]) for k in columns})
-    write_atomic(path, lambda f: f.write(buffer.getvalue().encode()))
+    write_atomic(os.path.abspath(path), lambda f: f.write(buffer.getvalue().encode()))
 
 
-def planned_compute(preset, specs, world=None):
-    """Analytic training FLOPs of the whole ladder (branches: decay tokens only; stable: all steps)."""
-    total = 0.0
-    tps_model = preset["model"]["block_size"]
-    for s in specs:
-        tokens_per_step = s.settings.get("batch_size", preset["train"]["batch_size"]) * tps_model * \
-            s.settings.get("grad_accum", preset["train"].get("grad_accum", 1)) * (world or world_size())
-        if s.role == "branch":
-            total += s.meta["F"] * s.settings["decay_tokens"]
-        else:
-            total += s.meta["F"] * s.settings["max_steps"] * tokens_per_step
-    return total
-
-
-def build(preset, world=None):
-    """(specs, cells or None) of a preset."""
+def build(preset, data=None, lrs=None, world=None):
+    """(specs, cells or None) of a preset. lrs: {arch: swept value} once the sweep has finished; without
+    them the specs are the sweep runs only (a preset without a sweep: everything at once)."""
+    data = data or data_plan(preset, prepare=False)
+    if preset.get("lr_sweep") is None:
+        lrs = {}
     if preset["kind"] == "smelt":
         cells = smelt_cells(preset)
-        return smelt_specs(preset, cells), cells
-    if preset["kind"] == "x":
-        return x_specs(preset, world), None
-    raise ValueError(f"preset {preset['name']}: unknown kind {preset['kind']!r}")
+        specs = smelt_specs(preset, cells, data, lrs, world)
+    elif preset["kind"] == "x":
+        cells = None
+        specs = x_specs(preset, data, lrs, world)
+    else:
+        raise ValueError(f"preset {preset['name']}: unknown kind {preset['kind']!r}")
+    for s in specs:  # epochs of the stable region read (a branch: by its stable part; its decay reads < 1)
+        if data.stable_tokens:
+            read = s.meta["branch_step"] * tokens_per_step(preset, world) if s.role == "branch" else s.meta["tokens"]
+            s.meta["epochs"] = read / data.stable_tokens
+    return specs, cells
+
+
+def full_plan(preset, data=None, world=None):
+    """Every run of a preset, sweep included, with a placeholder value for the swept LR (the budgets,
+    tokens and FLOPs do not depend on it)."""
+    data = data or data_plan(preset, prepare=False)
+    sweep, cells = build(preset, data, world=world)
+    if preset.get("lr_sweep") is None:
+        return sweep, cells
+    key, values = sweep_values(preset)
+    archs = preset["archs"] if preset["kind"] == "x" else ("baseline", "smelt")
+    rest, _ = build(preset, data, lrs={a: values[len(values) // 2] for a in archs}, world=world)
+    ids = {s.run_id for s in sweep}
+    return sweep + [s for s in rest if s.run_id not in ids], cells
+
+
+def plan_records(preset, specs, world=None):
+    """One record per run: what --list --json prints (tpp = tokens per compute-active non-embedding
+    parameter; grow_step null for runs that do not grow)."""
+    step_tokens = tokens_per_step(preset, world)
+    records = []
+    for s in specs:
+        n, tokens = s.meta.get("N"), s.meta.get("tokens")
+        steps = s.settings.get("max_steps")
+        if s.role == "branch":
+            decay_start_step, steps = s.meta["branch_step"], None
+        elif s.role == "stable":
+            decay_start_step = None  # a stable phase never decays (its branches do)
+        else:
+            decay_start_step = steps - round(s.settings.get("decay_fraction", 0.0) * steps)
+        records.append(dict(run_id=s.run_id, arch=s.arch, role=s.role, cell=s.cell, params_nonembedding=n,
+                            params_stored=s.meta.get("N_s"), tokens=tokens,
+                            flops=s.meta["F"] * tokens if tokens else None, tpp=tokens / n if n and tokens else None,
+                            epochs=s.meta.get("epochs"), grow_step=s.meta.get("grow_step"),
+                            decay_start_step=decay_start_step, steps=steps or (tokens // step_tokens if tokens else None)))
+    return records
+
+
+def describe_presets(as_json=False):
+    presets = {}
+    lines = []
+    for name in PRESETS:
+        preset = get_preset(name)
+        world = world_size(preset)
+        try:
+            specs, _ = full_plan(preset, data_plan(preset, prepare=bool(preset.get("data"))), world)
+            records = plan_records(preset, specs, world)
+            flops = sum(r["flops"] or 0 for r in records if r["role"] != "branch") + \
+                sum(s.meta["F"] * s.settings["decay_tokens"] for s in specs if s.role == "branch")
+            presets[name] = dict(about=preset["about"], runs=records, flops=flops)
+            tpps = [r["tpp"] for r in records if r["tpp"]]
+            epochs = [r["epochs"] for r in records if r["epochs"] is not None]
+            what = (f"{len(specs)} runs, {flops:.2e} FLOPs" + (f" on {world} GPUs" if world > 1 else "")
+                    + (f", TPP {min(tpps):.3g}..{max(tpps):.3g}" if tpps else "")
+                    + (f", epochs <= {max(epochs):.2f}" if epochs else ""))
+        except ValueError as e:
+            what = f"not buildable: {e}"
+            presets[name] = dict(about=preset["about"], error=str(e))
+        lines.append(f"{name:>16}  {what}: {preset['about']}")
+    return json.dumps({"presets": presets}, default=_json_default) if as_json else "\n".join(lines)
 
 
 def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=True, fit_only=False,
-           keep_checkpoints=False, plot=False, log=print, **overrides):
+           keep_checkpoints=False, plot=False, log=print, workers=None, **overrides):
     """Run (or continue) a preset end to end; returns the report dict (also OUT/report.json)."""
     preset = get_preset(preset_name, **overrides)
     out_dir = out_dir or os.path.join("out", f"ladder-{preset_name}")
     if "RANK" in os.environ:  # under torchrun: join the process group now, so only rank 0 writes
-        train.setup_distributed(preset["train"].get("device", "auto"))
+        train.setup_distributed(train.TrainConfig(device=preset["train"].get("device", "auto")))
         if not _is_master():
-            log = _quiet
-    specs, cells = build(preset)
+            log = lambda *a, **k: None  # noqa: E731
+    data = data_plan(preset)
+    workers = workers or (preset.get("workers", 1) if "RANK" not in os.environ else 1)
+    plan, cells = full_plan(preset, data)
     log(f"preset {preset_name}: {preset['about']}")
-    log(f"  {len(specs)} runs, {planned_compute(preset, specs):.3e} training FLOPs planned, output {out_dir}")
+    log(f"  {len(plan)} runs, output {out_dir}, data {data.data_dir or 'the embedded corpus'}")
     if cells:
         log("\n".join(match_table(cells)[0]))
-    if fit_only:
-        results = {s.run_id: load_result(out_dir, s) for s in specs}
+    run = lambda specs: (  # noqa: E731
+        {s.run_id: load_result(out_dir, s) for s in specs} if fit_only else
+        run_ladder(specs, out_dir, train_fn=train_fn, progress=progress, keep_checkpoints=keep_checkpoints,
+                   log=log, workers=workers, threads=preset.get("threads"), data_dir=data.data_dir))
+    sweep_specs, _ = build(preset, data)
+    results = run(sweep_specs)
+    lrs = best_lrs(preset, results, sweep_specs) if preset.get("lr_sweep") else {}
+    sweep = None
+    if lrs is None:
+        log("the LR sweep is not finished: rerun without --fit-only to train it")
+        lrs = {}
+        specs = sweep_specs
     else:
-        import torch
-        saved_threads = torch.get_num_threads()
-        if preset.get("threads"):  # tiny CPU models: 1 thread is faster, and far faster on a busy machine
-            torch.set_num_threads(preset["threads"])
-        try:
-            results = run_ladder(specs, out_dir, train_fn=train_fn, progress=progress,
-                                 keep_checkpoints=keep_checkpoints, log=log)
-        finally:
-            torch.set_num_threads(saved_threads)
+        specs, _ = build(preset, data, lrs)
+        results.update(run([s for s in specs if s.run_id not in results or results[s.run_id] is None]))
+        if preset.get("lr_sweep"):
+            sweep = sweep_table(preset, results, sweep_specs, lrs)
     if not _is_master():
         return None
     finished = [results[s.run_id] for s in specs if results.get(s.run_id)]
     n_boot = preset.get("bootstrap", 0) if bootstrap is None else bootstrap
     if preset["kind"] == "smelt":
         rows = smelt_rows(finished)
-        text, report = smelt_report(preset, cells, rows, n_boot, seed=preset["seed"], progress=progress,
-                                    plot_path=os.path.join(out_dir, "frontiers.png") if plot else None)
+        text, report, figures = smelt_report(preset, cells, rows, n_boot, seed=preset["seed"], progress=progress)
+        if sweep:
+            text = text.replace("\nmatching", "\n" + "\n".join(sweep[0]) + "\nmatching", 1)
+            report["lr_sweep"] = sweep[1]
     else:
-        rows = x_rows(finished)
-        text, report = x_report(preset, rows, plot_path=os.path.join(out_dir, "power_laws.png") if plot else None)
-    report.update(runs_finished=len(finished), runs_total=len(specs),
+        rows = x_rows([r for r in finished if r["role"] in ("run", "sweep")])
+        text, report, figures = x_report(preset, rows, sweep, n_boot=min(n_boot or 400, 400))
+    report.update(runs_finished=len(finished), runs_total=len(specs), lrs=lrs,
                   train_seconds=sum(r.get("seconds") or 0.0 for r in finished))
     if len(finished) < len(specs):
         text += f"\n(partial: {len(finished)}/{len(specs)} runs finished)"
@@ -804,25 +1174,68 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
     write_json_atomic(os.path.join(out_dir, "report.json"), report)
     write_atomic(os.path.abspath(os.path.join(out_dir, "report.txt")), lambda f: f.write((text + "\n").encode()))
     log(text)
+    if plot and figures:
+        report["plots"] = make_plots(preset, out_dir, figures, specs, results)
+        for path in report["plots"]:
+            log(f"wrote {path}")
     log(f"wrote {os.path.join(out_dir, 'runs.csv')}, report.txt, report.json "
         f"({report['train_seconds']:.0f} s of training in the finished runs)")
     return report
 
 
-def describe_presets():
-    lines = []
-    for name, p in PRESETS.items():
-        preset = get_preset(name)
-        world = world_size(preset)
-        try:
-            specs, _ = build(preset, world)
-            what = f"{len(specs)} runs, {planned_compute(preset, specs, world):.2e} FLOPs"
-            if world > 1:
-                what += f" on {world} GPUs"
-        except ValueError as e:
-            what = f"not buildable: {e}"
-        lines.append(f"{name:>16}  {what}: {p['about']}")
-    return "\n".join(lines)
+def make_plots(preset, out_dir, figures, specs, results):
+    """The preset's figures as PNGs in out_dir (fit.py draws them); one line and nothing written when
+    matplotlib is missing."""
+    written = []
+    if fit._pyplot(out_dir) is None:
+        return written
+
+    def path(name):
+        return os.path.join(out_dir, name)
+    if preset["kind"] == "x":
+        f = figures
+        if fit.plot_loss_vs_compute(f["runs"], f["fits"], path("loss_vs_compute.png"),
+                                    title=f"[X7] {preset['name']}: loss vs training FLOPs, shared-E laws"):
+            written.append(path("loss_vs_compute.png"))
+        fitted = {a: m[1] for a, m in f["mult"].items()}
+        bands = {a: b["fitted"] for a, b in f["bands"].items() if b.get("fitted") is not None}
+        if fit.plot_multipliers(f["ref_C"], fitted, path("multipliers.png"), bands=bands, ref="vanilla",
+                                title=f"[X6] {preset['name']}: compute multipliers vs Vanilla (95% seed bootstrap)"):
+            written.append(path("multipliers.png"))
+        return written
+    f = figures
+    if fit.plot_surface_frontiers(f["fits"], f["sparsities"], path("frontiers.png"), C_range=f["C_range"]):
+        written.append(path("frontiers.png"))
+    boot = f["boot"] or {"lo": {}, "hi": {}}
+    if fit.plot_ce_gain(f["budgets"], f["sparsities"], f["gain"], path("ce_gain.png"), lo=boot["lo"].get("ce_gain"),
+                        hi=boot["hi"].get("ce_gain"), title=f"[S5] {preset['name']}: CE Gain of SMELT (95% cell bootstrap)"):
+        written.append(path("ce_gain.png"))
+    curves = decay_curves(specs, results)
+    if curves and fit.plot_loss_curves(curves, path("decay_branches.png"),
+                                       title=f"{preset['name']}: validation loss of the stable runs and their decay "
+                                             "branches (first seed, largest scale)"):
+        written.append(path("decay_branches.png"))
+    return written
+
+
+def decay_curves(specs, results):
+    """{label: (tokens, val loss)} of the largest scale's stable runs (first seed) and their branches."""
+    stable = [s for s in specs if s.role == "stable" and s.meta.get("seed") == SEEDS[0]]
+    if not stable:
+        return {}
+    largest = max(s.meta["F"] for s in stable if s.arch == "baseline")
+    curves = {}
+    for s in specs:
+        r = results.get(s.run_id)
+        if not r or s.meta.get("seed") != SEEDS[0] or not r.get("log_path") or not os.path.exists(r["log_path"]):
+            continue
+        same_cell = any(t.cell == s.cell and t.meta["F"] == largest for t in stable if t.arch == "baseline")
+        if not same_cell or s.role not in ("stable", "branch"):
+            continue
+        log = [json.loads(line) for line in open(r["log_path"])]
+        label = f"{s.arch} {s.cell}" + (f" branch TPP {s.meta['branch_tpp']:g}" if s.role == "branch" else " stable")
+        curves[label] = ([e["tokens"] for e in log], [e["val_loss"] for e in log])
+    return curves
 
 
 def main(argv=None):
@@ -830,31 +1243,30 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--preset", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--out", help="output folder (default out/ladder-<preset>)")
-    p.add_argument("--bootstrap", type=int, help="cell-bootstrap draws for the SMELT CE Gain (preset default)")
+    p.add_argument("--bootstrap", type=int, help="bootstrap draws (SMELT cell bootstrap; preset default)")
     p.add_argument("--fit-only", action="store_true", help="train nothing; fit and report the finished runs")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the decay branches' final ckpt.pt")
-    p.add_argument("--plot", action="store_true", help="OUT/frontiers.png or OUT/power_laws.png (needs matplotlib)")
+    p.add_argument("--plot", action="store_true", help="write the preset's figures into OUT (needs matplotlib: "
+                                                       "pip install -r requirements-plot.txt)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    p.add_argument("--threads", type=int, help="torch CPU threads while training (preset default; CPU presets "
-                                               "use 1: small models gain little from 2, and lose 10x on a busy machine)")
+    p.add_argument("--workers", type=int, help="runs trained at once in separate processes (preset default)")
+    p.add_argument("--threads", type=int, help="torch CPU threads per run (preset default; CPU presets use 1)")
     p.add_argument("--list", action="store_true", help="list the presets with their size")
-    args = p.parse_args(argv)
-    if args.list:
-        print(describe_presets())
-        return 0
-    if not args.preset:
-        p.error("give --preset (or --list)")
+    p.add_argument("--json", action="store_true", help="with --list: every run's budget as JSON")
     try:
+        args = p.parse_args(argv)
+        if args.list:
+            print(describe_presets(as_json=args.json))
+            return 0
+        if not args.preset:
+            raise ValueError("give --preset (or --list)")
         ladder(args.preset, out_dir=args.out, bootstrap=args.bootstrap, progress=not args.no_progress,
-               fit_only=args.fit_only, keep_checkpoints=args.keep_checkpoints, plot=args.plot, threads=args.threads)
-    except (ValueError, FileNotFoundError, train.NonFiniteLoss) as e:
-        print(f"ladder.py: error: {e}", file=sys.stderr)
-        return 1
+               fit_only=args.fit_only, keep_checkpoints=args.keep_checkpoints, plot=args.plot, threads=args.threads,
+               workers=args.workers)
+    except (ValueError, OSError, train.NonFiniteLoss) as e:
+        return cli_error("ladder.py", e)
     finally:
-        if "RANK" in os.environ:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        train.end_distributed()
     return 0
 
 

@@ -1,10 +1,12 @@
-"""ladder.py: the micro presets run the whole pipeline (matching, WSD stable runs, decay branches, CSV,
-fits, bootstrap, report), an interrupted ladder resumes without retraining finished runs, and the
-tolerant cell bootstrap equals fit.cell_bootstrap when no draw is underdetermined."""
+"""ladder.py: the micro presets run the whole pipeline (LR sweep, matching, WSD stable runs with seeds,
+decay branches, growth, CSV, fits, bootstrap, report, figures), an interrupted ladder resumes without
+retraining finished runs, the cpu-mini designs keep their principles (TPP, growth, epochs), and the
+noise bookkeeping marks what is within the measured seed spread."""
 
 import csv
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -35,12 +37,19 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
+def quiet(*args, **kwargs):
+    pass
+
+
 def test_smelt_micro_end_to_end_and_resume(tmp_path):
     out = str(tmp_path / "smelt")
     preset = ladder.get_preset("smelt-micro")
-    specs, cells = ladder.build(preset)
-    n_branches = len(preset["branch_steps"])
-    assert len(specs) == len(preset["cells"]) * 2 * (1 + n_branches)
+    data = ladder.data_plan(preset)
+    sweep, cells = ladder.build(preset, data)
+    assert [s.role for s in sweep] == ["sweep"] * 4  # 2 LRs x (baseline, twin) at the first cell
+    plan, _ = ladder.full_plan(preset, data)
+    n_branches, seeds = len(preset["branch_tpp"]), len(preset["seeds"])
+    assert len(plan) == 4 + len(cells) * (seeds + 1) * (1 + n_branches)
 
     # matching: every twin is a SMELT model within the [S] tolerances of its baseline
     for name, base, twin, report in cells:
@@ -48,98 +57,183 @@ def test_smelt_micro_end_to_end_and_resume(tmp_path):
         r = report["ratios"]
         assert 1.0 <= r["flops"] <= 1.05 and abs(r["params"] - 1) <= 0.015 and abs(r["kv"] - 1) <= 0.04
 
-    # first attempt is killed in the middle of its third run (a decay branch from the last stable step)
+    # the first attempt is killed in the middle of its third run (a sweep run)
     calls = []
-    assert specs[2].role == "branch" and specs[2].meta["branch_step"] == preset["branch_steps"][-1]
-    kill = counting_train(calls, stop_after=2, stop_at_step=preset["branch_steps"][-1] + 2)
+    kill = counting_train(calls, stop_after=2, stop_at_step=3)
     with pytest.raises(Interrupted):
-        ladder.ladder("smelt-micro", out_dir=out, train_fn=kill, progress=False, log=lambda *a: None)
-    assert len(calls) == 2
-    done = [s.run_id for s in specs[:2]]
-    assert calls == done
-    mtimes = {rid: os.path.getmtime(os.path.join(out, "runs", rid, "result.json")) for rid in done}
-    killed = os.path.join(out, "runs", specs[2].run_id)
+        ladder.ladder("smelt-micro", out_dir=out, train_fn=kill, progress=False, log=quiet)
+    assert calls == [s.run_id for s in sweep[:2]]
+    mtimes = {rid: os.path.getmtime(os.path.join(out, "runs", rid, "result.json")) for rid in calls}
+    killed = os.path.join(out, "runs", sweep[2].run_id)
     assert os.path.exists(os.path.join(killed, "ckpt.pt")) and not os.path.exists(os.path.join(killed, "result.json"))
 
-    # the rerun trains exactly the missing runs, in order, and never the finished ones
+    # the rerun trains exactly the missing runs, never the finished ones; a third invocation trains nothing
     calls2 = []
     report = ladder.ladder("smelt-micro", out_dir=out, train_fn=counting_train(calls2), progress=False,
-                           bootstrap=20, log=lambda *a: None)
-    assert calls2 == [s.run_id for s in specs[2:]]
+                           bootstrap=20, log=quiet)
+    assert set(calls2) == {s.run_id for s in plan} - set(calls) and len(calls2) == len(plan) - 2
     for rid, t in mtimes.items():
         assert os.path.getmtime(os.path.join(out, "runs", rid, "result.json")) == t
-    # a third invocation trains nothing
     calls3 = []
-    ladder.ladder("smelt-micro", out_dir=out, train_fn=counting_train(calls3), progress=False, bootstrap=0,
-                  log=lambda *a: None)
+    ladder.ladder("smelt-micro", out_dir=out, train_fn=counting_train(calls3), progress=False, bootstrap=0, log=quiet)
     assert calls3 == []
 
+    # the LR sweep picked, per architecture, the value with the lowest validation loss, and every later run uses it
+    key = preset["lr_sweep"]["key"]
+    results = {s.run_id: json.load(open(os.path.join(out, "runs", s.run_id, "result.json"))) for s in plan}
+    for arch in ("baseline", "smelt"):
+        swept = {s.settings[key]: results[s.run_id]["val_loss"] for s in sweep if s.arch == arch}
+        assert report["lrs"][arch] == min(swept, key=swept.get)
+    specs, _ = ladder.build(preset, data, report["lrs"])
+    assert {s.settings[key] for s in specs if s.role == "stable"} == set(report["lrs"].values())
+    assert all(s.settings[key] == report["lrs"][s.arch] for s in specs if s.role == "stable")
+
     # decay branches: start from the stable checkpoint, read only held-back data, D = stable + decay tokens
-    results = {s.run_id: json.load(open(os.path.join(out, "runs", s.run_id, "result.json"))) for s in specs}
-    for s in specs:
+    step_tokens = ladder.tokens_per_step(preset)
+    for s in plan:
         r = results[s.run_id]
         if s.role == "branch":
             stable = results[s.needs]
             assert r["data_region"] == "branch" and stable["data_region"] == "stable"
             assert r["data_read"][0] >= stable["data_split"] and stable["data_read"][1] <= stable["data_split"]
-            tokens_per_step = stable["tokens"] // stable["step"]
-            assert r["tokens"] == s.meta["branch_step"] * tokens_per_step + preset["decay_tokens"]
+            assert r["tokens"] == s.meta["branch_step"] * step_tokens + s.settings["decay_tokens"]
+            assert r["tokens"] >= s.meta["branch_tpp"] * s.meta["N"]  # at least the planned budget
             assert r["ckpt_path"] is None  # pruned
-    # baseline and twin read the same token sequence (same windows)
+    # baseline and twin of the first seed read the same token sequence (same windows); other seeds others
     for cell, *_ in cells:
-        assert results[f"baseline-{cell}-stable"]["data_read"] == results[f"smelt-{cell}-stable"]["data_read"]
+        first, second = (f"baseline-{cell}-s{seed}-stable" for seed in preset["seeds"])
+        assert results[first]["data_read"] == results[f"smelt-{cell}-s{preset['seeds'][0]}-stable"]["data_read"]
 
-    # runs.csv: one row per branch with the fit columns and the per-source losses
+    # runs.csv: one row per branch with the fit columns, the seed, TPP, epochs and the per-source losses
     rows = read_csv(os.path.join(out, "runs.csv"))
-    assert len(rows) == len(preset["cells"]) * 2 * n_branches
-    for col in ("arch", "cell", "F", "S", "D", "C", "loss", "loss_comedy", "loss_history", "loss_tragedy"):
+    assert len(rows) == len(cells) * (seeds + 1) * n_branches
+    for col in ("arch", "cell", "seed", "F", "S", "D", "C", "loss", "tpp", "epochs", "loss_comedy", "loss_tragedy"):
         assert col in rows[0]
     for row in rows:
         assert float(row["C"]) == pytest.approx(float(row["F"]) * float(row["D"]), rel=1e-9)
         assert 0 < float(row["S"]) < 1 and np.isfinite(float(row["loss"]))
-    assert {row["arch"] for row in rows} == {"baseline", "smelt"}
 
-    # report: both surfaces fitted on all points, CE Gain with bootstrap bounds, TPP, win counts
-    assert report["runs_finished"] == len(specs)
-    for arch in ("baseline", "smelt"):
-        assert report["fits"][arch]["n_points"] == len(rows) // 2
+    # report: both surfaces on all points, CE Gain with bootstrap bounds and noise marks, seed spread, wins
+    for arch, n in (("baseline", len(cells) * seeds * n_branches), ("smelt", len(cells) * n_branches)):
+        assert report["fits"][arch]["n_points"] == n
     assert report["ce_gain"] and all(np.isfinite(g["value"]) for g in report["ce_gain"])
-    assert all(g["lo"] is not None and g["lo"] <= g["hi"] for g in report["ce_gain"])
-    assert report["tpp"] and all(t["value"] > 0 for t in report["tpp"])
+    assert all(g["lo"] <= g["hi"] and g["within_noise"] in (True, False) for g in report["ce_gain"])
+    assert report["seed_spread"]["pooled_std"] > 0 and len(report["seed_spread"]["groups"]) == len(cells) * n_branches
     wins, pairs = report["wins"]["all"]
-    assert pairs == len(rows) // 2 and 0 <= wins <= pairs
+    assert pairs == len(cells) * n_branches and 0 <= wins <= pairs
     text = open(os.path.join(out, "report.txt")).read()
-    assert "CE Gain" in text and "Table 10" in text and "wins" in text
+    assert "CE Gain" in text and "Table 10" in text and "LR sweep" in text and "seed spread" in text
 
 
-def test_x_micro_equal_flops_growth_and_power_fits(tmp_path):
-    out = str(tmp_path / "x")
+@pytest.fixture(scope="module")
+def x_micro(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("x"))
     archs = ["vanilla", "loop-2", "untied-grow"]  # a subset keeps the test fast; the preset has all six
+    report = ladder.ladder("x-micro", out_dir=out, progress=False, log=quiet, archs=archs, workers=2)
+    return out, archs, report
+
+
+def test_x_micro_budgets_growth_fits_and_noise(x_micro):
+    out, archs, report = x_micro
     preset = ladder.get_preset("x-micro", archs=archs)
-    specs, _ = ladder.build(preset)
-    assert len(specs) == len(archs) * len(preset["depths"])
-    report = ladder.ladder("x-micro", out_dir=out, progress=False, log=lambda *a: None, archs=archs)
     rows = read_csv(os.path.join(out, "runs.csv"))
-    assert len(rows) == len(specs)
+    seeds = len(preset["seeds"])
+    assert len(rows) == len(preset["depths"]) * (len(archs) - 1 + seeds)
+    for r in rows:  # every architecture at its own budget: TPP x its own compute-active N
+        assert float(r["tpp"]) == pytest.approx(preset["tpp"], rel=0.1) and float(r["D"]) >= preset["tpp"] * float(r["N"])
     by = {(r["arch"], int(r["depth"])): r for r in rows}
-    for d in preset["depths"]:
-        C = {a: float(by[(a, d)]["C"]) for a in archs}
-        # equal compute per ladder point, up to whole steps
-        for a in archs:
-            assert C[a] == pytest.approx(float(by[(a, d)]["C_target"]), rel=0.2)
-        # the looped models see fewer tokens for the same compute
-        assert int(by[("loop-2", d)]["D"]) < int(by[("vanilla", d)]["D"])
-    # untied-grow really grew: its log shows passes 2 then 4, and the grown checkpoint has 4 untied cores
-    log = [json.loads(line) for line in open(os.path.join(out, "runs", f"untied-grow-d{preset['depths'][-1]}", "log.jsonl"))]
+    for d in preset["depths"]:  # the looped models run more blocks per token: more compute at the same TPP
+        assert float(by[("loop-2", d)]["C"]) > float(by[("vanilla", d)]["C"])
+    # untied-grow grew at its [X15] step: its log shows passes 2 then 4 and its checkpoint 4 untied cores
+    grown = [r for r in rows if r["arch"] == "untied-grow" and int(r["depth"]) == preset["depths"][-1]][0]
+    log = [json.loads(line) for line in open(os.path.join(out, "runs", grown["run_id"], "log.jsonl"))]
     assert set(log[-1]["flops_by_passes"]) == {"2", "4"}
     from model import GPT
-    model, _ = GPT.from_checkpoint(os.path.join(out, "runs", f"untied-grow-d{preset['depths'][-1]}", "ckpt.pt"))
+    model, _ = GPT.from_checkpoint(os.path.join(out, "runs", grown["run_id"], "ckpt.pt"))
     assert model.config.n_passes == 4 and not model.config.tie_core
-    # power laws: E from vanilla, one (A, gamma) per fitted arch; multipliers at vanilla's budgets
+    # the sweep: every architecture's swept values, the chosen one carried up the ladder
+    assert set(report["lr_sweep"]) == set(archs) and set(report["lrs"]) == set(archs)
+    # power laws: E from vanilla (every seed) below every vanilla loss; multipliers with bands and noise marks
     assert set(report["fits"]) == set(archs)
-    assert 0 < report["fits"]["vanilla"]["E"] < min(float(by[("vanilla", d)]["loss"]) for d in preset["depths"])  # [X7] E below every vanilla loss
+    assert 0 < report["fits"]["vanilla"]["E"] < min(float(r["loss"]) for r in rows if r["arch"] == "vanilla")
+    assert report["seed_spread"]["pooled_std"] > 0
     for a in archs[1:]:
-        assert len(report["multipliers"][a]) == len(preset["depths"])
+        records = report["multipliers"][a]
+        assert len(records) == len(preset["depths"])
+        for m in records:
+            assert m["fitted_lo"] <= m["fitted"] <= m["fitted_hi"] or m["fitted"] is None
+            assert m["within_noise"] == (m["fitted_lo"] <= 1.0 <= m["fitted_hi"])
+
+
+def test_plot_writes_figures_or_says_how_to_get_matplotlib(x_micro, tmp_path, monkeypatch, capsys):
+    out, archs, _ = x_micro
+    pytest.importorskip("matplotlib")
+    report = ladder.ladder("x-micro", out_dir=out, progress=False, log=quiet, archs=archs, fit_only=True, plot=True)
+    assert [os.path.basename(p) for p in report["plots"]] == ["loss_vs_compute.png", "multipliers.png"]
+    assert all(open(p, "rb").read(4) == b"\x89PNG" for p in report["plots"])
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    for p in report["plots"]:
+        os.remove(p)
+    again = ladder.ladder("x-micro", out_dir=out, progress=False, log=quiet, archs=archs, fit_only=True, plot=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert again["plots"] == [] and len(err) == 1 and "requirements-plot.txt" in err[0]
+    assert not any(os.path.exists(p) for p in report["plots"])
+
+
+@pytest.mark.parametrize("name", ["smelt-cpu-mini", "x-cpu-mini"])
+def test_cpu_mini_designs_sit_near_the_frontier(name):
+    """Checked on the plan, before anything trains: TPP >= 10 for every run, the same TPP (within 2x)
+    from the smallest to the largest point, at most 4 epochs, and no growth on the decay-start step."""
+    preset = ladder.get_preset(name)
+    records = json.loads(ladder.describe_presets(as_json=True))["presets"][name]["runs"]
+    assert records and all(r["tpp"] >= 10 for r in records)
+    assert all(r["epochs"] is not None and r["epochs"] <= 4 for r in records)
+    groups = {}
+    for r in records:  # same role (and branch point) at every ladder point
+        groups.setdefault((r["role"], r["arch"], r["run_id"].rsplit("-b", 1)[-1] if r["role"] == "branch" else ""),
+                          []).append(r["tpp"])
+    assert all(max(v) / min(v) <= 2 for v in groups.values())
+    for r in records:
+        assert set(r) >= {"arch", "params_nonembedding", "params_stored", "tokens", "flops", "tpp", "epochs",
+                          "grow_step", "decay_start_step"}
+        if r["grow_step"] is not None:
+            assert r["grow_step"] != r["decay_start_step"] and r["arch"].endswith("grow")
+        elif r["arch"].endswith("grow"):
+            pytest.fail(f"{r['run_id']} should grow")
+    if name == "x-cpu-mini":
+        depths = {r["cell"] for r in records if r["role"] == "run"}
+        assert depths == {f"d{d}" for d in preset["depths"]}
+        for d in preset["depths"]:  # three seeds of the reference at every point (first depth: in the sweep too)
+            seeds = {r["run_id"].rsplit("-s", 1)[1] for r in records if r["arch"] == "vanilla" and r["cell"] == f"d{d}"}
+            assert seeds == {str(s) for s in ladder.SEEDS}
+
+
+def test_seed_spread_and_within_noise_marking():
+    """Synthetic ladders with a known seed spread: the pooled std is recovered; an architecture equal
+    to the reference gets multiplier bands that include 1, one with a 1.5x compute advantage does not."""
+    rng = np.random.default_rng(0)
+    E, A, gamma, C0, sigma = 2.0, 1.5, 0.3, 1e12, 0.005
+    budgets = np.geomspace(1e11, 1e13, 5)
+    law = lambda C, scale=1.0: E + A * (scale * C / C0) ** -gamma  # noqa: E731
+    points = {"vanilla": [(C, law(C) + sigma * rng.standard_normal(), i) for i, C in enumerate(budgets)
+                          for _ in range(3)],
+              "same": [(C, law(C), i) for i, C in enumerate(budgets)],
+              "better": [(C, law(C, 1.5), i) for i, C in enumerate(budgets)]}
+    rows = [dict(arch=a, depth=d, loss=l) for a, pts in points.items() for _, l, d in pts]
+    per, pooled = ladder.seed_spread(rows, ("depth",), "vanilla")
+    assert pooled == pytest.approx(sigma, rel=0.5) and all(n == 3 for *_, n in per.values())
+    exact = [dict(arch="vanilla", depth=0, loss=v) for v in (1.0, 1.2, 1.4)] + \
+        [dict(arch="vanilla", depth=1, loss=v) for v in (2.0, 2.2)]
+    assert ladder.seed_spread(exact, ("depth",), "vanilla")[1] == pytest.approx(np.sqrt((0.08 + 0.02) / 3))
+    ref_C, bands = ladder.multiplier_bootstrap(points, "vanilla", pooled, n_draws=200, seed=1)
+    lo, hi = bands["same"]["fitted"]
+    assert np.all(lo <= 1.0) and np.all(hi >= 1.0)
+    lo, hi = bands["better"]["fitted"]
+    assert np.all(lo > 1.2) and np.all(hi < 1.8)
+    assert ladder.within_noise(0.9, 1.1, 1.0) is True and ladder.within_noise(1.1, 1.3, 1.0) is False
+    assert ladder.within_noise(None, 1.0, 1.0) is None
 
 
 def test_bootstrap_skips_underdetermined_draws():
@@ -171,6 +265,7 @@ def test_changed_settings_are_refused(tmp_path):
         ladder.load_result(str(tmp_path), changed)
     with pytest.raises(ValueError, match="unknown preset"):
         ladder.get_preset("nope")
+    assert ladder.main(["--preset", "nope"]) == 2
 
 
 def test_every_preset_builds_with_valid_train_settings(capsys):
@@ -179,9 +274,11 @@ def test_every_preset_builds_with_valid_train_settings(capsys):
     listing = capsys.readouterr().out
     for name in ladder.PRESETS:
         assert name in listing and "not buildable" not in listing
-    for name in ("smelt-gpu-1node", "x-gpu-2node", "x-cpu-mini"):
+    for name in ("smelt-gpu-1node", "x-gpu-2node", "x-cpu-mini", "smelt-cpu-mini"):
         preset = ladder.get_preset(name)
-        specs, _ = ladder.build(preset, ladder.world_size(preset))
+        specs, _ = ladder.full_plan(preset, world=ladder.world_size(preset))
         for s in specs:
             for key, value in s.settings.items():
                 train.check_setting(key, value)
+            train.train_config_from(train.resolve_settings(
+                {k: v for k, v in s.settings.items() if k not in ("init_from", "decay_branch")}))
