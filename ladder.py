@@ -137,11 +137,11 @@ PRESETS = {
         kind="smelt", about="[S] in miniature: 3 scales x 2 sparsities, 3 decay branches, 3 baseline seeds",
         data=dict(tokenizer="gpt2-257"),
         model=dict(BYTES | SMELT_MODEL, head_dim=8, block_size=256),
-        # compute-active non-embedding params 33k / 91k / 163k (F 5.5e5 .. 1.6e6 FLOPs per token)
+        # compute-active non-embedding params 33k / 75k / 130k, F 5.5e5 / 8.4e5 / 1.2e6 FLOPs per token
         scales={"L4w32": dict(n_layer=4, n_embd=32, expert_hidden=16),
-                "L4w64": dict(n_layer=4, n_embd=64, expert_hidden=32),
-                "L6w72": dict(n_layer=6, n_embd=72, head_dim=12, expert_hidden=36)},
-        cells=[(s, e) for s in ("L4w32", "L4w64", "L6w72") for e in (16, 32)],  # S ~ 0.73-0.80, 0.85-0.90
+                "L4w56": dict(n_layer=4, n_embd=56, expert_hidden=28),
+                "L4w80": dict(n_layer=4, n_embd=80, expert_hidden=40)},
+        cells=[(s, e) for s in ("L4w32", "L4w56", "L4w80") for e in (16, 32)],  # S 0.73-0.81 and 0.85-0.90
         recipe="smelt", match_kwargs=SMELT_MATCH,
         train=dict(optimizer="adamw", batch_size=8, warmup_steps=20, eval_tokens=1 << 15, branch_data_fraction=0.2),
         branch_tpp=[10, 20, 30], decay_share=0.2, seeds=SEEDS,
@@ -162,9 +162,9 @@ PRESETS = {
         kind="x", about="[X] in miniature: 6 architectures x depths 3..6 at width 12 x depth, TPP 10 each, "
                         "3 Vanilla seeds",
         data=dict(tokenizer="gpt2-257"),
-        model=dict(BYTES | X_MODEL, block_size=256), depths=[3, 4, 5, 6], width_per_depth=12, head_dim=12,
+        model=dict(BYTES | X_MODEL, block_size=128), depths=[3, 4, 5, 6], width_per_depth=12, head_dim=12,
         mlp_multiple=32, archs=X_ARCHS, tpp=10, grow_to=4, rewarm_fraction=0.05,
-        train=dict(optimizer="muon", batch_size=8, warmup_fraction=0.05, decay_fraction=0.3, eval_tokens=1 << 15),
+        train=dict(optimizer="muon", batch_size=16, warmup_fraction=0.05, decay_fraction=0.3, eval_tokens=1 << 15),
         seeds=SEEDS, lr_sweep=dict(key="matrix_lr", values=[0.01, 0.02, 0.04]), seed=1337, threads=1, workers=2),
     "x-gpu-1node": dict(
         kind="x", about="one 8-GPU node (documented, not run): the paper's width 128 x depth, d6..d10",
