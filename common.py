@@ -52,6 +52,22 @@ def cli_error(prog, error):
     return 2
 
 
+def resolve_device(name):
+    """A torch.device from a --device value: 'auto' -> cuda when available, else cpu; ValueError for a
+    malformed or unavailable device. (torch is imported here, not at the top: common.py also serves
+    torch-free tools such as fit.py.)"""
+    import torch
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r} (expected auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available on this machine")
+    return device
+
+
 def read_jsonl(path):
     """Yield (line number, object) for every non-blank line of a JSON-lines file; a malformed line
     raises ValueError naming the file and the line."""

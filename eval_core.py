@@ -87,7 +87,7 @@ import torch.nn.functional as F
 import yaml
 from tqdm import tqdm
 
-from common import cli_error, read_jsonl
+from common import cli_error, read_jsonl, resolve_device
 
 PROG = "eval_core.py"  # the name CLI errors start with
 
@@ -878,16 +878,6 @@ def parse_seeds(text):
     return seeds
 
 
-def check_device(name):
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine")
-    return name
-
-
 def check_labels(bundle, labels, flag):
     unknown = [label for label in labels or () if label not in {t["label"] for t in bundle["tasks"]}]
     if unknown:
@@ -923,7 +913,7 @@ def run(args):
     if args.kshot_sweep and args.bundle is None:
         raise ValueError("--kshot_sweep needs --bundle")
     seeds = parse_seeds(args.fewshot_seeds)
-    check_device(args.device)
+    device = resolve_device(args.device)
     bundle = labels = ks_labels = length_data = None
     if args.bundle:
         bundle = load_bundle(args.bundle)
@@ -935,7 +925,7 @@ def run(args):
         check_labels(bundle, ks_labels, "--kshot_tasks")
     if args.length_buckets:
         length_data = load_token_split(args.length_buckets, args.length_split)  # (tokens, meta, doc_spans)
-    model, tokenizer = load_checkpoint(args.ckpt, args.device)
+    model, tokenizer = load_checkpoint(args.ckpt, device)
     if length_data is not None:
         meta = length_data[1]
         eot, prepared_with = int(meta["eot_token"]), meta.get("tokenizer", tokenizer.name)
@@ -943,7 +933,7 @@ def run(args):
             raise ValueError(f"{args.length_buckets} was prepared with tokenizer {prepared_with!r} (eot {eot}) "
                              f"but the checkpoint uses {tokenizer.name!r} (eot {tokenizer.eot_token})")
     # bf16 autocast on CUDA only: a CPU has no fast bf16 (the CPU rehearsal of that path is in the tests)
-    autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" and args.device.startswith("cuda") else None
+    autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" and device.type == "cuda" else None
     progress = not args.no_progress
     report = {"ckpt": args.ckpt}
     if bundle is not None:

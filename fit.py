@@ -1015,19 +1015,11 @@ def plot_loss_vs_compute(runs, fits, path, title=None):
     the same colour. Plain loss on log-log axes (not loss - E, which a noisy point below E could not
     show); the laws bend towards E. runs: {arch: (C, loss)}; fits: {arch: PowerLawFit} (an arch
     without a fit gets markers only). Returns True when written, False without matplotlib."""
-    plt = _pyplot(path)
-    if plt is None:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    try:
+    def draw(fig, ax):
         _draw_loss_vs_compute(ax, runs, fits, _colours(runs))
         if title:
             ax.set_title(title, fontsize=10)
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save(plt, fig, path)
-    return True
+    return _figure(path, draw)
 
 
 def plot_multipliers(ref_C, multipliers, path, bands=None, ref="vanilla", title=None):
@@ -1037,40 +1029,24 @@ def plot_multipliers(ref_C, multipliers, path, bands=None, ref="vanilla", title=
     length, shaded in the arch's colour. Repeated reference budgets (seeds): all points are marked and
     the line joins their means (the band spans their extremes). A dashed line at 1 means no difference.
     Returns True when written, False without matplotlib."""
-    plt = _pyplot(path)
-    if plt is None:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    try:
+    def draw(fig, ax):
         _draw_multipliers(ax, ref_C, multipliers, bands, ref, _colours([ref, *multipliers]))
         if title:
             ax.set_title(title, fontsize=10)
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save(plt, fig, path)
-    return True
+    return _figure(path, draw)
 
 
 def plot_power_laws(runs, fits, multipliers, ref, path, title=None):
     """`fit.py power --plot`: plot_loss_vs_compute (left) and plot_multipliers at the reference's
     measured budgets (right) side by side, an architecture in one colour in both. Returns True when
     written, False without matplotlib."""
-    plt = _pyplot(path)
-    if plt is None:
-        return False
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 4))
-    try:
+    def draw(fig, axes):
         colours = _colours([ref, *runs, *multipliers])
-        _draw_loss_vs_compute(ax0, runs, fits, colours)
-        _draw_multipliers(ax1, runs[ref][0], multipliers, None, ref, colours)
+        _draw_loss_vs_compute(axes[0], runs, fits, colours)
+        _draw_multipliers(axes[1], runs[ref][0], multipliers, None, ref, colours)
         if title:
             fig.suptitle(title, fontsize=11)
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save(plt, fig, path)
-    return True
+    return _figure(path, draw, ncols=2, figsize=(10, 4))
 
 
 def plot_ce_gain(budgets, sparsities, gain, path, lo=None, hi=None, title=None):
@@ -1087,14 +1063,11 @@ def plot_ce_gain(budgets, sparsities, gain, path, lo=None, hi=None, title=None):
     for name, a in arrays.items():
         if a is not None and np.shape(a) != shape:
             raise ValueError(f"plot_ce_gain: {name} has shape {np.shape(a)}, expected (budgets, sparsities) = {shape}")
-    plt = _pyplot(path)
-    if plt is None:
-        return False
     order = np.argsort(budgets)
     C = budgets[order]
     gain = np.asarray(gain, dtype=float)[order]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    try:
+
+    def draw(fig, ax):
         ax.axhline(0.0, color="0.5", ls="--", lw=1, label="0 = no difference")
         for j, S in enumerate(sparsities):
             col = f"C{j % 10}"
@@ -1108,11 +1081,7 @@ def plot_ce_gain(budgets, sparsities, gain, path, lo=None, hi=None, title=None):
         ax.set_title(title or r"[S5] CE Gain on the compute-optimal frontier", fontsize=10)
         _legend(ax, fontsize=7, title="sparsity" + (" (shaded: 95% interval)" if lo is not None else ""),
                 title_fontsize=7)
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save(plt, fig, path)
-    return True
+    return _figure(path, draw)
 
 
 def plot_loss_curves(curves, path, title=None, xlabel="tokens"):
@@ -1123,11 +1092,7 @@ def plot_loss_curves(curves, path, title=None, xlabel="tokens"):
     groups = {label: label.rsplit(" ", 1)[0] if " " in label else label for label in curves}
     grouped = len(set(groups.values())) < len(curves)
     colours = _colours(groups.values() if grouped else curves)
-    plt = _pyplot(path)
-    if plt is None:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    try:
+    def draw(fig, ax):
         member = {}
         for label, (x, y) in curves.items():
             g = groups[label] if grouped else label
@@ -1139,11 +1104,7 @@ def plot_loss_curves(curves, path, title=None, xlabel="tokens"):
         ax.set_title(title or "loss curves", fontsize=10)
         small = grouped or len(curves) > 6
         _legend(ax, fontsize=6 if small else 8, ncol=2 if len(curves) > 6 else 1)
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save(plt, fig, path)
-    return True
+    return _figure(path, draw)
 
 
 def plot_surface_frontiers(fits, sparsities, path, C_range=(1e18, 1e23), title=None):
@@ -1153,13 +1114,10 @@ def plot_surface_frontiers(fits, sparsities, path, C_range=(1e18, 1e23), title=N
     lo_C, hi_C = (float(c) for c in C_range)
     if not (0 < lo_C <= hi_C and math.isfinite(hi_C)):
         raise ValueError(f"plot_surface_frontiers: C_range must be 0 < low <= high, got {C_range}")
-    plt = _pyplot(path)
-    if plt is None:
-        return False
     C = np.geomspace(lo_C, hi_C, 200)
     colours = _colours(fits)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    try:
+
+    def draw(fig, ax):
         for arch, f in fits.items():
             for k, S in enumerate(sparsities):
                 ax.plot(C, frontier_loss(f, C, S) - f.E, color=colours[arch], ls=_LINESTYLES[k % len(_LINESTYLES)],
@@ -1171,6 +1129,18 @@ def plot_surface_frontiers(fits, sparsities, path, C_range=(1e18, 1e23), title=N
         _plain_log_ticks(ax)
         ax.set_title(title or r"[S4] iso-sparsity frontiers $L^* - E = f(S)\,C^{-\gamma}$", fontsize=10)
         _legend(ax, fontsize=7)
+    return _figure(path, draw)
+
+
+def _figure(path, draw, ncols=1, figsize=(6, 4)):
+    """A figure of ncols axes: draw(fig, axes) fills it and it is written to path (atomically). False,
+    after one line on stderr, when matplotlib is missing; a failed draw closes the figure."""
+    plt = _pyplot(path)
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, ncols, figsize=figsize)
+    try:
+        draw(fig, axes)
     except BaseException:
         plt.close(fig)
         raise

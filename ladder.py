@@ -18,7 +18,10 @@ Design principles of the cpu-mini presets (both papers), fixed before any run:
     nanoGPT's shakespeare_char), so the embedding and head are a small share of the parameters.
   * Per-architecture learning rate: a sweep of the hidden matrices' LR (3 values, 2x apart) at the
     smallest ladder point; each architecture's best value is carried up its ladder unchanged (the [X]
-    rule (16) scales LR with N from sweeps at three depths, which a CPU miniature cannot afford).
+    rule (16) scales LR with N from sweeps at three depths, which a CPU miniature cannot afford). A
+    sweep must bracket its optimum: while an architecture's best value is at an edge of what it tried,
+    the next value beyond that edge (same ratio) is tried too, at most `extend` (2) times (the micro
+    presets: 0, so they train exactly their plan).
   * Growth ([X] Loop-Grow / Untied-Grow, K 2 -> 4) at the step [X15] gives (rho* from the affine law
     [X9] at the run's own TPP), never at the step the WSD decay starts.
   * Noise: the reference architecture runs with 3 seeds at every point (init and data order change);
@@ -131,7 +134,7 @@ PRESETS = {
         recipe="smelt", match_kwargs=SMELT_MATCH,
         train=dict(optimizer="adamw", batch_size=4, warmup_steps=2, eval_tokens=512, branch_data_fraction=0.2),
         branch_tpp=[0.1, 0.2, 0.3], decay_share=0.2, seeds=SEEDS[:2], lr_sweep=dict(key="adamw_matrix_lr",
-                                                                            values=[2e-3, 4e-3]),
+                                                                            values=[2e-3, 4e-3], extend=0),
         bootstrap=20, seed=1337, threads=1),
     "smelt-cpu-mini": dict(
         kind="smelt", about="[S] in miniature: 3 scales x 2 sparsities, 3 decay branches, 3 baseline seeds",
@@ -157,7 +160,8 @@ PRESETS = {
         model=dict(BYTES | X_MODEL, block_size=32), depths=[3, 4, 5], width_per_depth=8, head_dim=8,
         mlp_multiple=8, archs=X_ARCHS, tpp=0.1, grow_to=4, rewarm_fraction=0.05,
         train=dict(optimizer="muon", batch_size=4, warmup_fraction=0.1, decay_fraction=0.3, eval_tokens=512),
-        seeds=SEEDS[:2], lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04]), seed=1337, threads=1),
+        seeds=SEEDS[:2], lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04], extend=0), seed=1337,
+        threads=1),
     "x-cpu-mini": dict(
         kind="x", about="[X] in miniature: 6 architectures x depths 3..6 at width 12 x depth, TPP 10 each, "
                         "3 Vanilla seeds",
@@ -457,9 +461,54 @@ def best_lrs(preset, results, sweep_specs):
     return {arch: value for arch, (value, _) in best.items()}
 
 
-def sweep_table(preset, results, sweep_specs, chosen):
+def sweep_extension(preset, data, results, sweep_specs, world=None):
+    """Sweep runs one step beyond the edge of the values an architecture tried, for every architecture
+    whose best value is at that edge (a sweep must bracket its optimum), at most lr_sweep["extend"] (2)
+    steps beyond the preset's grid on either side. [] when every best value is inside its grid."""
     key, values = sweep_values(preset)
-    lines = [f"LR sweep ({key}) at the first ladder point, validation loss (* = carried up the ladder)"]
+    if key is None or len(values) < 2:
+        return []
+    ratio, limit = values[1] / values[0], preset["lr_sweep"].get("extend", 2)
+    tried = {}
+    for s in sweep_specs:
+        r = results.get(s.run_id)
+        if r is not None:
+            tried.setdefault(s.arch, {})[s.settings[key]] = r["val_loss"]
+    extra = []
+    for arch, losses in tried.items():
+        best, ordered = min(losses, key=losses.get), sorted(losses)
+        if best == ordered[-1] and best < values[-1] * ratio ** (limit - 0.5):
+            value = float(f"{best * ratio:.12g}")  # 0.012, not 0.011999999999999999
+        elif best == ordered[0] and best > values[0] / ratio ** (limit - 0.5):
+            value = float(f"{best / ratio:.12g}")
+        else:
+            continue
+        specs, _ = build(dict(preset, lr_sweep=dict(preset["lr_sweep"], values=[value])), data, world=world)
+        extra += [s for s in specs if s.arch == arch]
+    return extra
+
+
+def bracketed_sweep(preset, data, run, world=None):
+    """(results, sweep specs): the preset's sweep, then its extensions until every architecture's best
+    value is inside what it tried (or the extension limit). run(specs) -> {run_id: result or None}."""
+    sweep_specs, _ = build(preset, data, world=world)
+    results = run(sweep_specs)
+    while best_lrs(preset, results, sweep_specs):  # None while runs are missing, {} without a sweep
+        extra = sweep_extension(preset, data, results, sweep_specs, world)
+        if not extra:
+            break
+        results.update(run(extra))
+        if any(results.get(s.run_id) is None for s in extra):  # --fit-only: the extension was not trained
+            break
+        sweep_specs = sweep_specs + extra
+    return results, sweep_specs
+
+
+def sweep_table(preset, results, sweep_specs, chosen):
+    key, _ = sweep_values(preset)
+    values = sorted({s.settings[key] for s in sweep_specs})
+    lines = [f"LR sweep ({key}) at the first ladder point, validation loss (* = carried up the ladder; "
+             f"- = not tried: a value beyond the grid runs only while the best is at its edge)"]
     lines.append(f"  {'':>12} " + " ".join(f"{v:>10g}" for v in values))
     by = {(s.arch, s.settings[key]): results.get(s.run_id) for s in sweep_specs}
     archs = list(dict.fromkeys(s.arch for s in sweep_specs))
@@ -1140,8 +1189,7 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
         {s.run_id: load_result(out_dir, s) for s in specs} if fit_only else
         run_ladder(specs, out_dir, train_fn=train_fn, progress=progress, keep_checkpoints=keep_checkpoints,
                    log=log, workers=workers, threads=preset.get("threads"), data_dir=data.data_dir))
-    sweep_specs, _ = build(preset, data)
-    results = run(sweep_specs)
+    results, sweep_specs = bracketed_sweep(preset, data, run)
     lrs = best_lrs(preset, results, sweep_specs) if preset.get("lr_sweep") else {}
     sweep = None
     if lrs is None:

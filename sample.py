@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from common import cli_error
+from common import cli_error, resolve_device
 from data.tokenizer import get_tokenizer
 from model import GPT
 
@@ -61,19 +61,6 @@ def check_settings(num_samples, max_new_tokens, temperature, top_k, n_passes):
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if n_passes is not None and n_passes < 1:
         raise ValueError(f"n_passes must be >= 1, got {n_passes}")
-
-
-def resolve_device(name):
-    """'auto' -> cuda when available, else cpu; ValueError for a malformed or unavailable device."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r} (expected auto, cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r}: CUDA is not available on this machine")
-    return device
 
 
 def check_n_passes(config, n_passes):

@@ -675,8 +675,9 @@ def evaluate(model, data, seq_len, eval_tokens, batch_size, autocast, rank=0, wo
     n_batches = torch.zeros(1, dtype=torch.float64)
     expert_counts = None
     mine = list(range(rank, n_windows, world))
-    n_batches_each = math.ceil(math.ceil(n_windows / world) / batch_size)  # the same on every rank (FSDP:
-    was_training = model.training                                           # every forward is collective)
+    # the same number of forwards on every rank: under FSDP every forward is a collective
+    n_batches_each = math.ceil(math.ceil(n_windows / world) / batch_size)
+    was_training = model.training
     model.eval()
     for i in range(0, n_batches_each * batch_size, batch_size):
         padding = i >= len(mine)  # this rank ran out of windows: a forward the others need, not counted
@@ -708,8 +709,9 @@ def evaluate(model, data, seq_len, eval_tokens, batch_size, autocast, rank=0, wo
                                      for j, name in enumerate(source_names) if count[1 + j] > 0}
     if model.config.n_expert:
         all_reduce_sum(router, world), all_reduce_sum(n_batches, world)
-        if expert_counts is None:
-            expert_counts = torch.zeros(1, model.config.n_expert, dtype=torch.float64)
+        if expert_counts is None:  # this rank evaluated no window: zeros of the shape the others sum
+            executed = sum(step.kind == "block" for step in model.plan)
+            expert_counts = torch.zeros(executed, model.config.n_expert, dtype=torch.float64)
         all_reduce_sum(expert_counts, world)
         fraction = expert_counts / expert_counts.sum(dim=-1, keepdim=True).clamp(min=1)
         out.update(balance=(router[0] / n_batches.clamp(min=1)).item(),
@@ -1064,7 +1066,9 @@ def train_run(run, model_config, rank, world, device):
         return dict(step=state.step, tokens=state.tokens_seen, flops=state.flops_seen,
                     flops_by_passes={str(k): v for k, v in sorted(state.flops_by_passes.items())},
                     lr=lr, train_loss=train_loss, **result, epochs=state.data_position / stream.n_windows,
-                    n_passes=passes_seen or current_passes(raw_model.config), seconds=round(time.time() - t0, 3))
+                    n_passes=passes_seen or current_passes(raw_model.config), seconds=round(time.time() - t0, 3),
+                    **({"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+                       if device.type == "cuda" else {}))
 
     def save(path):  # a sharded checkpoint: every rank its shards; a file: rank 0. Never non-finite weights.
         if sharded:

@@ -1,7 +1,6 @@
 # [X] Loop-2, d8: a tied core of 3 blocks applied K = 2 times (stores 8 blocks, executes 11).
-# Numbers: the team notes (anchors_facts.md) "ladder hparams (d8 row): loop_2" and the [X] code's
-# ladder_scripts/loop_2.sh (run loop_2_d08; the facts row omits the values marked 'script'); the
-# architecture is Table 1 of the [X] seed.
+# Numbers: the [X] code's ladder, d8 row: github.com/qlabs-eng/scaling-exponents,
+# ladder_scripts/loop_2.sh, run loop_2_d08; the architecture is Table 1 of the [X] paper.
 # 2355 steps x 524,288 tokens.
 # The [X] code feeds the first core pass the raw prelude output e, while the paper's Algorithm 1 has
 # h0 = 0, i.e. BO(0, e) = alpha e; they differ for alpha = 0.7071, so we follow the code whose
@@ -42,8 +41,8 @@ data_dir = "data/cache/fineweb_gpt2"
 run_name = "x_d8_loop2"
 optimizer = "muon"
 matrix_lr = 0.04
-embedding_lr = 0.0128  # script
-unembedding_lr = 0.0045254833996  # script
+embedding_lr = 0.0128  # from the ladder script (not in the table above)
+unembedding_lr = 0.0045254833996  # from the ladder script (not in the table above)
 weight_decay = 0.05
 adam_betas = (0.8, 0.95)
 adam_eps = 1e-10
@@ -53,5 +52,5 @@ decay_shape = "linear"  # assumption: nanochat-style linear warmdown to 0 (the [
 min_lr_fraction = 0.0
 batch_size = 32
 grad_accum = 1
-max_steps = 2355  # script
+max_steps = 2355  # from the ladder script (not in the table above)
 eval_interval = 250

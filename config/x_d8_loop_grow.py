@@ -1,8 +1,7 @@
 # [X] Loop-Grow, d8: Loop-2 that grows to K = 4 passes of the same tied core (no new weights) after
 # 82% of the steps (rho = 0.18 of the tokens after growth), LR re-warmed over 40 steps (grow.py).
-# Numbers: the team notes (anchors_facts.md) "ladder hparams (d8 row): loop_grow" and the [X] code's
-# ladder_scripts/loop_grow.sh (run loop_grow_d08; the facts row omits the values marked 'script'); the
-# architecture is Table 1 of the [X] seed.
+# Numbers: the [X] code's ladder, d8 row: github.com/qlabs-eng/scaling-exponents,
+# ladder_scripts/loop_grow.sh, run loop_grow_d08; the architecture is Table 1 of the [X] paper.
 # 2563 steps = grow.grown_run_tokens(t_ref 7, rho 0.18) / 524,288 ([X13]-[X14], Table 9 recipe).
 # The [X] code feeds the first core pass the raw prelude output e, while the paper's Algorithm 1 has
 # h0 = 0, i.e. BO(0, e) = alpha e; they differ for alpha = 0.7071, so we follow the code whose
@@ -43,8 +42,8 @@ data_dir = "data/cache/fineweb_gpt2"
 run_name = "x_d8_loop_grow"
 optimizer = "muon"
 matrix_lr = 0.04
-embedding_lr = 0.0128  # script
-unembedding_lr = 0.0045254833996  # script
+embedding_lr = 0.0128  # from the ladder script (not in the table above)
+unembedding_lr = 0.0045254833996  # from the ladder script (not in the table above)
 weight_decay = 0.05
 adam_betas = (0.8, 0.95)
 adam_eps = 1e-10

@@ -1,8 +1,7 @@
 # [X] Operator-1, d8: prelude-core-coda with K = 1 and the boundary operator: Vanilla + one RMSNorm
 # and one vector add per boundary.
-# Numbers: the team notes (anchors_facts.md) "ladder hparams (d8 row): operator_1" and the [X] code's
-# ladder_scripts/operator_1.sh (run operator_1_d08; the facts row omits the values marked 'script'); the
-# architecture is Table 1 of the [X] seed.
+# Numbers: the [X] code's ladder, d8 row: github.com/qlabs-eng/scaling-exponents,
+# ladder_scripts/operator_1.sh, run operator_1_d08; the architecture is Table 1 of the [X] paper.
 # 2355 steps x 524,288 tokens = TPP 6 on N_s = 205.8M.
 # Data: FineWeb with the GPT-2 tokenizer; prepare it yourself (nothing is downloaded):
 #   python data/prepare.py fineweb_docs/ --tokenizer gpt2 --out data/cache/fineweb_gpt2
@@ -39,8 +38,8 @@ data_dir = "data/cache/fineweb_gpt2"
 run_name = "x_d8_operator1"
 optimizer = "muon"
 matrix_lr = 0.04
-embedding_lr = 0.03620386719676  # script
-unembedding_lr = 0.0032  # script
+embedding_lr = 0.03620386719676  # from the ladder script (not in the table above)
+unembedding_lr = 0.0032  # from the ladder script (not in the table above)
 weight_decay = 0.05
 adam_betas = (0.8, 0.98)
 adam_eps = 1e-10

@@ -1,8 +1,7 @@
 # [X] Untied-2, d8: two untied cores (stores and executes 11 blocks): Loop-2's compute graph with
 # its own weights per pass.
-# Numbers: the team notes (anchors_facts.md) "ladder hparams (d8 row): untied_grow (shared base recipe)" and the [X] code's
-# ladder_scripts/untied_2.sh (run untied_2_d08; the facts row omits the values marked 'script'); the
-# architecture is Table 1 of the [X] seed.
+# Numbers: the [X] code's ladder, d8 row (its Untied-Grow base recipe): github.com/qlabs-eng/scaling-exponents,
+# ladder_scripts/untied_2.sh, run untied_2_d08; the architecture is Table 1 of the [X] paper.
 # 2796 steps x 524,288 tokens = TPP 6 on N_s = 244.3M.
 # Data: FineWeb with the GPT-2 tokenizer; prepare it yourself (nothing is downloaded):
 #   python data/prepare.py fineweb_docs/ --tokenizer gpt2 --out data/cache/fineweb_gpt2
@@ -50,5 +49,5 @@ decay_shape = "linear"  # assumption: nanochat-style linear warmdown to 0 (the [
 min_lr_fraction = 0.0
 batch_size = 32
 grad_accum = 1
-max_steps = 2796  # script
+max_steps = 2796  # from the ladder script (not in the table above)
 eval_interval = 250

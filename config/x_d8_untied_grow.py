@@ -2,9 +2,8 @@
 # steps (rho = 0.29), LR re-warmed over 40 steps. The [X] code allocates all four cores from the
 # start and keeps two dormant; here grow.py inserts the copies at the switch (same function).
 # grow_untie stays False: the model is already untied (grow_untie=True is for a TIED model).
-# Numbers: the team notes (anchors_facts.md) "ladder hparams (d8 row): untied_grow" and the [X] code's
-# ladder_scripts/untied_grow.sh (run untied_grow_d08; the facts row omits the values marked 'script'); the
-# architecture is Table 1 of the [X] seed.
+# Numbers: the [X] code's ladder, d8 row: github.com/qlabs-eng/scaling-exponents,
+# ladder_scripts/untied_grow.sh, run untied_grow_d08; the architecture is Table 1 of the [X] paper.
 # 3341 steps = grow.grown_run_tokens(t_ref 8, rho 0.29) / 524,288 ([X13]-[X14], Table 9 recipe).
 # Data: FineWeb with the GPT-2 tokenizer; prepare it yourself (nothing is downloaded):
 #   python data/prepare.py fineweb_docs/ --tokenizer gpt2 --out data/cache/fineweb_gpt2

@@ -1,6 +1,6 @@
 # [X] Vanilla, d8: a plain pre-norm transformer, 8 blocks, width 128 x 8 = 1024, no boundary operator.
-# Numbers: the team notes (anchors_facts.md) "ladder hparams (d8 row): vanilla" and the [X] code's
-# ladder_scripts/vanilla.sh (run vanilla_d08); Table 1 of the [X] seed for the fixed architecture.
+# Numbers: the [X] code's ladder, d8 row: github.com/qlabs-eng/scaling-exponents,
+# ladder_scripts/vanilla.sh, run vanilla_d08; the architecture is Table 1 of the [X] paper.
 # 1962 steps x 524,288 tokens = TPP 5 on N_s = 205.8M stored params (token embedding included).
 # Data: FineWeb with the GPT-2 tokenizer; prepare it yourself (nothing is downloaded):
 #   python data/prepare.py fineweb_docs/ --tokenizer gpt2 --out data/cache/fineweb_gpt2

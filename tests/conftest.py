@@ -2,9 +2,13 @@
 # on a machine without CUDA every Triton kernel runs in the interpreter (slow; keep shapes small).
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -28,3 +32,20 @@ def data_dir(tmp_path_factory):
     corpus = root / "corpus.jsonl"
     corpus.write_text("\n".join(lines) + "\n")
     return prep.prepare([str(corpus)], str(root / "prepared"), val_fraction=0.34, seed=0, verbose=False)
+
+
+@pytest.fixture(scope="session")
+def torchrun():
+    """Run a script under torchrun with nproc CPU processes (gloo). --standalone picks a free port for
+    the rendezvous; a hang fails with the processes' output after `timeout` seconds, never retried."""
+    def launch(args, nproc=2, timeout=300):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+        try:
+            result = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                                    text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"{nproc}-process torchrun did not finish within {timeout} s: {' '.join(map(str, args))}\n"
+                        f"{(e.stderr or b'')[-3000:]}")
+        assert result.returncode == 0, result.stderr[-4000:]
+        return result
+    return launch

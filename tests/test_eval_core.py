@@ -662,7 +662,7 @@ def _cli_cases(tmp_path):
         ("repeated seeds", ckpt + ok + ["--fewshot_seeds", "1,1"], "--fewshot_seeds must be distinct"),
         ("unknown task", ckpt + ok + ["--tasks", "toy_arith_mc,nope"], "--tasks: labels not in"),
         ("unknown kshot task", ckpt + ok + ["--kshot_sweep", "--kshot_tasks", "nope"], "--kshot_tasks: labels"),
-        ("bad device", ckpt + ok + ["--device", "gpu7"], "--device 'gpu7' is not a torch device"),
+        ("bad device", ckpt + ok + ["--device", "gpu7"], "unknown device 'gpu7'"),
         ("missing length dir", ckpt + ["--length_buckets", str(tmp_path / "nodata")], "meta.json not found"),
         ("nothing to do", ckpt, "give --bundle (CORE) and/or --length_buckets"),
         ("sweep without bundle", ckpt + ["--kshot_sweep", "--length_buckets", str(tmp_path)], "needs --bundle"),

@@ -282,3 +282,36 @@ def test_every_preset_builds_with_valid_train_settings(capsys):
                 train.check_setting(key, value)
             train.train_config_from(train.resolve_settings(
                 {k: v for k, v in s.settings.items() if k not in ("init_from", "decay_branch")}))
+
+
+def test_sweep_extends_until_every_optimum_is_bracketed():
+    """Synthetic sweep losses with a known optimum per architecture (a parabola in log LR): an optimum
+    inside the grid adds nothing; one at the edge adds values beyond it until it is inside, at most
+    `extend` steps; missing results (--fit-only) stop the extension."""
+    archs = ["vanilla", "operator-1", "loop-2"]
+    preset = ladder.get_preset("x-micro", archs=archs, lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04], extend=2))
+    data = ladder.data_plan(preset)
+    optimum = {"vanilla": 0.03, "operator-1": 0.012, "loop-2": 0.5}  # inside, below, far above the grid
+    rounds = []
+
+    def run(specs):
+        rounds.append(sorted((s.arch, s.settings["matrix_lr"]) for s in specs))
+        return {s.run_id: dict(val_loss=1 + np.log(s.settings["matrix_lr"] / optimum[s.arch]) ** 2) for s in specs}
+
+    results, specs = ladder.bracketed_sweep(preset, data, run)
+    tried = {a: sorted(s.settings["matrix_lr"] for s in specs if s.arch == a) for a in archs}
+    assert tried == {"vanilla": [0.02, 0.04, 0.08],  # 0.04 was best at the edge; 0.08 brackets it
+                     "operator-1": [0.005, 0.01, 0.02, 0.04],
+                     "loop-2": [0.02, 0.04, 0.08, 0.16]}  # still rising at 2 steps beyond: the limit
+    assert len(rounds) == 3 and rounds[1] == [("loop-2", 0.08), ("operator-1", 0.01), ("vanilla", 0.08)]
+    assert ladder.best_lrs(preset, results, specs) == {"vanilla": 0.04, "operator-1": 0.01, "loop-2": 0.16}
+    assert all(s.role == "sweep" and s.cell == "d3" for s in specs)
+    lines, table = ladder.sweep_table(preset, results, specs, ladder.best_lrs(preset, results, specs))
+    assert set(table["vanilla"]) == {"0.005", "0.01", "0.02", "0.04", "0.08", "0.16"}
+    assert table["vanilla"]["0.16"] is None and table["loop-2"]["0.16"] == pytest.approx(1 + np.log(0.16 / 0.5) ** 2)
+
+    # --fit-only over a sweep whose extension was never trained: the grid's results only, no error
+    missing = lambda specs: {s.run_id: (dict(val_loss=1 + np.log(s.settings["matrix_lr"] / optimum[s.arch]) ** 2)  # noqa: E731
+                                        if s.settings["matrix_lr"] in (0.02, 0.04) else None) for s in specs}
+    _, grid_only = ladder.bracketed_sweep(preset, data, missing)
+    assert sorted({s.settings["matrix_lr"] for s in grid_only}) == [0.02, 0.04]

@@ -291,11 +291,11 @@ def test_kv_cache_generation_equals_recomputation(kw):
     model = build(**kw)
     prompt = tokens(B=2, T=10, eot_at=(4,))
     out = model.generate(prompt, 12, temperature=0)
-    seq = prompt
-    for _ in range(12):  # greedy decoding by recomputing the full forward each step
-        nxt = model(seq)[0][:, -1].argmax(-1, keepdim=True)
-        seq = torch.cat([seq, nxt], dim=1)
-    assert torch.equal(out, seq)
+    # each generated token is the argmax of a full forward over everything before it (a near-tie may
+    # break either way: the cached and the full forward add in different orders)
+    logits = model(out)[0][:, prompt.size(1) - 1:-1]
+    chosen = logits.gather(-1, out[:, prompt.size(1):, None]).squeeze(-1)
+    assert out.shape == (2, 22) and torch.all(chosen >= logits.max(-1).values - 1e-5)
     # and the cached logits equal the full forward's, including across an eot in the continuation
     from model import KVCache
     cache = KVCache()

@@ -223,16 +223,11 @@ def test_interrupted_checkpoint_write_keeps_previous(tmp_path, data_dir, monkeyp
     assert [f for f in os.listdir(summary["run_dir"]) if ".tmp-" in f] == []
 
 
-def test_ddp_two_processes_match_one_process_with_accumulation(tmp_path, data_dir):
+def test_ddp_two_processes_match_one_process_with_accumulation(tmp_path, data_dir, torchrun):
     settings = dict(max_steps=3, eval_interval=1, eval_tokens=512)
     single = run(data_dir, tmp_path / "one", grad_accum=2, **settings)
     two_processes = SMALL | settings | dict(data_dir=data_dir, out_dir=str(tmp_path / "two"))
-    args = [f"--{k}={v!r}" for k, v in two_processes.items()]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             os.path.join(REPO, "train.py"), *args], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun(["train.py", *[f"--{k}={v!r}" for k, v in two_processes.items()]], nproc=2)
     one = [json.loads(l) for l in open(single["log_path"])]
     two = [json.loads(l) for l in open(os.path.join(tmp_path, "two", "tiny", "log.jsonl"))]
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one]  # same global batch

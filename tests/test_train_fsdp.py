@@ -31,25 +31,12 @@ JOBS = {
 TOL = dict(rel=1e-5, abs=1e-6)  # fp32: gradient sums in another order, the same Newton-Schulz inputs
 
 
-def torchrun(args, nproc, timeout=300):
-    """Run a script under torchrun; fail with its output (not a hang) when it does not finish."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    try:
-        result = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                                text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{nproc}-process torchrun did not finish within {timeout} s: {' '.join(args)}\n"
-                    f"{(e.stderr or b'')[-3000:]}")
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
-
-
 def log_of(summary):
     return [json.loads(line) for line in open(summary["log_path"])]
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory, data_dir):
+def fsdp(tmp_path_factory, data_dir, torchrun):
     """Every FSDP job, run once by 2 torchrun processes; returns (results, out root)."""
     root = tmp_path_factory.mktemp("fsdp")
     jobs = [dict(name=name, settings=SMALL | settings | dict(parallel="fsdp", data_dir=data_dir,
@@ -60,6 +47,8 @@ def fsdp(tmp_path_factory, data_dir):
     jobs.append(dict(name="checkpointed", settings=SMALL | dict(parallel="fsdp", data_dir=data_dir,
                                                                activation_checkpointing=True,
                                                                out_dir=str(root / "checkpointed"))))
+    jobs.append(dict(name="bf16", settings=SMALL | dict(parallel="fsdp", data_dir=data_dir, dtype="bfloat16",
+                                                       out_dir=str(root / "bf16"))))
     (root / "jobs.json").write_text(json.dumps(jobs))
     torchrun(["tests/fsdp_driver.py", str(root / "jobs.json"), str(root / "results.json")], nproc=2)
     return json.loads((root / "results.json").read_text()), root
@@ -96,6 +85,16 @@ def test_activation_checkpointing_gives_the_same_training(fsdp):
         pytest.approx(results["smelt_muon"]["summaries"][0]["train_losses"], rel=1e-6)
 
 
+def test_bf16_autocast_under_fsdp_trains(fsdp):
+    """The CUDA default dtype on the FSDP path, rehearsed with 2 CPU processes: finite and falling."""
+    results, _ = fsdp
+    summary = results["bf16"]["summaries"][0]
+    log = log_of(summary)
+    assert all(r["val_loss"] == r["val_loss"] for r in log) and log[-1]["val_loss"] < log[0]["val_loss"]
+    fp32 = results["smelt_muon"]["summaries"][0]
+    assert summary["val_loss"] == pytest.approx(fp32["val_loss"], rel=0.02)  # bf16 rounding, not another run
+
+
 def test_consolidated_checkpoint_loads_in_one_process_with_the_sharded_logits(fsdp):
     results, root = fsdp
     model, ckpt = GPT.from_checkpoint(results["smelt_muon"]["summaries"][0]["ckpt_path"])
@@ -116,7 +115,7 @@ def test_each_rank_holds_half_the_state_as_the_planner_predicts(fsdp):
     assert all(abs(b / (total / 2) - 1) < 0.03 for b in per_rank), (per_rank, total)
 
 
-def test_resume_onto_other_world_sizes(fsdp, tmp_path):
+def test_resume_onto_other_world_sizes(fsdp, tmp_path, torchrun):
     """The 2-process sharded checkpoint continues in 3 FSDP processes (uneven shards) and in one plain
     process: DCP re-shards on load."""
     import shutil
