@@ -1141,11 +1141,22 @@ def _figure(path, draw, ncols=1, figsize=(6, 4)):
     fig, axes = plt.subplots(1, ncols, figsize=figsize)
     try:
         draw(fig, axes)
+        for ax in fig.axes:  # log axes past a decade: minor labels at 2x and 5x only (all of them overlap)
+            low, high = ax.get_xlim()
+            if ax.get_xscale() == "log" and high > 10 * low > 0:
+                ax.xaxis.set_minor_formatter(plt.FuncFormatter(_two_five_label if high < 100 * low else
+                                                               lambda x, _: ""))
     except BaseException:
         plt.close(fig)
         raise
     _save(plt, fig, path)
     return True
+
+
+def _two_five_label(x, _):
+    exponent = math.floor(math.log10(x) + 1e-9)
+    mantissa = round(x / 10**exponent)
+    return rf"${mantissa}\times10^{{{exponent}}}$" if mantissa in (2, 5) else ""
 
 
 def _save(plt, fig, path):

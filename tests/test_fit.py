@@ -591,3 +591,8 @@ def test_requirements_plot_names_matplotlib():
     path = os.path.join(os.path.dirname(__file__), "..", "requirements-plot.txt")
     lines = [l.strip() for l in open(path) if l.strip()]
     assert [l for l in lines if not l.startswith("#")] == ["matplotlib"] and "optional" in lines[0].lower()
+
+
+def test_log_axis_minor_labels_only_at_two_and_five():
+    labels = [fit._two_five_label(x, None) for x in (2e11, 3e11, 5e11, 7e11, 2e12, 5e-3)]
+    assert labels == [r"$2\times10^{11}$", "", r"$5\times10^{11}$", "", r"$2\times10^{12}$", r"$5\times10^{-3}$"]
