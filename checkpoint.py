@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import socket
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -143,7 +144,9 @@ def load_sharded_tensors(meta, model, optimizers, empty_state):
                 if name in meta["optimizer"]["state_keys"]:
                     state[name] = opt.state[p] = empty_state(opt, params[name])
     model_state = model.state_dict()
-    dcp.load({"model": model_state, "optimizer": state}, checkpoint_id=meta["path"])
+    with warnings.catch_warnings():  # one process resuming a sharded run is intended: DCP's warning is noise
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": model_state, "optimizer": state}, checkpoint_id=meta["path"])
     model.load_state_dict(model_state)
 
 
