@@ -247,7 +247,7 @@ def rewarm_multiplier(step, grow_at_step, rewarm_steps=40):
 # Parameter counts the schedule math needs
 
 
-def _with_passes(cfg, n_passes):
+def with_passes(cfg, n_passes):
     """A copy of cfg run with n_passes (K for pcc, tied or untied; r for the loop layouts); cfg is not touched."""
     if n_passes is None:
         return cfg
@@ -255,17 +255,31 @@ def _with_passes(cfg, n_passes):
     return replace(cfg, **{key: n_passes})
 
 
+def grown_config(cfg, n_passes, untie=False):
+    """The ModelConfig that grow(model, n_passes, untie) leaves on a model built from cfg (grow() checks
+    the request), so a run can plan the grown model (memory, FLOPs) before it builds anything."""
+    if cfg.layout in ("smelt", "layer_loop"):
+        return replace(cfg, n_loops=n_passes)
+    if cfg.layout == "plain":  # as _plain_to_pcc, then untied growth
+        n_prelude, n_core, n_coda = core_split(cfg.n_layer)
+        cfg = replace(cfg, layout="pcc", tie_core=False, n_passes=1, boundary="none",
+                      n_prelude=n_prelude, n_core=n_core, n_coda=n_coda)
+    if cfg.tie_core and not untie:
+        return replace(cfg, n_passes=n_passes)
+    return replace(cfg, tie_core=False, n_passes=n_passes)
+
+
 def compute_active_params(cfg, n_passes=None):
     """N_c,K [X8], [X10]: prelude, coda and head matrices once, core matrices K times (even when tied),
     no input-embedding lookup. Taken from match.py (the one place for params accounting)."""
-    return match.accounting(_with_passes(cfg, n_passes))["params_compute_active"]
+    return match.accounting(with_passes(cfg, n_passes))["params_compute_active"]
 
 
 def stored_params(cfg, n_passes=None):
     """N_s,K [X10]: every stored parameter, token embedding and lm head included. This is the N of the
     [X] code's steps = round(TPP * N / tokens_per_step): d8 Vanilla 205.8M at TPP 5 -> its 1962 steps,
     and [X13]-[X14] with this N reproduce the d8 Loop-Grow / Untied-Grow steps (tests/test_grow.py)."""
-    return match.accounting(_with_passes(cfg, n_passes))["params_stored"]
+    return match.accounting(with_passes(cfg, n_passes))["params_stored"]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -869,23 +869,31 @@ def check_memory(cfg, config, device, use_bf16, world=1):
     """Refuse, before allocating anything, a run whose estimated memory exceeds what is available:
     weights, gradients and optimizer state (this rank's shard under FSDP), the activations autograd keeps
     (match.py's planner), and on the SDPA path the boolean document mask (batch x block_size^2 bytes,
-    twice while it is built)."""
+    twice while it is built); for the model as built and as it grows (grow_to) or runs its most passes."""
     available = available_memory(device)
     if available is None:
         return
-    states = match.state_bytes_per_rank(cfg, world if config.parallel == "fsdp" else 1, config.optimizer)
-    activations = match.activation_bytes(cfg, config.batch_size, mixed_precision=use_bf16,
-                                         activation_checkpointing=config.activation_checkpointing,
-                                         kernels=bool(cfg.use_triton))["total"]
+    shapes = [("", cfg)]  # the model as built, and the largest it becomes during the run
+    if config.grow_at and not config.decay_branch:
+        shapes.append((f" after growing to {config.grow_to} passes",
+                       grow.grown_config(cfg, config.grow_to, config.grow_untie)))
+    if config.n_passes_choices and max(config.n_passes_choices) > current_passes(cfg):
+        shapes.append((f" at {max(config.n_passes_choices)} passes (n_passes_choices)",
+                       grow.with_passes(cfg, max(config.n_passes_choices))))
     flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
     mask = 0 if flex else 2 * config.batch_size * cfg.block_size ** 2
-    need = states + activations + mask
-    if need > available:
-        gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
-        raise ValueError(f"block_size={cfg.block_size}, batch_size={config.batch_size}: this run needs about "
-                         f"{gib(need)} (weights, gradients and optimizer state {gib(states)}, activations "
-                         f"{gib(activations)}, attention mask {gib(mask)}) but {gib(available)} is available "
-                         f"on {device}; lower batch_size (raise grad_accum) or block_size")
+    for when, shape in shapes:
+        states = match.state_bytes_per_rank(shape, world if config.parallel == "fsdp" else 1, config.optimizer)
+        activations = match.activation_bytes(shape, config.batch_size, mixed_precision=use_bf16,
+                                             activation_checkpointing=config.activation_checkpointing,
+                                             kernels=bool(shape.use_triton))["total"]
+        need = states + activations + mask
+        if need > available:
+            gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+            raise ValueError(f"block_size={cfg.block_size}, batch_size={config.batch_size}: this run needs about "
+                             f"{gib(need)}{when} (weights, gradients and optimizer state {gib(states)}, "
+                             f"activations {gib(activations)}, attention mask {gib(mask)}) but {gib(available)} "
+                             f"is available on {device}; lower batch_size (raise grad_accum) or block_size")
 
 
 def open_data(config, model_config, world, master):

@@ -197,6 +197,24 @@ def test_deep_vanilla_growth_of_a_plain_transformer():
     assert set(param_map.values()) == set(names_before)
 
 
+@pytest.mark.parametrize("overrides, n_passes, untie", [
+    (dict(), 4, False),                               # Loop-Grow
+    (dict(), 2, True),                                # untie only
+    (dict(), 3, True),                                # untie, then grow
+    (dict(tie_core=False), 4, False),                 # Untied-Grow
+    (dict(layout="plain", n_layer=5), 2, False),      # Deep Vanilla growth of a plain transformer
+    (dict(layout="smelt", n_loops=2), 3, False),      # SMELT: a larger r
+    (dict(layout="layer_loop", n_loops=2), 4, False),
+])
+def test_grown_config_is_what_growth_leaves(overrides, n_passes, untie):
+    cfg = tiny_config(**overrides)
+    model = GPT(cfg)
+    grow.grow(model, n_passes, untie)
+    planned = grow.grown_config(cfg, n_passes, untie)
+    assert planned == model.config
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in GPT(planned).parameters())
+
+
 def test_growth_errors_are_clear():
     model = random_model(tiny_config(n_passes=3))
     with pytest.raises(ValueError, match="fewer passes"):

@@ -392,6 +392,32 @@ def test_bad_settings_are_refused_before_training_naming_the_setting(tmp_path, d
     assert not os.path.exists(tmp_path / "tiny" / "log.jsonl")  # nothing ran
 
 
+@pytest.mark.parametrize("growth, when", [
+    (dict(grow_at=0.5, grow_to=4), "after growing to 4 passes"),
+    (dict(n_passes_choices=[1, 2, 4]), r"at 4 passes \(n_passes_choices\)"),
+])
+def test_memory_check_covers_the_model_at_its_most_passes(tmp_path, monkeypatch, growth, when):
+    settings = dict(layout="pcc", n_layer=3, n_embd=32, n_head=2, n_expert=0, n_passes=2, out_dir=str(tmp_path))
+    cpu = torch.device("cpu")
+
+    def check(available, **extra):
+        monkeypatch.setattr(train, "available_memory", lambda device: available)
+        run = train.resolve_run(settings | extra)
+        train.check_memory(train.model_config_from(run.model_settings, "cpu"), run.config, cpu, False)
+
+    low, high = 0, 2**40  # bisect the least memory the 2-pass run fits in
+    while high - low > 1:
+        middle = (low + high) // 2
+        try:
+            check(middle)
+            high = middle
+        except ValueError:
+            low = middle
+    check(high)
+    with pytest.raises(ValueError, match=f"this run needs about .* GiB {when} .* is available"):
+        check(high, **growth)
+
+
 def test_untied_model_cannot_be_asked_for_more_passes_than_cores(tmp_path, data_dir):
     with pytest.raises(ValueError, match=r"an untied model has 2 cores, it cannot run \[3\] passes"):
         run(data_dir, tmp_path, layout="pcc", n_layer=3, n_expert=0, n_passes=2, tie_core=False,
