@@ -900,7 +900,7 @@ def optimal_growth_fraction(rho, loss):
 
 PLOT_DPI = 100
 _LINESTYLES = ("-", "--", ":", "-.")
-_NO_DATES = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}  # PNG carries no date; these formats would
+_NO_DATES = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}  # PNG has no date; PDF and SVG would
 
 
 def _pyplot(path=None):

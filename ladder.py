@@ -78,7 +78,7 @@ import shutil
 import sys
 import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from tqdm import tqdm
@@ -340,14 +340,14 @@ def init_path(spec, out_dir):
     return sharded if not os.path.exists(path) and os.path.exists(sharded) else path
 
 
-def train_in_run_dir(settings, directory, threads=None):
-    """train.train with its printed output in directory/train.out (what a worker process runs)."""
+def train_in_run_dir(settings, directory, threads=None, train_fn=None):
+    """train.train (or train_fn) with its printed output in directory/train.out (what a worker runs)."""
     if threads:
         import torch
         torch.set_num_threads(threads)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "train.out"), "a") as out, contextlib.redirect_stdout(out):
-        summary = train.train(settings)
+        summary = (train_fn or train.train)(settings)
     return {k: summary.get(k) for k in RESULT_KEYS} | {"train_losses": summary.get("train_losses")}
 
 
@@ -407,15 +407,7 @@ def run_ladder(specs, out_dir, train_fn=None, progress=True, keep_checkpoints=Fa
     if workers <= 1 or train_fn is not None:
         for spec in todo:
             bar.set_postfix_str(spec.run_id)
-            settings = settings_of(spec)
-            if train_fn is None:
-                summary = train_in_run_dir(settings, run_dir(out_dir, spec.run_id))
-            else:
-                os.makedirs(run_dir(out_dir, spec.run_id), exist_ok=True)
-                with open(os.path.join(run_dir(out_dir, spec.run_id), "train.out"), "a") as out, \
-                        contextlib.redirect_stdout(out):
-                    summary = train_fn(settings)
-            finish(spec, summary)
+            finish(spec, train_in_run_dir(settings_of(spec), run_dir(out_dir, spec.run_id), train_fn=train_fn))
     else:  # a pool of worker processes; a run starts once the run it branches from has finished
         pending, running = list(todo), {}
         context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
@@ -721,11 +713,15 @@ def within_noise(lo, hi, no_difference):
     return bool(lo <= no_difference <= hi)
 
 
-def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True):
-    """Fit both surfaces, CE Gain with cell-bootstrap intervals, TPP, seed spread, win counts -> (text, dict)."""
+def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None):
+    """LR sweep (sweep_table's (lines, table)), matching, seed spread, win counts, both surfaces, CE Gain
+    with cell-bootstrap intervals and TPP -> (text, dict, figure data)."""
     lines, out = [], {"preset": preset["name"], "match": [], "fits": {}, "ce_gain": [], "tpp": [], "wins": {},
                       "seed_spread": {}}
     lines.append(f"== {preset['name']}: [S] SMELT vs matched baseline ({len(cells)} cells)")
+    if sweep:
+        lines += sweep[0]
+        out["lr_sweep"] = sweep[1]
     table, out["match"] = match_table(cells)
     lines += table
     if not rows:
@@ -758,7 +754,8 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True):
     if len(fits) < 2:
         lines.append("CE Gain and TPP need both surfaces; train more cells/branches")
         return "\n".join(lines), out, None
-    budgets = preset.get("budgets") or default_budgets(runs["F"] * runs["D"])
+    measured_C = runs["F"] * runs["D"]
+    budgets = preset.get("budgets") or default_budgets(measured_C)
     sparsities = sorted({round(float(s), 3) for s in runs["S"][runs["arch"].astype(str) == "baseline"]})
     boot = None
     if n_boot:
@@ -796,7 +793,7 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True):
         note += f"; {boot['skipped']} underdetermined draws skipped)" if boot["skipped"] else ")"
     lines.append(f"[S5] CE Gain of SMELT over the baseline{note}; > 0: SMELT needs less compute; '~' = the "
                  f"interval does not exclude 0 (within noise). Budgets C inside the measured "
-                 f"{(runs['F'] * runs['D']).min():.3g}..{(runs['F'] * runs['D']).max():.3g} FLOPs")
+                 f"{measured_C.min():.3g}..{measured_C.max():.3g} FLOPs")
     for i, C in enumerate(budgets):
         for j, S in enumerate(sparsities):
             lo = hi = None
@@ -820,7 +817,7 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True):
                 out["tpp"].append(dict(arch=arch, C=C, S=S, value=_finite(values[i, j]), lo=_finite(lo),
                                        hi=_finite(hi)))
     figures = dict(fits=fits, sparsities=sparsities, budgets=budgets, gain=gain, boot=boot,
-                   C_range=(float((runs["F"] * runs["D"]).min()), float((runs["F"] * runs["D"]).max())))
+                   C_range=(float(measured_C.min()), float(measured_C.max())))
     return "\n".join(lines), out, figures
 
 
@@ -882,7 +879,7 @@ def x_flops_per_token(cfg, grow_to, grow_step, steps):
     """Mean training FLOPs per token over `steps`, growing at grow_step (None: no growth)."""
     if grow_step is None:
         return train.flops_per_token(cfg)
-    grown = replace(cfg, n_passes=grow_to)  # untied growth copies cores: the grown stored model
+    grown = grow.grown_config(cfg, grow_to)
     return (grow_step * train.flops_per_token(cfg) + (steps - grow_step) * train.flops_per_token(grown)) / steps
 
 
@@ -1207,10 +1204,8 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
     n_boot = preset.get("bootstrap", 0) if bootstrap is None else bootstrap
     if preset["kind"] == "smelt":
         rows = smelt_rows(finished)
-        text, report, figures = smelt_report(preset, cells, rows, n_boot, seed=preset["seed"], progress=progress)
-        if sweep:
-            text = text.replace("\nmatching", "\n" + "\n".join(sweep[0]) + "\nmatching", 1)
-            report["lr_sweep"] = sweep[1]
+        text, report, figures = smelt_report(preset, cells, rows, n_boot, seed=preset["seed"], progress=progress,
+                                             sweep=sweep)
     else:
         rows = x_rows([r for r in finished if r["role"] in ("run", "sweep")])
         text, report, figures = x_report(preset, rows, sweep, n_boot=min(n_boot or 400, 400))

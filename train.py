@@ -66,7 +66,7 @@ import checkpoint
 import grow
 import match
 from checkpoint import NonFiniteLoss
-from common import cli_error
+from common import cli_error, resolve_device
 from data.tokenizer import get_tokenizer
 from model import GPT, ModelConfig, read_config_file
 from muon import Muon
@@ -556,10 +556,10 @@ def flops_per_token(cfg, n_passes=None, avg_doc_len=0):
 def setup_distributed(config):
     """(rank, world_size, device); initialises the process group under torchrun (gloo on CPU, nccl on
     CUDA). parallel="fsdp" in one process runs as one shard in a one-process group."""
-    setting = config.device
-    use_cuda = setting.startswith("cuda") or (setting == "auto" and torch.cuda.is_available())
+    device = resolve_device(config.device)
+    use_cuda = device.type == "cuda"
     if "RANK" not in os.environ and config.parallel != "fsdp":
-        return 0, 1, torch.device(setting if setting != "auto" else ("cuda" if use_cuda else "cpu"))
+        return 0, 1, device
     import torch.distributed as dist
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -13,9 +13,9 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grow  # noqa: E402
 import match  # noqa: E402
 
 GPUS, GPU_GB = (8, 16), 80
@@ -30,7 +30,8 @@ def models():
         rows.append((f"`x_d8_{name}.py`", cfg, settings["batch_size"], False))
         if "grow_to" in settings:  # the grown model of the run's last 1 - grow_at
             rows.append((f"`x_d8_{name}.py` after growth (K={settings['grow_to']})",
-                         replace(cfg, n_passes=settings["grow_to"]), settings["batch_size"], False))
+                         grow.grown_config(cfg, settings["grow_to"], settings.get("grow_untie", False)),
+                         settings["batch_size"], False))
     for scale, (*_, experts) in match.SCALES.items():
         for s in experts:
             base, doc_len = match.preset_baseline(f"smelt-{scale}-s{s}")

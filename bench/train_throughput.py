@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
+from common import resolve_device  # noqa: E402
 from model import GPT  # noqa: E402
 
 
@@ -81,8 +82,7 @@ def main(argv=None):
     parser.add_argument("--peak_tflops", type=float, default=989.0,
                         help="bf16 dense peak for MFU on CUDA (989: H100/H200 SXM, as the [X] code)")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     overrides = train.read_config_file(args.config) if args.config else {}
     if args.batch_size is not None:
         overrides["batch_size"] = args.batch_size

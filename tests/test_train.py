@@ -373,6 +373,7 @@ def test_a_second_training_into_a_locked_run_dir_is_refused(tmp_path, data_dir):
 @pytest.mark.parametrize("setting, value, message", [
     ("dtype", "bf16", "dtype='bf16': must be one of"),
     ("dtype", "float17", "dtype='float17'"),
+    ("device", "cdua", "unknown device 'cdua'"),
     ("max_steps", 0, "max_steps=0: must be >= 1"),
     ("max_steps", -1, "max_steps=-1"),
     ("warmup_steps", -5, "warmup_steps=-5: must be >= 0"),
