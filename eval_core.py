@@ -87,7 +87,7 @@ import torch.nn.functional as F
 import yaml
 from tqdm import tqdm
 
-from common import cli_error, read_jsonl, resolve_device
+from tooling.common import cli_error, read_jsonl, resolve_device
 
 PROG = "eval_core.py"  # the name CLI errors start with
 
@@ -856,9 +856,9 @@ def format_core_table(res):
 
 def load_checkpoint(path, device="cpu"):
     """(model on device in eval mode, tokenizer) from a train.py checkpoint."""
-    from model import GPT  # imported here so the evaluation functions work with any model object
+    from tooling.checkpoint import load_model  # imported here: the evaluation functions work with any model
     from data.tokenizer import get_tokenizer
-    model, ckpt = GPT.from_checkpoint(path, map_location="cpu")  # clear ValueErrors for bad files
+    model, ckpt = load_model(path, map_location="cpu")  # clear ValueErrors for bad files
     tokenizer = get_tokenizer(ckpt.get("tokenizer") or "gpt2-4096")
     if model.config.eot_token != tokenizer.eot_token or model.config.vocab_size < tokenizer.n_vocab:
         raise ValueError(f"{path}: model eot_token {model.config.eot_token} / vocab {model.config.vocab_size} do not "
@@ -974,15 +974,17 @@ def main(argv=None):
     p.add_argument("--kshot_tasks", default=None, help="comma list for the sweep (default: few-shot tasks)")
     p.add_argument("--length_buckets", metavar="DATA_DIR", default=None,
                    help="per-document-length-bucket val loss on a data/prepare.py output dir")
-    p.add_argument("--length_split", default="val", choices=["train", "val"])
+    p.add_argument("--length_split", default="val", choices=["train", "val"],
+                   help="the split of --length_buckets' data to measure (default: val)")
     p.add_argument("--length_max_tokens", type=int, default=1 << 20, help="token budget for --length_buckets")
     p.add_argument("--baselines", choices=["bundle", "v1", "2025-09-05"], default="bundle",
                    help="random baselines: the bundle's csv as is, or one published version for the 3 rows that changed")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device to evaluate on, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
     p.add_argument("--batch_tokens", type=int, default=16384, help="padded tokens per forward")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="autocast on CUDA")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--no_progress", action="store_true")
+    p.add_argument("--no_progress", action="store_true", help="no tqdm progress bars")
     args = p.parse_args(argv)
     try:
         run(args)

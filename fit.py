@@ -1,8 +1,7 @@
 """
 Scaling-law fits for both papers: SMELT surfaces [S2]-[S7], Chinchilla Approach 3, the [X] power-law
 protocol and compute multipliers [X4]-[X7], the cell bootstrap, downstream calibration [S6]-[S7],
-the downstream prediction pipeline [X19]-[X21] and quadratic-vertex fits. numpy, scipy and threadpoolctl
-(matplotlib is optional, imported lazily for --plot).
+the downstream prediction pipeline [X19]-[X21] and quadratic-vertex fits (numpy, scipy, threadpoolctl).
 
     python fit.py surface RUNS.csv --ref baseline --target smelt --budgets 1e20,1e21 \
         --sparsity 0.85,0.95 [--bootstrap 2000] [--json] [--plot out.png]
@@ -11,7 +10,9 @@ the downstream prediction pipeline [X19]-[X21] and quadratic-vertex fits. numpy,
 
 CSV columns: surface `arch,cell,F,S,D,loss`; chinchilla `N,D,loss` (or `N,C,loss`, D = C/(6N));
 power `arch,C,loss`. Extra columns are ignored; a UTF-8 byte-order mark is fine. A user mistake
-(missing file, malformed CSV, bad option) is one line on stderr and exit status 2.
+(missing file, malformed CSV, bad option) is one line on stderr and exit status 2. `python fit.py
+SUBCOMMAND --help` says what every flag means. This file holds the fits and, at its bottom, the command
+line; reading the runs CSV files is tooling/tables.py, the figures tooling/plots.py (matplotlib optional).
 
 How the six-coefficient fits are made reliable (the one deviation from "L-BFGS-B from a grid"):
 for fixed exponents the law is linear in its coefficients (E, A, K), so every point of a large
@@ -22,9 +23,6 @@ centred on the data before fitting (A and a decorrelate), which is a reparametri
 different model: reported coefficients are in the usual uncentred form.
 """
 import argparse
-import codecs
-import csv
-import io
 import itertools
 import json
 import math
@@ -41,104 +39,11 @@ from scipy.optimize import brentq, least_squares, minimize
 from scipy.special import expit
 from threadpoolctl import ThreadpoolController
 
-from common import cli_error, write_atomic
+from tooling import plots, tables
+from tooling.common import cli_error
 
 HUBER_DELTA = 1e-3  # [S2] / Chinchilla: Huber on log-loss with delta = 1e-3
 HOFFMANN_INIT = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al. 2022 published fit
-
-# -----------------------------------------------------------------------------
-# CSV input with errors that name the file, the line and the column
-
-
-def read_runs_csv(path, required, numeric=(), positive=(), fraction=(), alternatives=None):
-    """Read a CSV with a header row into {column: np.ndarray}. `required` columns must be present
-    (or one of `alternatives[col]`), `numeric` ones parse as finite floats, `positive` ones are > 0,
-    `fraction` ones lie in [0, 1); other columns are ignored. A file that cannot be opened raises
-    OSError; anything wrong inside it raises ValueError naming the file, the line and the column."""
-    alternatives = alternatives or {}
-    with open(path, "rb") as f:
-        raw = f.read()
-    bom = codecs.BOM_UTF8 if raw.startswith(codecs.BOM_UTF8) else b""  # spreadsheets write one first
-    try:
-        text = raw[len(bom):].decode("utf-8")  # what encoding="utf-8-sig" does, with a position on error
-    except UnicodeDecodeError as e:
-        at = len(bom) + e.start
-        lineno, line_start = raw.count(b"\n", 0, at) + 1, raw.rfind(b"\n", 0, at) + 1
-        raise ValueError(f"{path} line {lineno}: not valid UTF-8 (byte 0x{raw[at]:02x} at byte {at - line_start + 1} "
-                         "of the line); save the file as UTF-8 CSV") from None
-    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
-    lines, end = [], 0  # (line number the row starts on, fields): a quoted field may span lines
-    try:
-        for row in reader:
-            lines.append((end + 1, row))
-            end = reader.line_num
-    except csv.Error as e:  # e.g. a quote left open, or text after a closing quote
-        raise ValueError(f"{path} line {end + 1}: malformed CSV ({e})") from None
-    if not any(cell.strip() for _, row in lines for cell in row):
-        raise ValueError(f"{path}: empty file, expected a header row with columns {','.join(required)}")
-    if not any(cell.strip() for cell in lines[0][1]):
-        raise ValueError(f"{path} line 1: blank, expected a header row with columns {','.join(required)}")
-    header = [h.strip() for h in lines[0][1]]
-    first = {}
-    for col, name in enumerate(header, start=1):
-        if name and name in first:
-            raise ValueError(f"{path} line 1, column {col}: duplicate column name '{name}' (also column {first[name]})")
-        first.setdefault(name, col)
-    columns = {}
-    for name in required:
-        options = [name] + list(alternatives.get(name, ()))
-        found = [o for o in options if o in header]
-        if not found:
-            raise ValueError(f"{path} line 1: missing column '{name}'"
-                             + (f" (or {' / '.join(repr(o) for o in options[1:])})" if len(options) > 1 else "")
-                             + f"; header is: {','.join(header)}")
-        if len(found) > 1:
-            raise ValueError(f"{path} line 1: columns {' and '.join(repr(o) for o in found)} both given for "
-                             f"'{name}'; keep one")
-        columns[found[0]] = header.index(found[0])
-    data = {name: [] for name in columns}
-    for lineno, row in lines[1:]:
-        if not any(cell.strip() for cell in row):
-            continue  # blank line
-        if len(row) != len(header):  # a shifted row (e.g. an unquoted comma) would read wrong columns
-            raise ValueError(f"{path} line {lineno}: {len(row)} fields, the header has {len(header)}")
-        for name, col in columns.items():
-            cell = row[col].strip()
-            where = f"{path} line {lineno}, column '{name}'"
-            if cell == "":
-                raise ValueError(f"{where}: empty value")
-            if "\n" in cell or "\r" in cell:
-                raise ValueError(f"{where}: a quoted value spans several lines")
-            if name in numeric or name in positive or name in fraction:
-                try:
-                    value = float(cell)
-                except ValueError:
-                    raise ValueError(f"{where}: '{cell}' is not a number") from None
-                if not math.isfinite(value):
-                    raise ValueError(f"{where}: value must be finite, got '{cell}'")
-                if name in positive and value <= 0:
-                    raise ValueError(f"{where}: must be > 0, got {cell}")
-                if name in fraction and not 0 <= value < 1:
-                    raise ValueError(f"{where}: must lie in [0, 1), got {cell}")
-                data[name].append(value)
-            else:
-                data[name].append(cell)
-    if not next(iter(data.values())):
-        raise ValueError(f"{path}: no data rows after the header")
-    numbers = set(numeric) | set(positive) | set(fraction)
-    return {k: np.asarray(v, dtype=float if k in numbers else object) for k, v in data.items()}
-
-
-def write_runs_csv(runs, path):
-    """Write {column: array} (e.g. synthetic_surface_runs()) as a CSV with a header, atomically."""
-    cols = list(runs)
-    text = io.StringIO()
-    w = csv.writer(text, lineterminator="\n")
-    w.writerow(cols)
-    for row in zip(*(runs[c] for c in cols)):
-        w.writerow([f"{v:.10g}" if isinstance(v, (float, np.floating)) else v for v in row])
-    write_atomic(path, lambda f: f.write(text.getvalue().encode("utf-8")))
-
 
 # -----------------------------------------------------------------------------
 # One BLAS thread while fitting. Every problem here is tiny (6 parameters, ~100 points), yet scipy's
@@ -418,6 +323,12 @@ def frontier_loss(fit, C, S):
     return fit.E + frontier_prefactor(fit, S) * np.asarray(C, dtype=float) ** (-fit.gamma)
 
 
+def frontier_curves(fits):
+    """{arch: (gamma, excess)} of surface fits, excess(C, S) = L*(C, S) - E [S4]: what
+    tooling.plots.plot_surface_frontiers draws."""
+    return {arch: (f.gamma, lambda C, S, f=f: frontier_loss(f, C, S) - f.E) for arch, f in fits.items()}
+
+
 def frontier_compute(fit, loss, S):
     """Invert [S4]: the budget C at which the frontier reaches `loss` (inf when loss <= E)."""
     excess = np.asarray(loss, dtype=float) - fit.E
@@ -466,7 +377,8 @@ SYNTHETIC_SURFACES = {
 def synthetic_surface_runs(surfaces=None, noise=0.003, seed=0, scales=(2.5e8, 5e8, 1e9, 2e9),
                            sparsities=(0.75, 0.85, 0.95), n_checkpoints=6):
     """[S]-shaped synthetic runs: 4 scales x 3 sparsities = 12 cells, 6 decay checkpoints per cell
-    (72 points per architecture), loss = surface x exp(noise * N(0,1)). Columns as read_runs_csv."""
+    (72 points per architecture), loss = surface x exp(noise * N(0,1)). Columns as `fit.py surface` reads
+    them (tooling.tables.write_runs_csv writes them as a CSV)."""
     surfaces = surfaces or SYNTHETIC_SURFACES
     rng = np.random.default_rng(seed)
     cols = {k: [] for k in ("arch", "cell", "F", "S", "D", "loss")}
@@ -632,7 +544,7 @@ def synthetic_power_runs(laws=None, E=SYNTHETIC_POWER_E, budgets=(1e18, 3e18, 1e
                          noise=0.001, seed=0, C0=1e18):
     """loss = (E + A (C/C0)^-gamma) x exp(noise * N(0,1)) [X5] for every arch at every budget;
     columns arch, C, loss as `fit.py power` reads them. tests/data/power_example.csv is
-    write_runs_csv(synthetic_power_runs(), ...)."""
+    tooling.tables.write_runs_csv(synthetic_power_runs(), ...)."""
     laws = laws or SYNTHETIC_POWER_LAWS
     rng = np.random.default_rng(seed)
     cols = {"arch": [], "C": [], "loss": []}
@@ -892,291 +804,12 @@ def optimal_growth_fraction(rho, loss):
     return quadratic_vertex(rho, loss, log_x=False)["x_opt"]
 
 
-# -----------------------------------------------------------------------------
-# Plots (optional). matplotlib is not in requirements.txt: `pip install -r requirements-plot.txt`.
-# Every plot_* function returns True when it wrote `path`, or False after one line on stderr when
-# matplotlib is missing. Figures are small (6x4 or 10x4 inches at 100 dpi), carry no timestamps, and
-# are written atomically (_save); the format follows the extension (PNG for the README).
+# =============================================================================
+# Command line: fit.py surface | chinchilla | power. Everything above is the fits and needs nothing below;
+# here a runs CSV is read (tooling.tables), fitted, printed, and drawn with --plot (tooling.plots).
 
-PLOT_DPI = 100
-_LINESTYLES = ("-", "--", ":", "-.")
-_NO_DATES = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}  # PNG has no date; PDF and SVG would
-
-
-def _pyplot(path=None):
-    """matplotlib.pyplot on the non-interactive Agg backend (a session that already imported pyplot
-    keeps its own backend), or None after one line on stderr when matplotlib is not installed."""
-    try:
-        import matplotlib
-        if "matplotlib.pyplot" not in sys.modules:
-            matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        where = f"{path}: " if path else ""
-        print(f"{where}matplotlib is not installed, so no figure was written (figures are optional: "
-              "pip install -r requirements-plot.txt)", file=sys.stderr)
-        return None
-
-
-def _colours(names):
-    """A fixed colour per name in order of first appearance (matplotlib's C0..C9, repeating)."""
-    return {n: f"C{i % 10}" for i, n in enumerate(dict.fromkeys(names))}
-
-
-def _per_value(x, v, reduce):
-    """reduce(v) over the points sharing each distinct x (sorted); nan where all of them are nan."""
-    xs = np.unique(x)
-    idx = np.searchsorted(xs, x)
-    v = np.asarray(v, dtype=float)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # an all-nan group is nan, silently
-        return xs, np.array([reduce(v[idx == k]) for k in range(len(xs))])
-
-
-def _legend(ax, **kw):
-    if ax.get_legend_handles_labels()[0]:  # no "no artists with labels" warning on an empty plot
-        ax.legend(**kw)
-
-
-def _draw_loss_vs_compute(ax, runs, fits, colours):
-    fits = {a: f for a, f in fits.items() if a in runs}
-    Es = {round(f.E, 12) for f in fits.values()}
-    shared = len(Es) == 1
-    for arch, (C, L) in runs.items():
-        C, L = np.asarray(C, dtype=float).ravel(), np.asarray(L, dtype=float).ravel()
-        col, f = colours[arch], fits.get(arch)
-        ax.plot(C, L, "o", ms=4, alpha=0.8, color=col, label=None if f is not None else f"{arch} (no fit)")
-        if f is not None and len(C):
-            grid = np.geomspace(C.min(), C.max(), 100)
-            label = f"{arch}: γ={f.gamma:.3f}, A={f.A:.3g}" + ("" if shared else f", E={f.E:.3f}")
-            ax.plot(grid, f.loss(grid), "-", lw=1.5, color=col, label=label)
-    ax.plot([], [], "o", ms=4, color="0.4", label="measured (every seed)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    _plain_log_ticks(ax)
-    ax.set_xlabel("training compute C (FLOPs)")
-    ax.set_ylabel("loss (nats/token, log scale)")
-    law = r"$L = E + A\,(C/C_0)^{-\gamma}$"
-    ax.set_title(f"[X5] {law}" + (f", shared E = {Es.pop():.3f} [X7]" if shared else ", E per arch"), fontsize=10)
-    _legend(ax, fontsize=7)
-
-
-def _plain_log_ticks(ax):
-    """Plain decimal labels on a log y axis of at most three decades (2.5, 3, 3.5 for a loss; 0.1, 0.2,
-    0.5 for L - E), where matplotlib would label only powers of ten, sometimes none. Call after drawing."""
-    from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, StrMethodFormatter
-    lo, hi = ax.get_ylim()
-    if not (0 < lo < hi <= 1000 * lo):
-        return
-    if hi < 10 * lo:
-        ax.set_yticks([t for t in MaxNLocator(6).tick_values(lo, hi) if lo <= t <= hi])
-    else:
-        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(StrMethodFormatter("{x:.3g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-
-
-def _draw_multipliers(ax, ref_C, multipliers, bands, ref, colours):
-    ref_C = np.asarray(ref_C, dtype=float).ravel()
-    ax.axhline(1.0, color="0.5", ls="--", lw=1, label="1 = no difference")
-    any_band = False
-    for arch, m in multipliers.items():
-        if arch == ref:
-            continue
-        m = np.asarray(m, dtype=float).ravel()
-        if m.shape != ref_C.shape:
-            raise ValueError(f"multipliers['{arch}'] has {m.size} values for {ref_C.size} reference budgets")
-        col = colours[arch]
-        if bands and arch in bands:
-            lo, hi = (np.asarray(b, dtype=float).ravel() for b in bands[arch])
-            if lo.shape != ref_C.shape or hi.shape != ref_C.shape:
-                raise ValueError(f"bands['{arch}'] must be (lo, hi), each with {ref_C.size} values")
-            xs, lo = _per_value(ref_C, lo, np.nanmin)
-            _, hi = _per_value(ref_C, hi, np.nanmax)
-            ax.fill_between(xs, lo, hi, color=col, alpha=0.2, lw=0)
-            any_band = True
-        xs, mean = _per_value(ref_C, m, np.nanmean)
-        if len(xs) < len(ref_C):  # repeated seeds: every point, the line through their means
-            ax.plot(ref_C, m, ".", ms=4, alpha=0.6, color=col)
-        ax.plot(xs, mean, "o-", ms=4, color=col, label=arch)
-    if any_band:
-        ax.fill_between([], [], color="0.5", alpha=0.2, lw=0, label="shaded: interval")
-    ax.set_xscale("log")
-    ax.set_xlabel(f"{ref} training compute C (FLOPs)")
-    ax.set_ylabel(r"compute multiplier $C_{\mathrm{ref}} / C_{\mathrm{arch}}$ (×)")
-    ax.set_title(f"[X6] compute multiplier vs {ref} at equal loss", fontsize=10)
-    _legend(ax, fontsize=7)
-
-
-def plot_loss_vs_compute(runs, fits, path, title=None):
-    """[X5] loss vs training FLOPs per architecture: every measured point (repeated seeds at one C are
-    all drawn) and the fitted law L = E + A (C/C0)^-gamma over that architecture's measured range, in
-    the same colour. Plain loss on log-log axes (not loss - E, which a noisy point below E could not
-    show); the laws bend towards E. runs: {arch: (C, loss)}; fits: {arch: PowerLawFit} (an arch
-    without a fit gets markers only). Returns True when written, False without matplotlib."""
-    def draw(fig, ax):
-        _draw_loss_vs_compute(ax, runs, fits, _colours(runs))
-        if title:
-            ax.set_title(title, fontsize=10)
-    return _figure(path, draw)
-
-
-def plot_multipliers(ref_C, multipliers, path, bands=None, ref="vanilla", title=None):
-    """[X6] compute multiplier C_ref / C_arch at equal loss vs the reference's compute, one line per
-    architecture (the reference itself is skipped if present). multipliers: {arch: array of
-    len(ref_C)}, nan where undefined (a gap in the line); bands: optional {arch: (lo, hi)} of the same
-    length, shaded in the arch's colour. Repeated reference budgets (seeds): all points are marked and
-    the line joins their means (the band spans their extremes). A dashed line at 1 means no difference.
-    Returns True when written, False without matplotlib."""
-    def draw(fig, ax):
-        _draw_multipliers(ax, ref_C, multipliers, bands, ref, _colours([ref, *multipliers]))
-        if title:
-            ax.set_title(title, fontsize=10)
-    return _figure(path, draw)
-
-
-def plot_power_laws(runs, fits, multipliers, ref, path, title=None):
-    """`fit.py power --plot`: plot_loss_vs_compute (left) and plot_multipliers at the reference's
-    measured budgets (right) side by side, an architecture in one colour in both. Returns True when
-    written, False without matplotlib."""
-    def draw(fig, axes):
-        colours = _colours([ref, *runs, *multipliers])
-        _draw_loss_vs_compute(axes[0], runs, fits, colours)
-        _draw_multipliers(axes[1], runs[ref][0], multipliers, None, ref, colours)
-        if title:
-            fig.suptitle(title, fontsize=11)
-    return _figure(path, draw, ncols=2, figsize=(10, 4))
-
-
-def plot_ce_gain(budgets, sparsities, gain, path, lo=None, hi=None, title=None):
-    """[S5] CE Gain = 1 - C_target / C_ref vs the compute budget C, one line per sparsity S. gain, lo,
-    hi: arrays of shape (len(budgets), len(sparsities)) as ce_gain on a meshgrid / cell_bootstrap
-    give them; lo and hi (both or neither) are shaded as the 95% interval. A dashed line at 0 means no
-    difference. Returns True when written, False without matplotlib."""
-    budgets = np.asarray(budgets, dtype=float).ravel()
-    sparsities = np.asarray(sparsities, dtype=float).ravel()
-    shape = (len(budgets), len(sparsities))
-    arrays = {"gain": gain, "lo": lo, "hi": hi}
-    if (lo is None) != (hi is None):
-        raise ValueError("plot_ce_gain: give both lo and hi, or neither")
-    for name, a in arrays.items():
-        if a is not None and np.shape(a) != shape:
-            raise ValueError(f"plot_ce_gain: {name} has shape {np.shape(a)}, expected (budgets, sparsities) = {shape}")
-    order = np.argsort(budgets)
-    C = budgets[order]
-    gain = np.asarray(gain, dtype=float)[order]
-
-    def draw(fig, ax):
-        ax.axhline(0.0, color="0.5", ls="--", lw=1, label="0 = no difference")
-        for j, S in enumerate(sparsities):
-            col = f"C{j % 10}"
-            if lo is not None:
-                ax.fill_between(C, np.asarray(lo, dtype=float)[order, j], np.asarray(hi, dtype=float)[order, j],
-                                color=col, alpha=0.2, lw=0)
-            ax.plot(C, gain[:, j], "o-", ms=4, color=col, label=f"S = {S:g}")
-        ax.set_xscale("log")
-        ax.set_xlabel("compute budget C (FLOPs)")
-        ax.set_ylabel(r"CE Gain $= 1 - C_{\mathrm{target}} / C_{\mathrm{ref}}$")
-        ax.set_title(title or r"[S5] CE Gain on the compute-optimal frontier", fontsize=10)
-        _legend(ax, fontsize=7, title="sparsity" + (" (shaded: 95% interval)" if lo is not None else ""),
-                title_fontsize=7)
-    return _figure(path, draw)
-
-
-def plot_loss_curves(curves, path, title=None, xlabel="tokens"):
-    """Loss curves (e.g. of decay branches), one line per label. curves: {label: (x, loss)}. Labels
-    that share everything but their last word ("baseline L4w32-e16 b10", "... b20") form a group: one
-    colour per group, a line style per member, and a small legend (fontsize 6, two columns when long).
-    Returns True when written, False without matplotlib."""
-    groups = {label: label.rsplit(" ", 1)[0] if " " in label else label for label in curves}
-    grouped = len(set(groups.values())) < len(curves)
-    colours = _colours(groups.values() if grouped else curves)
-    def draw(fig, ax):
-        member = {}
-        for label, (x, y) in curves.items():
-            g = groups[label] if grouped else label
-            k = member[g] = member.get(g, -1) + 1
-            ax.plot(np.asarray(x, dtype=float), np.asarray(y, dtype=float), lw=1.2, color=colours[g],
-                    ls=_LINESTYLES[k % len(_LINESTYLES)], label=label)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("loss (nats/token)")
-        ax.set_title(title or "loss curves", fontsize=10)
-        small = grouped or len(curves) > 6
-        _legend(ax, fontsize=6 if small else 8, ncol=2 if len(curves) > 6 else 1)
-    return _figure(path, draw)
-
-
-def plot_surface_frontiers(fits, sparsities, path, C_range=(1e18, 1e23), title=None):
-    """[S4] iso-sparsity frontiers L*(C, S) - E = f(S) C^-gamma: straight lines on log-log axes, one
-    colour per architecture, a line style per sparsity. fits: {arch: SurfaceFit}. Returns True when
-    written, False without matplotlib."""
-    lo_C, hi_C = (float(c) for c in C_range)
-    if not (0 < lo_C <= hi_C and math.isfinite(hi_C)):
-        raise ValueError(f"plot_surface_frontiers: C_range must be 0 < low <= high, got {C_range}")
-    C = np.geomspace(lo_C, hi_C, 200)
-    colours = _colours(fits)
-
-    def draw(fig, ax):
-        for arch, f in fits.items():
-            for k, S in enumerate(sparsities):
-                ax.plot(C, frontier_loss(f, C, S) - f.E, color=colours[arch], ls=_LINESTYLES[k % len(_LINESTYLES)],
-                        label=f"{arch}, S={S:g} (γ={f.gamma:.3f})")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("training compute C = F·D (FLOPs)")
-        ax.set_ylabel(r"$L^*(C,S) - E$ (nats/token, log scale)")
-        _plain_log_ticks(ax)
-        ax.set_title(title or r"[S4] iso-sparsity frontiers $L^* - E = f(S)\,C^{-\gamma}$", fontsize=10)
-        _legend(ax, fontsize=7)
-    return _figure(path, draw)
-
-
-def _figure(path, draw, ncols=1, figsize=(6, 4)):
-    """A figure of ncols axes: draw(fig, axes) fills it and it is written to path (atomically). False,
-    after one line on stderr, when matplotlib is missing; a failed draw closes the figure."""
-    plt = _pyplot(path)
-    if plt is None:
-        return False
-    fig, axes = plt.subplots(1, ncols, figsize=figsize)
-    try:
-        draw(fig, axes)
-        for ax in fig.axes:  # log axes past a decade: minor labels at 2x and 5x only (all of them overlap)
-            low, high = ax.get_xlim()
-            if ax.get_xscale() == "log" and high > 10 * low > 0:
-                ax.xaxis.set_minor_formatter(plt.FuncFormatter(_two_five_label if high < 100 * low else
-                                                               lambda x, _: ""))
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save(plt, fig, path)
-    return True
-
-
-def _two_five_label(x, _):
-    exponent = math.floor(math.log10(x) + 1e-9)
-    mantissa = round(x / 10**exponent)
-    return rf"${mantissa}\times10^{{{exponent}}}$" if mantissa in (2, 5) else ""
-
-
-def _save(plt, fig, path):
-    fmt = os.path.splitext(path)[1][1:].lower() or "png"  # the format named by the extension, as savefig does
-    kw = {"metadata": _NO_DATES[fmt]} if fmt in _NO_DATES else {}  # deterministic: no creation date
-
-    def write(f):
-        if fmt == "svg":  # and fixed element ids (salted with a random number by default)
-            with plt.rc_context({"svg.hashsalt": "loopstudy"}):
-                fig.savefig(f, format=fmt, dpi=PLOT_DPI, bbox_inches="tight", **kw)
-        else:
-            fig.savefig(f, format=fmt, dpi=PLOT_DPI, bbox_inches="tight", **kw)
-    try:
-        write_atomic(path, write)
-    finally:
-        plt.close(fig)
-
-
-# -----------------------------------------------------------------------------
-# CLI
+SURFACE_COLUMNS = ["arch", "cell", "F", "S", "D", "loss"]  # the columns each subcommand reads
+POWER_COLUMNS = ["arch", "C", "loss"]  # (chinchilla: tooling.tables.read_chinchilla_csv)
 
 
 class _UsageError(Exception):
@@ -1240,7 +873,7 @@ def _json_safe(v):
 
 
 def run_surface(args):
-    runs = read_runs_csv(args.csv, ["arch", "cell", "F", "S", "D", "loss"], positive=["F", "D", "loss"], fraction=["S"])
+    runs = tables.read_runs_csv(args.csv, SURFACE_COLUMNS, positive=["F", "D", "loss"], fraction=["S"])
     budgets, sparsities = args.budgets, args.sparsity
     archs = list(dict.fromkeys(runs["arch"].astype(str).tolist()))
     for name in (args.ref, args.target):
@@ -1292,23 +925,12 @@ def run_surface(args):
             ci = f"  [{r['lo']:.1f}, {r['hi']:.1f}]" if boot else ""
             print(f"  {r['arch']:>12} C={r['C']:.3g} S={r['S']:.3g}: {r['value']:.1f}{ci}")
     if args.plot:
-        plot_surface_frontiers({args.ref: fits[args.ref], args.target: fits[args.target]}, sparsities, args.plot)
-
-
-def read_chinchilla_csv(path):
-    """N,D,loss or N,C,loss (D = C / 6N); Epoch AI's column names params / train_flops are accepted too."""
-    runs = read_runs_csv(path, ["N", "D", "loss"], positive=["N", "params", "D", "C", "train_flops", "loss"],
-                         alternatives={"N": ["params"], "D": ["C", "train_flops"]})
-    if "params" in runs:
-        runs["N"] = runs.pop("params")
-    for name in ("C", "train_flops"):
-        if name in runs:
-            runs["D"] = runs.pop(name) / (6 * runs["N"])  # C = 6 N D
-    return runs
+        plots.plot_surface_frontiers(frontier_curves({a: fits[a] for a in (args.ref, args.target)}), sparsities,
+                                     args.plot)
 
 
 def run_chinchilla(args):
-    runs = read_chinchilla_csv(args.csv)
+    runs = tables.read_chinchilla_csv(args.csv)
     N, D, loss = runs["N"], runs["D"], runs["loss"]
     if args.drop_highest >= len(loss):
         raise ValueError(f"{args.csv}: --drop-highest {args.drop_highest} leaves no points (the file has {len(loss)})")
@@ -1326,7 +948,7 @@ def run_chinchilla(args):
 
 
 def run_power(args):
-    rows = read_runs_csv(args.csv, ["arch", "C", "loss"], positive=["C", "loss"])
+    rows = tables.read_runs_csv(args.csv, POWER_COLUMNS, positive=["C", "loss"])
     archs = list(dict.fromkeys(rows["arch"].astype(str).tolist()))
     if args.ref not in archs:
         raise ValueError(f"{args.csv}: architecture '{args.ref}' not found in column 'arch'; have {archs}")
@@ -1355,35 +977,76 @@ def run_power(args):
                             for m in out["multipliers"][a])
             print(f"  {a:>14}: {vals}")
     if args.plot:
-        plot_power_laws(runs, fits, mult, args.ref, args.plot)
+        plots.plot_power_laws(runs, fits, mult, args.ref, args.plot)
+
+
+SUBCOMMANDS = {  # name: (one line for `fit.py --help`, the input it reads for `fit.py NAME --help`)
+    "surface": ("SMELT surfaces [S2], CE Gain [S5], TPP, cell bootstrap",
+                "Fits L(F, S, D) = E + A (1-S)^b / F^a + K / D^c [S2] per architecture; prints each surface, the CE\n"
+                "Gain [S5] of --target over --ref and TPP = D*/(F*/6) at every --budgets x --sparsity.\n\n"
+                "Input: a CSV, one row per measured point, with columns arch, cell (the grid cell the point\n"
+                "belongs to: the bootstrap resamples cells), F (training FLOPs per token, > 0), S (sparsity in\n"
+                "[0, 1)), D (training tokens, > 0) and loss (> 0). Other columns are ignored."),
+    "chinchilla": ("Chinchilla Approach 3",
+                   "Fits L(N, D) = E + A / N^alpha + B / D^beta (Chinchilla Approach 3: Huber on log-loss).\n\n"
+                   "Input: a CSV with columns N (parameters; or params), D (training tokens; or C or train_flops,\n"
+                   "the training FLOPs, then D = C / 6N) and loss, all > 0. Other columns are ignored."),
+    "power": ("[X] protocol: shared-E power laws and compute multipliers",
+              "Fits L(C) = E + A (C/C0)^-gamma [X5] per architecture, E fitted on --ref and shared [X7], and\n"
+              "prints the compute multipliers [X6] against --ref at its measured budgets.\n\n"
+              "Input: a CSV with columns arch, C (training FLOPs, > 0) and loss (> 0); repeated seeds are rows\n"
+              "with the same arch and C. Other columns are ignored."),
+}
+
+
+def build_parser():
+    p = _Parser(prog="fit.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, help="the fit to run; `fit.py NAME --help` lists its flags "
+                                                         "and the CSV columns it reads")
+    add = lambda name: sub.add_parser(name, help=SUBCOMMANDS[name][0], description=SUBCOMMANDS[name][1],  # noqa: E731
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    json_help = "print one JSON object instead of tables"
+    s = add("surface")
+    s.add_argument("csv", help="the runs CSV (columns arch, cell, F, S, D, loss)")
+    s.add_argument("--ref", required=True, help="reference architecture, a value of column arch (e.g. baseline)")
+    s.add_argument("--target", required=True, help="architecture compared with --ref, a value of column arch "
+                                                    "(e.g. smelt); CE Gain > 0: it needs less compute")
+    s.add_argument("--budgets", type=_budgets, default="1e20,1e21", metavar="C,C,...",
+                   help="comma-separated compute budgets C = F x D in FLOPs at which CE Gain and TPP are reported "
+                        "(default: 1e20,1e21)")
+    s.add_argument("--sparsity", type=_sparsities, default="0.85,0.95", metavar="S,S,...",
+                   help="comma-separated sparsities S in [0, 1) at which CE Gain and TPP are reported "
+                        "(default: 0.85,0.95)")
+    s.add_argument("--bootstrap", type=_count, default=0, metavar="N",
+                   help="cell-bootstrap draws for 95%% intervals of every number (paper: 2000; default 0: no "
+                        "intervals)")
+    s.add_argument("--seed", type=_count, default=0, help="seed of the cell bootstrap: the same seed gives the same "
+                                                          "intervals (default 0)")
+    s.add_argument("--json", action="store_true", help=json_help)
+    s.add_argument("--plot", metavar="FILE", help="also draw the [S4] iso-sparsity frontiers of --ref and --target "
+                                                  "into FILE (.png, .pdf or .svg; needs matplotlib)")
+    c = add("chinchilla")
+    c.add_argument("csv", help="the runs CSV (columns N, D, loss; or N, C, loss; or params, train_flops, loss)")
+    c.add_argument("--drop-highest", type=_count, default=0, metavar="K",
+                   help="drop the K highest-loss points before fitting (Epoch AI's replication: 5; default 0)")
+    c.add_argument("--json", action="store_true", help="print one JSON object instead of a line of text")
+    w = add("power")
+    w.add_argument("csv", help="the runs CSV (columns arch, C, loss)")
+    w.add_argument("--ref", required=True, help="reference architecture, a value of column arch (e.g. vanilla): E "
+                                                "is fitted on it and shared [X7], multipliers are against it [X6]")
+    w.add_argument("--C0", type=_positive, default=1e18, help="compute scale C0 in FLOPs of L = E + A (C/C0)^-gamma "
+                                                              "(default 1e18): it changes A, not E or gamma")
+    w.add_argument("--per-arch-E", action="store_true", help="sensitivity option: fit E per architecture instead "
+                                                             "of sharing the reference's")
+    w.add_argument("--json", action="store_true", help=json_help)
+    w.add_argument("--plot", metavar="FILE", help="also draw loss vs compute with the fitted laws and the compute "
+                                                  "multipliers side by side into FILE (needs matplotlib)")
+    return p
 
 
 def main(argv=None):
-    p = _Parser(prog="fit.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("surface", help="SMELT surfaces [S2], CE Gain [S5], TPP, cell bootstrap")
-    s.add_argument("csv")
-    s.add_argument("--ref", required=True)
-    s.add_argument("--target", required=True)
-    s.add_argument("--budgets", type=_budgets, default="1e20,1e21")
-    s.add_argument("--sparsity", type=_sparsities, default="0.85,0.95")
-    s.add_argument("--bootstrap", type=_count, default=0, help="number of cell-bootstrap draws (paper: 2000)")
-    s.add_argument("--seed", type=_count, default=0)
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--plot")
-    c = sub.add_parser("chinchilla", help="Chinchilla Approach 3")
-    c.add_argument("csv")
-    c.add_argument("--drop-highest", type=_count, default=0, help="drop the K highest-loss points first")
-    c.add_argument("--json", action="store_true")
-    w = sub.add_parser("power", help="[X] protocol: shared-E power laws and compute multipliers")
-    w.add_argument("csv")
-    w.add_argument("--ref", required=True)
-    w.add_argument("--C0", type=_positive, default=1e18)
-    w.add_argument("--per-arch-E", action="store_true", help="sensitivity option: fit E per architecture")
-    w.add_argument("--json", action="store_true")
-    w.add_argument("--plot")
     try:
-        args = p.parse_args(argv)
+        args = build_parser().parse_args(argv)
         {"surface": run_surface, "chinchilla": run_chinchilla, "power": run_power}[args.cmd](args)
     except _UsageError as e:
         return cli_error(e.prog, e)

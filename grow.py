@@ -37,78 +37,85 @@ import torch
 import torch.nn as nn
 
 import match
-from common import cli_error, write_atomic
-from model import GPT, core_split, execution_plan
+from model import core_split, execution_plan
+from tooling.checkpoint import load_model
+from tooling.common import cli_error, write_atomic
 
 
 # ----------------------------------------------------------------------------------------------------
 # Growth of a live model
 
 
+def grown_config(cfg, n_passes, untie=False):
+    """The ModelConfig that grow(model, n_passes, untie) leaves on a model built from cfg, so a run can
+    plan the grown model (memory, FLOPs) before it builds anything. Raises ValueError for a request
+    growth cannot do; grow() makes exactly this change."""
+    if not isinstance(n_passes, int) or isinstance(n_passes, bool):
+        raise ValueError(f"n_passes must be an int, got {n_passes!r}")
+    k0 = cfg.passes
+    if cfg.layout in ("smelt", "layer_loop"):  # the loop span runs r times: growth = a larger r
+        if untie:
+            raise ValueError(f"untie=True: layout {cfg.layout!r} has no untied form (use layout='pcc')")
+    elif untie and (cfg.layout == "plain" or not cfg.tie_core):
+        what = "a plain transformer" if cfg.layout == "plain" else f"tie_core=False, {k0} stored cores"
+        raise ValueError(f"untie=True but the model is already untied ({what})")
+    if n_passes < k0:
+        raise ValueError(f"cannot grow to fewer passes: model has {k0} passes, asked for {n_passes}")
+    if n_passes == k0 and not untie:
+        raise ValueError(f"model already has {k0} passes; nothing to grow (pass untie=True to only untie)")
+    if cfg.layout in ("smelt", "layer_loop"):
+        return replace(cfg, n_loops=n_passes)  # NOTE: the [S8]-[S9] 1/r update scale changes with r
+    cfg = as_prelude_core_coda(cfg)
+    return replace(cfg, n_passes=n_passes) if cfg.tie_core and not untie else \
+        replace(cfg, tie_core=False, n_passes=n_passes)
+
+
+def as_prelude_core_coda(cfg):
+    """A plain transformer re-read as prelude-core-coda with K = 1, untied, boundary "none" (the [X] even
+    split, remainder first to core then coda): the same blocks, names and function. Other layouts as is."""
+    if cfg.layout != "plain":
+        return cfg
+    n_prelude, n_core, n_coda = core_split(cfg.n_layer)
+    return replace(cfg, layout="pcc", tie_core=False, n_passes=1, boundary="none",
+                   n_prelude=n_prelude, n_core=n_core, n_coda=n_coda)
+
+
 def grow(model, n_passes, untie=False):
-    """Grow `model` (an unwrapped GPT: no DDP / torch.compile wrapper) in place to `n_passes` core passes.
+    """Grow `model` (an unwrapped GPT: no DDP / torch.compile wrapper) in place to `n_passes` passes.
 
     tied pcc, untie=False:  only model.config.n_passes and model.plan change; every parameter is the same
                             tensor object with the same values.
     untied pcc:             new cores are deep copies (j % K0, [X] dep_stack_grow_init) inserted before the
                             coda; config.n_passes and plan updated.
     untie=True (tied pcc):  first turn the tied core into K0 untied copies (function unchanged), then grow.
-    plain:                  converted to pcc / tie_core=False / boundary="none" with K0 = 1, then grown.
+    plain:                  read as pcc / tie_core=False / boundary="none" with K0 = 1, then grown.
     smelt / layer_loop:     n_passes is the loop count r: only config.n_loops and the plan change (the
                             function changes beyond the extra passes: updates in the span scale by 1/r).
 
-    model.config is REPLACED by an updated copy (the caller's ModelConfig object is not mutated, so other
-    models built from it stay valid): read model.config after growing, not a config held from before.
-    Returns {name_after: name_before} for every parameter (see the module docstring)."""
-    cfg = model.config
-    if not isinstance(n_passes, int) or isinstance(n_passes, bool):
-        raise ValueError(f"n_passes must be an int, got {n_passes!r}")
-    if cfg.layout in ("smelt", "layer_loop"):  # the loop span runs r times: growth = a larger r
-        if untie:
-            raise ValueError(f"untie=True: layout {cfg.layout!r} has no untied form (use layout='pcc')")
-        if n_passes < cfg.n_loops:
-            raise ValueError(f"cannot grow to fewer passes: model has n_loops={cfg.n_loops}, asked for {n_passes}")
-        if n_passes == cfg.n_loops:
-            raise ValueError(f"model already has n_loops={n_passes}; nothing to grow")
-        _set_config(model, n_loops=n_passes)  # NOTE: the [S8]-[S9] 1/r update scale changes with r
-        return {name: name for name, _ in model.named_parameters()}
-    plain = cfg.layout == "plain"
-    k0, tied = (1, False) if plain else (cfg.n_passes, cfg.tie_core)  # a plain model reads as K0 = 1, untied
-    if n_passes < k0:
-        raise ValueError(f"cannot grow to fewer passes: model has n_passes={k0}, asked for {n_passes}")
-    if untie and not tied:
-        raise ValueError(f"untie=True but the model is already untied "
-                         f"({'a plain transformer' if plain else f'tie_core=False, {k0} stored cores'})")
-    if n_passes == k0 and not untie:
-        raise ValueError(f"model already has n_passes={k0}; nothing to grow (pass untie=True to only untie)")
-    if plain:  # validated first: a failed call leaves the model untouched
-        _plain_to_pcc(model)
-        cfg = model.config
+    model.config is REPLACED by grown_config(...) (the caller's ModelConfig object is not mutated, so
+    other models built from it stay valid): read model.config after growing, not a config held from
+    before. Returns {name_after: name_before} for every parameter (see the module docstring)."""
+    cfg, grown = model.config, grown_config(model.config, n_passes, untie)  # checks the request first
     old_names = [name for name, _ in model.named_parameters()]
-
-    if cfg.tie_core and not untie:  # Loop-Grow: the same core runs more times, no new weights
-        _set_config(model, n_passes=n_passes)
+    if grown.tie_core or grown.layout != "pcc":  # Loop-Grow / a longer loop: same weights, more passes
+        _set_config(model, grown)
         return {name: name for name in old_names}
 
     # untied growth (Algorithm 1 lines 5-7): pass k of the grown model runs a copy of stored core k % K_src
+    cfg = as_prelude_core_coda(cfg)
     P, C, D = cfg.n_prelude, cfg.n_core, cfg.n_coda
     blocks = list(model.blocks)
-    k_src = 1 if cfg.tie_core else k0  # a tied model stores one core: every pass copies it
-    new_blocks, source_index = [], []  # source_index[i] = index of block i before growth
-    for i in range(P):
-        new_blocks.append(blocks[i])
-        source_index.append(i)
-    for k in range(n_passes):
-        for j in range(C):
-            src = P + (k % k_src) * C + j
-            new_blocks.append(blocks[src] if k < k_src else _copy_block(blocks[src]))
-            source_index.append(src)
-    coda_start = P + k_src * C
-    for j in range(D):
-        new_blocks.append(blocks[coda_start + j])
-        source_index.append(coda_start + j)
+    k_src = 1 if cfg.tie_core else cfg.n_passes  # a tied model stores one core: every pass copies it
+    source_index = list(range(P))  # source_index[i] = index of block i before growth
+    source_index += [P + (k % k_src) * C + j for k in range(n_passes) for j in range(C)]
+    source_index += [P + k_src * C + j for j in range(D)]
+    seen = set()
+    new_blocks = []
+    for src in source_index:  # the first block claiming a source is the original, the rest are copies
+        new_blocks.append(blocks[src] if src not in seen else _copy_block(blocks[src]))
+        seen.add(src)
     model.blocks = nn.ModuleList(new_blocks)
-    _set_config(model, tie_core=False, n_passes=n_passes)
+    _set_config(model, grown)
 
     param_map = {}
     for name, _ in model.named_parameters():
@@ -130,20 +137,11 @@ def _copy_block(block):
     return new
 
 
-def _set_config(model, **changes):
-    """model.config <- an updated copy (re-validated by ModelConfig.__post_init__), and its plan.
-    A copy, not an in-place edit: other models built from the same ModelConfig object stay valid."""
-    model.config = replace(model.config, **changes)
-    model.plan = execution_plan(model.config)
-    assert len(model.blocks) == model.config.n_blocks
-
-
-def _plain_to_pcc(model):
-    """Re-read a plain transformer as prelude-core-coda with K=1, untied, boundary "none" (the [X] even
-    split, remainder first to core then coda). Same blocks, same names, same function."""
-    n_prelude, n_core, n_coda = core_split(model.config.n_layer)
-    _set_config(model, layout="pcc", tie_core=False, n_passes=1, boundary="none",
-                n_prelude=n_prelude, n_core=n_core, n_coda=n_coda)
+def _set_config(model, cfg):
+    """model.config <- cfg (a new object: other models built from the old one stay valid), and its plan."""
+    model.config = cfg
+    model.plan = execution_plan(cfg)
+    assert len(model.blocks) == cfg.n_blocks
 
 
 def copied_names(param_map):
@@ -247,39 +245,31 @@ def rewarm_multiplier(step, grow_at_step, rewarm_steps=40):
 # Parameter counts the schedule math needs
 
 
-def with_passes(cfg, n_passes):
-    """A copy of cfg run with n_passes (K for pcc, tied or untied; r for the loop layouts); cfg is not touched."""
-    if n_passes is None:
-        return cfg
-    key = "n_passes" if cfg.layout == "pcc" else "n_loops"
-    return replace(cfg, **{key: n_passes})
-
-
-def grown_config(cfg, n_passes, untie=False):
-    """The ModelConfig that grow(model, n_passes, untie) leaves on a model built from cfg (grow() checks
-    the request), so a run can plan the grown model (memory, FLOPs) before it builds anything."""
-    if cfg.layout in ("smelt", "layer_loop"):
-        return replace(cfg, n_loops=n_passes)
-    if cfg.layout == "plain":  # as _plain_to_pcc, then untied growth
-        n_prelude, n_core, n_coda = core_split(cfg.n_layer)
-        cfg = replace(cfg, layout="pcc", tie_core=False, n_passes=1, boundary="none",
-                      n_prelude=n_prelude, n_core=n_core, n_coda=n_coda)
-    if cfg.tie_core and not untie:
-        return replace(cfg, n_passes=n_passes)
-    return replace(cfg, tie_core=False, n_passes=n_passes)
+def shapes_of_run(cfg, config, grown=False):
+    """[(when, ModelConfig)]: the model as built and each larger shape a run's settings (config: grow_at,
+    grow_to, grow_untie, n_passes_choices, decay_branch) give it, to plan memory before building anything.
+    grown: the model has grown already (a resumed or forked grown checkpoint): it does not grow again."""
+    shapes = [("", cfg)]
+    if config.grow_at and not config.decay_branch and not grown:
+        grown = grown_config(cfg, config.grow_to, config.grow_untie)
+        shapes.append((f" after growing to {config.grow_to} passes", grown))
+    most = max(config.n_passes_choices, default=0)
+    if most > cfg.passes:
+        shapes.append((f" at {most} passes (n_passes_choices)", cfg.with_passes(most)))
+    return shapes
 
 
 def compute_active_params(cfg, n_passes=None):
     """N_c,K [X8], [X10]: prelude, coda and head matrices once, core matrices K times (even when tied),
     no input-embedding lookup. Taken from match.py (the one place for params accounting)."""
-    return match.accounting(with_passes(cfg, n_passes))["params_compute_active"]
+    return match.accounting(cfg.with_passes(n_passes))["params_compute_active"]
 
 
 def stored_params(cfg, n_passes=None):
     """N_s,K [X10]: every stored parameter, token embedding and lm head included. This is the N of the
     [X] code's steps = round(TPP * N / tokens_per_step): d8 Vanilla 205.8M at TPP 5 -> its 1962 steps,
     and [X13]-[X14] with this N reproduce the d8 Loop-Grow / Untied-Grow steps (tests/test_grow.py)."""
-    return match.accounting(with_passes(cfg, n_passes))["params_stored"]
+    return match.accounting(cfg.with_passes(n_passes))["params_stored"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -384,9 +374,9 @@ def grow_checkpoint(ckpt_path, n_passes, out_path, untie=False, copies="fresh", 
     """Load a checkpoint, grow it, remap its optimizer state by name, write it atomically. Returns the
     parameter map. Everything else (step, tokens_seen, data_position, rng, ...) is kept, so train.py
     resumes from the grown checkpoint; a record is appended to ckpt["growth"]."""
-    model, ckpt = GPT.from_checkpoint(ckpt_path)
+    model, ckpt = load_model(ckpt_path)
     layout, tied = model.config.layout, model.config.tie_core
-    k0 = model.config.n_loops if layout in ("smelt", "layer_loop") else model.config.n_passes
+    k0 = model.config.passes
     param_map = grow(model, n_passes, untie=untie)
     opt = ckpt.get("optimizer")
     if opt is None:
@@ -399,8 +389,9 @@ def grow_checkpoint(ckpt_path, n_passes, out_path, untie=False, copies="fresh", 
             ckpt["optimizer"] = None
     ckpt["model_config"] = asdict(model.config)
     ckpt["model"] = model.state_dict()
-    ckpt["grown"] = True  # train.py's flag: a resumed run with grow_at set does not grow a second time
-    ckpt.setdefault("growth", []).append(dict(step=ckpt.get("step"), from_passes=k0, to_passes=n_passes,
+    if "state" in ckpt:  # train.py's flag: a resumed run with grow_at set does not grow a second time
+        ckpt["state"]["grown"] = True
+    ckpt.setdefault("growth", []).append(dict(step=ckpt.get("state", {}).get("step"), from_passes=k0, to_passes=n_passes,
                                               from_layout=layout, from_tied=tied, untie=untie,
                                               copies=copies, param_map=param_map))
     write_atomic(out_path, lambda f: torch.save(ckpt, f))
@@ -450,8 +441,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         if args.schedule:
-            from model import ModelConfig
-            print("\n".join(schedule_table(ModelConfig.from_file(args.schedule), args.passes, args.law)))
+            print("\n".join(schedule_table(match.read_config(args.schedule)[0], args.passes, args.law)))
             return 0
         if not args.ckpt:
             parser.error("--ckpt is required (or --schedule CONFIG)")

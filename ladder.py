@@ -68,8 +68,6 @@ delete their own ckpt.pt when finished unless --keep-checkpoints (stable checkpo
 
 import argparse
 import contextlib
-import csv
-import io
 import json
 import math
 import multiprocessing
@@ -87,8 +85,9 @@ import fit
 import grow
 import match
 import train
-from common import cli_error, write_atomic
 from model import ModelConfig
+from tooling import distributed, plots, tables
+from tooling.common import cli_error, write_atomic
 
 # ----------------------------------------------------------------------------------------------------
 # Presets. Shared model/training settings first, then one dict per preset.
@@ -539,9 +538,7 @@ def smelt_cells(preset):
 def model_settings(cfg):
     """ModelConfig -> train.py model overrides (the resolved fields as plain ints, so the run is fully
     specified and JSON-stable)."""
-    d = {k: (int(v) if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in asdict(cfg).items()}
-    d.pop("use_triton", None)
-    return d
+    return {k: (int(v) if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in asdict(cfg).items()}
 
 
 def smelt_branch_plan(preset, cfg, data, world=None):
@@ -727,6 +724,36 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None)
     if not rows:
         lines.append("no finished decay branches yet")
         return "\n".join(lines), out, None
+    lines += smelt_noise_lines(rows, out)
+    runs = columns_to_arrays(rows)
+    fits = smelt_surfaces(runs, lines, out)
+    if len(fits) < 2:
+        lines.append("CE Gain and TPP need both surfaces; train more cells/branches")
+        return "\n".join(lines), out, None
+    measured_C = runs["F"] * runs["D"]
+    budgets = preset.get("budgets") or default_budgets(measured_C)
+    sparsities = sorted({round(float(s), 3) for s in runs["S"][runs["arch"].astype(str) == "baseline"]})
+    boot = None
+    if n_boot:
+        try:
+            boot = surface_bootstrap(runs, "baseline", "smelt", budgets, sparsities, n_boot, seed=seed,
+                                     full_fits=fits, progress=progress)
+        except ValueError as e:
+            lines.append(f"cell bootstrap failed: {e}")
+    lines += surface_lines(fits, boot, out)
+    CC, SS = np.meshgrid(budgets, sparsities, indexing="ij")
+    gain = fit.ce_gain(fits["baseline"], fits["smelt"], CC, SS)
+    lines += ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out)
+    lines += tpp_lines(fits, CC, SS, budgets, sparsities, boot, out)
+    figures = dict(fits=fits, sparsities=sparsities, budgets=budgets, gain=gain, boot=boot,
+                   C_range=(float(measured_C.min()), float(measured_C.max())))
+    return "\n".join(lines), out, figures
+
+
+def smelt_noise_lines(rows, out):
+    """The baseline's seed spread and the per-pair win counts (overall and per source) -> report lines;
+    their numbers go into out["seed_spread"] and out["wins"]."""
+    lines = []
     per, pooled = seed_spread(rows, ("cell", "branch_tpp"), "baseline")
     out["seed_spread"] = dict(pooled_std=pooled, groups=[dict(cell=k[0], branch_tpp=k[1], mean=m, std=s, n=n)
                                                          for k, (m, s, n) in per.items()])
@@ -741,7 +768,12 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None)
         w, p = win_counts(rows, key=f"loss_{s}")
         out["wins"][s] = [w, p]
         lines.append(f"  on {s}: {w}/{p}")
-    runs = columns_to_arrays(rows)
+    return lines
+
+
+def smelt_surfaces(runs, lines, out):
+    """{arch: fit.SurfaceFit} of the baseline and the SMELT twin [S2]; an architecture whose surface
+    cannot be fitted is left out, with a report line and out["fits"][arch]["error"]."""
     fits = {}
     for arch in ("baseline", "smelt"):
         m = runs["arch"].astype(str) == arch
@@ -751,23 +783,16 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None)
         except ValueError as e:
             lines.append(f"surface fit of {arch} not possible: {e}")
             out["fits"][arch] = {"error": str(e)}
-    if len(fits) < 2:
-        lines.append("CE Gain and TPP need both surfaces; train more cells/branches")
-        return "\n".join(lines), out, None
-    measured_C = runs["F"] * runs["D"]
-    budgets = preset.get("budgets") or default_budgets(measured_C)
-    sparsities = sorted({round(float(s), 3) for s in runs["S"][runs["arch"].astype(str) == "baseline"]})
-    boot = None
-    if n_boot:
-        try:
-            boot = surface_bootstrap(runs, "baseline", "smelt", budgets, sparsities, n_boot, seed=seed,
-                                     full_fits=fits, progress=progress)
-        except ValueError as e:
-            lines.append(f"cell bootstrap failed: {e}")
+    return fits
+
+
+def surface_lines(fits, boot, out):
+    """The [S2] table of both surfaces, with the cell-bootstrap intervals of a and c (boot: None or
+    surface_bootstrap's result) and a note for a degenerate surface -> report lines."""
     interval = lambda key: ((float(boot["lo"][key]), float(boot["hi"][key])) if boot and key in boot["lo"]  # noqa
                             else (None, None))
-    lines.append("[S2] surfaces L = E + A (1-S)^b / F^a + K / D^c (Huber on log-loss, fit.py)"
-                 + (" with 95% cell-bootstrap intervals of a and c" if boot else ""))
+    lines = ["[S2] surfaces L = E + A (1-S)^b / F^a + K / D^c (Huber on log-loss, fit.py)"
+             + (" with 95% cell-bootstrap intervals of a and c" if boot else "")]
     lines.append(f"  {'arch':>9} {'E':>8} {'A':>10} {'a':>7} {'b':>7} {'K':>10} {'c':>7} {'gamma':>7} {'rmse':>8} {'pts':>4}")
     for arch, f in fits.items():
         role = "ref" if arch == "baseline" else "target"
@@ -785,15 +810,19 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None)
             lines.append(f"  note: the {arch} surface is degenerate: on this grid its loss does not fall with "
                          f"{which}, so its frontier, and every CE Gain / TPP that uses it, is undefined")
             out["fits"][arch]["degenerate"] = True
-    CC, SS = np.meshgrid(budgets, sparsities, indexing="ij")
-    gain = fit.ce_gain(fits["baseline"], fits["smelt"], CC, SS)
+    return lines
+
+
+def ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out):
+    """[S5] CE Gain of SMELT at every budget x sparsity (gain: that grid), with its cell-bootstrap
+    interval and whether that interval excludes 0 -> report lines; records into out["ce_gain"]."""
     note = ""
     if boot:
         note = f" ({boot['n_draws']} cell-bootstrap draws, 95%"
         note += f"; {boot['skipped']} underdetermined draws skipped)" if boot["skipped"] else ")"
-    lines.append(f"[S5] CE Gain of SMELT over the baseline{note}; > 0: SMELT needs less compute; '~' = the "
-                 f"interval does not exclude 0 (within noise). Budgets C inside the measured "
-                 f"{measured_C.min():.3g}..{measured_C.max():.3g} FLOPs")
+    lines = [f"[S5] CE Gain of SMELT over the baseline{note}; > 0: SMELT needs less compute; '~' = the "
+             f"interval does not exclude 0 (within noise). Budgets C inside the measured "
+             f"{measured_C.min():.3g}..{measured_C.max():.3g} FLOPs"]
     for i, C in enumerate(budgets):
         for j, S in enumerate(sparsities):
             lo = hi = None
@@ -804,7 +833,13 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None)
             lines.append(f"  C={C:.3g} S={S:.3f}: {_fmt(gain[i, j], '+.4f')}{ci}")
             out["ce_gain"].append(dict(C=C, S=S, value=_finite(gain[i, j]), lo=_finite(lo), hi=_finite(hi),
                                        within_noise=noise))
-    lines.append("TPP = D*/(F*/6) at the same budgets")
+    return lines
+
+
+def tpp_lines(fits, CC, SS, budgets, sparsities, boot, out):
+    """TPP = D*/(F*/6) of both surfaces on the budget x sparsity grid (CC, SS), with cell-bootstrap
+    intervals -> report lines; records into out["tpp"]."""
+    lines = ["TPP = D*/(F*/6) at the same budgets"]
     for role, arch in (("ref", "baseline"), ("target", "smelt")):
         values = fit.tpp(fits[arch], CC, SS)
         for i, C in enumerate(budgets):
@@ -816,9 +851,7 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None)
                 lines.append(f"  {arch:>9} C={C:.3g} S={S:.3f}: {_fmt(values[i, j], '.4g')}{ci}")
                 out["tpp"].append(dict(arch=arch, C=C, S=S, value=_finite(values[i, j]), lo=_finite(lo),
                                        hi=_finite(hi)))
-    figures = dict(fits=fits, sparsities=sparsities, budgets=budgets, gain=gain, boot=boot,
-                   C_range=(float(measured_C.min()), float(measured_C.max())))
-    return "\n".join(lines), out, figures
+    return lines
 
 
 def _finite(v):
@@ -1071,18 +1104,7 @@ def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400):
 
 
 # ----------------------------------------------------------------------------------------------------
-# CSV, the plan, the whole ladder
-
-
-def write_csv(path, rows):
-    """Atomic CSV with the union of the rows' keys (first-seen order) as the header."""
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    buffer = io.StringIO()
-    w = csv.DictWriter(buffer, fieldnames=columns)
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: ("" if r.get(k) is None else r[k]) for k in columns})
-    write_atomic(os.path.abspath(path), lambda f: f.write(buffer.getvalue().encode()))
+# The plan, the whole ladder
 
 
 def build(preset, data=None, lrs=None, world=None):
@@ -1172,7 +1194,7 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
     preset = get_preset(preset_name, **overrides)
     out_dir = out_dir or os.path.join("out", f"ladder-{preset_name}")
     if "RANK" in os.environ:  # under torchrun: join the process group now, so only rank 0 writes
-        train.setup_distributed(train.TrainConfig(device=preset["train"].get("device", "auto")))
+        distributed.setup(preset["train"].get("device", "auto"))
         if not _is_master():
             log = lambda *a, **k: None  # noqa: E731
     data = data_plan(preset)
@@ -1213,7 +1235,7 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
                   train_seconds=sum(r.get("seconds") or 0.0 for r in finished))
     if len(finished) < len(specs):
         text += f"\n(partial: {len(finished)}/{len(specs)} runs finished)"
-    write_csv(os.path.join(out_dir, "runs.csv"), rows)
+    tables.write_rows_csv(os.path.join(out_dir, "runs.csv"), rows)
     write_json_atomic(os.path.join(out_dir, "report.json"), report)
     write_atomic(os.path.abspath(os.path.join(out_dir, "report.txt")), lambda f: f.write((text + "\n").encode()))
     log(text)
@@ -1227,36 +1249,37 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
 
 
 def make_plots(preset, out_dir, figures, specs, results):
-    """The preset's figures as PNGs in out_dir (fit.py draws them); one line and nothing written when
-    matplotlib is missing."""
+    """The preset's figures as PNGs in out_dir (tooling/plots.py draws them); one line and nothing written
+    when matplotlib is missing."""
     written = []
-    if fit._pyplot(out_dir) is None:
+    if plots.pyplot(out_dir) is None:
         return written
 
     def path(name):
         return os.path.join(out_dir, name)
     if preset["kind"] == "x":
         f = figures
-        if fit.plot_loss_vs_compute(f["runs"], f["fits"], path("loss_vs_compute.png"),
-                                    title=f"[X7] {preset['name']}: loss vs training FLOPs, shared-E laws"):
+        if plots.plot_loss_vs_compute(f["runs"], f["fits"], path("loss_vs_compute.png"),
+                                      title=f"[X7] {preset['name']}: loss vs training FLOPs, shared-E laws"):
             written.append(path("loss_vs_compute.png"))
         fitted = {a: m[1] for a, m in f["mult"].items()}
         bands = {a: b["fitted"] for a, b in f["bands"].items() if b.get("fitted") is not None}
-        if fit.plot_multipliers(f["ref_C"], fitted, path("multipliers.png"), bands=bands, ref="vanilla",
-                                title=f"[X6] {preset['name']}: compute multipliers vs Vanilla (95% seed bootstrap)"):
+        if plots.plot_multipliers(f["ref_C"], fitted, path("multipliers.png"), bands=bands, ref="vanilla",
+                                  title=f"[X6] {preset['name']}: compute multipliers vs Vanilla (95% seed bootstrap)"):
             written.append(path("multipliers.png"))
         return written
     f = figures
-    if fit.plot_surface_frontiers(f["fits"], f["sparsities"], path("frontiers.png"), C_range=f["C_range"]):
+    if plots.plot_surface_frontiers(fit.frontier_curves(f["fits"]), f["sparsities"], path("frontiers.png"),
+                                    C_range=f["C_range"]):
         written.append(path("frontiers.png"))
     boot = f["boot"] or {"lo": {}, "hi": {}}
-    if fit.plot_ce_gain(f["budgets"], f["sparsities"], f["gain"], path("ce_gain.png"), lo=boot["lo"].get("ce_gain"),
-                        hi=boot["hi"].get("ce_gain"), title=f"[S5] {preset['name']}: CE Gain of SMELT (95% cell bootstrap)"):
+    if plots.plot_ce_gain(f["budgets"], f["sparsities"], f["gain"], path("ce_gain.png"), lo=boot["lo"].get("ce_gain"),
+                          hi=boot["hi"].get("ce_gain"), title=f"[S5] {preset['name']}: CE Gain of SMELT (95% cell bootstrap)"):
         written.append(path("ce_gain.png"))
     curves = decay_curves(specs, results)
-    if curves and fit.plot_loss_curves(curves, path("decay_branches.png"),
-                                       title=f"{preset['name']}: validation loss of the stable runs and their decay "
-                                             "branches (first seed, largest scale)"):
+    if curves and plots.plot_loss_curves(curves, path("decay_branches.png"),
+                                         title=f"{preset['name']}: validation loss of the stable runs and their "
+                                               "decay branches (first seed, largest scale)"):
         written.append(path("decay_branches.png"))
     return written
 
@@ -1309,7 +1332,7 @@ def main(argv=None):
     except (ValueError, OSError, train.NonFiniteLoss) as e:
         return cli_error("ladder.py", e)
     finally:
-        train.end_distributed()
+        distributed.teardown()
     return 0
 
 

@@ -1,6 +1,5 @@
 """
-Analytic budget accounting and triple budget matching [S §budget matching, Appendix A; X10-X13],
-and the per-GPU memory of training a config with DDP or FSDP2.
+Analytic budget accounting and triple budget matching [S §budget matching, Appendix A; X10-X13].
 
 Everything here is arithmetic on a ModelConfig (no module is built, so a 54B-parameter config is
 instant); which blocks run how often is read from model.execution_plan, never re-derived.
@@ -10,8 +9,8 @@ instant); which blocks run how often is read from model.execution_plan, never re
     python match.py --preset smelt-200m-s95              # [S] baseline and matched SMELT twin side by side
     python match.py --preset smelt-200m-s95 --json       # {"baseline": ..., "matched": ..., "ratios": ...}
     python match.py config/smelt_200m_base.py --recipe smelt   # match any baseline to a loop recipe
-    python match.py --preset smelt-1.6b-s97 --memory --world_size 16 --micro_batch 1 --activation_checkpointing
-                                                         # per-GPU memory under DDP and FSDP2 (memory_plan)
+
+What fits on which GPU (the memory planner) is operational: tooling/memory.py, `python -m tooling.memory`.
 
 Conventions (all per token):
   * FLOPs: a multiply-add is 2 FLOPs. Training = 3 x forward (backward = 2 x forward). Matmuls:
@@ -34,8 +33,7 @@ Conventions (all per token):
   * Checked in tests/test_match.py: params == GPT(cfg).num_params() == sum(p.numel()) for every family;
     active params == what a one-token backward touches; the matmul items == FlopCounterMode on a real
     forward + backward, exactly (SDPA forced onto its math path, whose full T x T bmms the counter
-    sees, so attended = T there; the CPU flash kernel is invisible to the counter); the memory planner's
-    states == FSDP2's real per-rank shards, exactly; its activations == the bytes autograd saves (1%).
+    sees, so attended = T there; the CPU flash kernel is invisible to the counter).
 """
 
 import argparse
@@ -46,11 +44,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass, fields, replace
-from functools import partial
 from typing import NamedTuple
 
-from common import cli_error
-from model import ModelConfig, execution_plan, read_config_file
+from model import ModelConfig, execution_plan
+from tooling import common
+from tooling.common import cli_error
+from tooling.settings import read_config_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -207,8 +206,7 @@ def run_flops(cfg, phases, attended=None, avg_doc_len=None):
         a = accounting(phase_cfg, attended, k, avg_doc_len)
         total += phase_tokens * a["flops_per_token"]
         n_c += phase_tokens * a["params_compute_active"]
-        default_k = phase_cfg.n_passes if phase_cfg.layout == "pcc" else phase_cfg.n_loops
-        passes += phase_tokens * (default_k if k is None else k)
+        passes += phase_tokens * (phase_cfg.passes if k is None else k)
         tokens += phase_tokens
     if tokens == 0:
         raise ValueError("phases hold no tokens")
@@ -515,28 +513,22 @@ def preset_baseline(name):
 
 
 def read_config(path):
-    """A nanoGPT-style config file -> (ModelConfig, settings): the model (ModelConfig.from_file, the one
-    reader of config files) and the file's other keys, of which match.py uses avg_doc_len (attention
-    FLOPs; train.py passes the same setting to flops_per_token, 0 meaning block_size) and batch_size
-    (the per-GPU micro-batch of the memory planner)."""
-    cfg = ModelConfig.from_file(path)
+    """A nanoGPT-style config file -> (ModelConfig, settings): the model (its keys over ModelConfig's
+    defaults; train.py reads config files over its own defaults, and tests/test_config.py holds every
+    named config to give the same model both ways) and the file's other keys, of which match.py uses
+    avg_doc_len (attention FLOPs; train.py passes the same setting to flops_per_token, 0 meaning
+    block_size) and the memory planner batch_size (tooling/memory.py: the per-GPU micro-batch)."""
+    values = read_config_file(path)
     model_fields = {f.name for f in fields(ModelConfig)}
-    settings = {k: v for k, v in read_config_file(path).items() if k not in model_fields}
+    cfg = ModelConfig(**{k: v for k, v in values.items() if k in model_fields})
+    settings = {k: v for k, v in values.items() if k not in model_fields}
     if not settings.get("avg_doc_len"):  # absent or 0: a full block_size document, as in train.py
         settings["avg_doc_len"] = None
     return cfg, settings
 
 
 # ----------------------------------------------------------------------------------------------------
-# Memory planner: what one GPU holds while training with DDP or FSDP2
-#
-# The training setup it describes (train.py): fp32 master weights and fp32 gradients; Muon keeps one
-# fp32 momentum buffer per hidden matrix, AdamW two fp32 buffers (exp_avg, exp_avg_sq) per parameter;
-# bf16 autocast compute on CUDA. DDP: every GPU holds everything. FSDP2: fully_shard on every stored
-# block and on the whole model, every parameter sharded on dim 0 (Shard(0)). All sizes in GiB (2^30 B).
-
-GIB = 2 ** 30
-HEADROOM = 0.10  # fraction of each GPU kept free: CUDA context, NCCL buffers, fragmentation, optimizer step
+# Parameter tensors (the memory planner, tooling/memory.py, counts their bytes)
 
 
 def param_shapes(cfg):
@@ -568,195 +560,13 @@ def param_shapes(cfg):
                       ("ffn.w_down.weight", (H, F), "matrix")]
         out += [(f"blocks.{i}.{name}", shape, group) for name, shape, group in block]
     if cfg.layout == "pcc" and cfg.boundary in ("both", "norm") and gain:
-        out.append(("boundary_norm.weight", (H,), "vector"))
+        out.append(("boundary.norm.weight", (H,), "vector"))
     if gain:
         out.append(("norm_f.weight", (H,), "vector"))
     if not cfg.tie_embeddings:
         out.append(("lm_head.weight", (V, H), "unembedding"))
     return out
 
-
-def state_bytes_per_element(group, optimizer="muon"):
-    """fp32 weight (4) + fp32 gradient (4) + optimizer state: one fp32 momentum for a Muon matrix (4),
-    exp_avg and exp_avg_sq for an AdamW parameter (8). optimizer="adamw": AdamW on everything."""
-    if optimizer not in ("muon", "adamw"):
-        raise ValueError(f"optimizer={optimizer!r}: must be 'muon' or 'adamw'")
-    return 4 + 4 + (4 if optimizer == "muon" and group == "matrix" else 8)
-
-
-def state_bytes_per_rank(cfg, world_size=1, optimizer="muon"):
-    """Exact bytes of weights, gradients and optimizer state on the fullest rank when every parameter is
-    sharded on dim 0 over world_size ranks like FSDP2's Shard(0) (torch.chunk: rank r holds rows
-    [r c, min(n, (r + 1) c)) with c = ceil(n / world_size)). Rank 0 holds c rows of every parameter, so
-    it is the fullest for all of them at once. world_size=1: the unsharded total (DDP, one GPU)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    total = 0
-    for _, shape, group in param_shapes(cfg):
-        rows = -(-shape[0] // world_size)  # ceil
-        total += rows * math.prod(shape[1:]) * state_bytes_per_element(group, optimizer)
-    return total
-
-
-def activation_bytes(cfg, micro_batch, mixed_precision=True, activation_checkpointing=False, kernels=True,
-                     n_passes=None):
-    """Bytes one GPU keeps for the backward of micro_batch sequences of block_size tokens, itemised: the
-    tensors autograd saves, counted per token. Byte sizes: a = 2 for matmul operands under bf16
-    autocast (4 without), f = 4 for what stays fp32 (the residual stream, because the embedding output
-    is fp32 and bf16 updates promote it; norm and softmax statistics; router logits), i = 8 for int64
-    indices. q = n_head x head_dim, kv = n_kv_head x head_dim. g = 1 when the unfused PyTorch RMSNorm
-    keeps x * rstd for the gain's gradient (norm_gain and not kernels), else 0. c = how often a norm
-    output is saved: autocast casts the fp32 output once per consuming matmul (3 for q/k/v, 2 for a
-    dense FFN's gate/up), while without autocast one fp32 tensor serves all (c = 1).
-      norm(d)    = f d (input) + f (rstd) + g f d
-      attention  = norm(H) + c a H (q/k/v inputs) + a (q + 2 kv) (RoPE'd q, k and v, kept by the flash /
-                   flex kernel, which keeps no T x T matrix) + a q + f n_head (its output, log-sum-exp)
-                   + a q (o_proj input); RoPE keeps nothing (cos / sin need no gradient)
-                   [QK-norm adds its input a (q + kv), f (n_head + n_kv_head) and g f (q + kv)]
-      dense FFN  = norm(H) + c a H + (4 unfused, 3 with the SwiGLU kernel) a mlp_hidden
-      MoE FFN    = norm(H) + a H (router input) + f (2 E + 2) (router logits, probs, logsumexp, top-k sum)
-                   + top_k [routed + 3 i + f + a (expert id, sort order, token index, top-k weight, its
-                   gathered copy)], where routed = c a H + 5 a expert_hidden + f H on the PyTorch path
-                   (model.run_experts: the token's sorted copy, c = 2 casts under autocast; gate
-                   pre-activation, its SiLU, up, the hidden and the router-weighted hidden; the fp32 expert
-                   output, which index_add_ keeps) and a (3 H + 2 expert_hidden) with the grouped-GEMM
-                   kernel (sorted copy, kernel-saved SwiGLU, expert output, weighted output index_add keeps)
-      block      = attention + FFN, once per *executed* block (each loop visit / pass saves its own)
-      embedding  = i (token ids) [+ norm(H) with embed_norm];  boundary [X3] = norm(H) where it norms
-      head       = norm(H) + a H (lm_head input) + f V (log-probs of the cross-entropy) + i (targets)
-    saved = embedding + executed x block + boundaries + head, and logits_grad = f V (the fp32 gradient
-    of the logits, alive with the saved tensors at the start of the backward) is added to the total.
-    With activation checkpointing per executed block a block keeps only its input (f H), and one
-    block's activations (recompute) are alive again while it is recomputed. Left out: per-block
-    constants (RoPE tables, expert load statistics, MoE tile maps) and the backward's other gradient
-    buffers; counted but smaller on the reference path: the norm of the zero state h0 [X] Algorithm 1.
-    kernels=True describes the CUDA path (Triton RMSNorm, SwiGLU, grouped-GEMM MoE), False the PyTorch
-    reference path (CPU; tests/test_match.py measures it with saved_tensors_hooks)."""
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
-    a, f, i = (2 if mixed_precision else 4), 4, 8
-    H, V, E, k = cfg.n_embd, cfg.vocab_size, cfg.n_expert, cfg.top_k
-    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
-    g = int(cfg.norm_gain and not kernels)
-
-    def norm(d, rows=1):  # input + rstd (+ x * rstd); rows: norms per token (one per head for QK-norm)
-        return f * d + f * rows + g * f * d
-
-    def copies(n):  # a norm output feeding n matmuls
-        return n if mixed_precision else 1
-
-    attention = norm(H) + copies(3) * a * H + a * (q + 2 * kv) + a * q + f * cfg.n_head + a * q
-    if cfg.qk_norm:
-        attention += a * (q + kv) + f * (cfg.n_head + cfg.n_kv_head) + g * f * (q + kv)
-    if E:
-        if kernels:  # sorted copy, kernel-saved SwiGLU, expert output, the weighted output index_add keeps
-            routed = a * (3 * H + 2 * cfg.expert_hidden)
-        else:  # model.run_experts: the sorted token (cast once per matmul under autocast), five hidden-wide
-            routed = copies(2) * a * H + 5 * a * cfg.expert_hidden + f * H  # tensors, the fp32 expert output
-        ffn = norm(H) + a * H + f * (2 * E + 2) + k * (routed + 3 * i + f + a)
-    else:
-        ffn = norm(H) + copies(2) * a * H + (3 if kernels else 4) * a * cfg.mlp_hidden
-    block = attention + ffn
-    plan = execution_plan(cfg, n_passes)
-    executed = sum(s.kind == "block" for s in plan)
-    boundaries = sum(norm(H) for s in plan if s.kind == "boundary" and s.norm)
-    embedding = i + (norm(H) if cfg.embed_norm else 0)
-    head = norm(H) + a * H + f * V + i
-    tokens = micro_batch * cfg.block_size
-    if activation_checkpointing:
-        blocks, recompute = executed * f * H, block
-    else:
-        blocks, recompute = executed * block, 0
-    items = dict(embedding=embedding, blocks=blocks, boundaries=boundaries, head=head)
-    items = {name: tokens * v for name, v in items.items()}
-    items["saved"] = sum(items.values())
-    items.update(recompute=tokens * recompute, logits_grad=tokens * f * V, per_block=tokens * block,
-                 executed_blocks=executed, tokens=tokens)
-    items["total"] = items["saved"] + items["recompute"] + items["logits_grad"]
-    return items
-
-
-def weight_copy_bytes(cfg, activation_checkpointing=False, n_passes=None):
-    """Bytes of the bf16 copies that autocast makes of fp32 weights and autograd keeps for the backward
-    (DDP; FSDP2 computes with its own bf16 parameters): 2 B x the attention, router, dense-FFN and
-    lm-head matrices once (autocast caches the cast of a leaf weight for the whole forward, so a
-    looped block's second visit reuses it) + 2 B x the experts of every executed MoE block (the
-    expert stack is cast per call; with activation checkpointing only the recomputed block's)."""
-    shapes = block_shapes(cfg)
-    executed = [s.block for s in execution_plan(cfg, n_passes) if s.kind == "block"]
-    experts = shapes["ffn_all"] if cfg.n_expert else 0
-    cached = len(set(executed)) * (shapes["attn"] + shapes["router"] + shapes["ffn_all"] - experts)
-    visits = 1 if activation_checkpointing else len(executed)
-    return 2 * (cached + cfg.vocab_size * cfg.n_embd + visits * experts)
-
-
-def memory_plan(cfg, world_size, micro_batch, optimizer="muon", activation_checkpointing=False, gpu_gb=80,
-                mixed_precision=True, headroom=HEADROOM, n_passes=None):
-    """Per-GPU memory, in GiB, of training cfg with micro_batch sequences of block_size tokens per GPU
-    on world_size GPUs of gpu_gb GiB, under DDP and under FSDP2. Returns the settings and
-    {"ddp": {...}, "fsdp": {...}}, each with states_gb_per_gpu, activations_gb_per_gpu,
-    transient_gb_per_gpu, total_gb_per_gpu, fits and max_micro_batch.
-      states       sum over parameters of numel x (4 weight + 4 grad + 4 Muon momentum or 8 AdamW moments);
-                   FSDP2: of the fullest rank's shard, ceil(dim0 / world_size) rows (state_bytes_per_rank)
-      activations  activation_bytes(...)["total"]; the same under both (each GPU runs its own micro-batch)
-      transient    DDP: its gradient buckets, a second fp32 copy of the gradients (4 B/param; zero with
-                   DistributedDataParallel(gradient_as_bucket_view=True)), and under autocast the bf16
-                   weight copies autograd keeps for the backward (weight_copy_bytes).
-                   FSDP2: unsharded parameters and gradients (bf16 with mixed precision, param and reduce
-                   dtype; fp32 without) of the root (embedding, lm head, norms: FSDP2 does not reshard
-                   the root after forward) and of 2 blocks (the one computing, the one prefetched):
-                   (root + 2 x block params) x (2 + 2) bytes.
-      fits         total <= (1 - headroom) x gpu_gb; the headroom (10%) is for the CUDA context, NCCL
-                   buffers, allocator fragmentation, and the optimizer step (one all-gathered Muon matrix
-                   and its Newton-Schulz iterates, after the activations are freed)
-      max_micro_batch  the largest micro-batch that fits (activations are linear in it; 0: none does)"""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if gpu_gb <= 0:
-        raise ValueError(f"gpu_gb must be > 0, got {gpu_gb}")
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
-    act = activation_bytes(cfg, micro_batch, mixed_precision, activation_checkpointing, True, n_passes)
-    per_sequence = activation_bytes(cfg, 1, mixed_precision, activation_checkpointing, True, n_passes)["total"]
-    shapes = block_shapes(cfg)
-    n_params = sum(math.prod(shape) for _, shape, _ in param_shapes(cfg))
-    root = n_params - cfg.n_blocks * shapes["total"]
-
-    weight_copies = weight_copy_bytes(cfg, activation_checkpointing, n_passes) if mixed_precision else 0
-    unsharded = 2 if mixed_precision else 4
-    transient = dict(ddp=4 * n_params + weight_copies,
-                     fsdp=(root + 2 * shapes["total"]) * 2 * unsharded)
-    states = dict(ddp=state_bytes_per_rank(cfg, 1, optimizer), fsdp=state_bytes_per_rank(cfg, world_size, optimizer))
-    usable = (1 - headroom) * gpu_gb * GIB
-    plan = dict(world_size=world_size, micro_batch=micro_batch, tokens_per_gpu=act["tokens"],
-                optimizer=optimizer, mixed_precision=mixed_precision,
-                activation_checkpointing=activation_checkpointing, gpu_gb=gpu_gb, headroom=headroom,
-                usable_gb=usable / GIB)
-    for name in ("ddp", "fsdp"):
-        total = states[name] + act["total"] + transient[name]
-        plan[name] = dict(states_gb_per_gpu=states[name] / GIB, activations_gb_per_gpu=act["total"] / GIB,
-                          transient_gb_per_gpu=transient[name] / GIB, total_gb_per_gpu=total / GIB,
-                          fits=total <= usable,
-                          max_micro_batch=max(0, int((usable - states[name] - transient[name]) // per_sequence)))
-    return plan
-
-
-def memory_table(plan):
-    """The memory plan as a small text table."""
-    p = plan
-    lines = [f"memory per GPU (GiB): {p['world_size']} GPUs x {p['gpu_gb']:g} GiB, fits if total <= "
-             f"{p['usable_gb']:.1f} ({p['headroom']:.0%} headroom); micro-batch {p['micro_batch']} x "
-             f"{p['tokens_per_gpu'] // p['micro_batch']} tokens; {p['optimizer']}, "
-             f"{'bf16 autocast' if p['mixed_precision'] else 'fp32'}, activation checkpointing "
-             f"{'on' if p['activation_checkpointing'] else 'off'}",
-             f"  {'':<5} {'states':>8} {'activations':>12} {'transient':>10} {'total':>8} {'fits':>5} "
-             f"{'max micro-batch':>16}"]
-    for name in ("ddp", "fsdp"):
-        m = p[name]
-        lines.append(f"  {name:<5} {m['states_gb_per_gpu']:>8.1f} {m['activations_gb_per_gpu']:>12.1f} "
-                     f"{m['transient_gb_per_gpu']:>10.1f} {m['total_gb_per_gpu']:>8.1f} "
-                     f"{'yes' if m['fits'] else 'no':>5} {m['max_micro_batch']:>16}")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -803,86 +613,59 @@ def side_by_side(base, matched, ratios):
 
 
 PROG = "match.py"
-MEMORY_OPTIONS = ("world_size", "gpu_gb", "micro_batch", "optimizer", "activation_checkpointing", "dtype")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # a usage mistake is one line on stderr and exit 2, like every other one
-        sys.exit(cli_error(PROG, ValueError(message)))
+def models_of(config=None, preset=None, recipe=None, avg_doc_len=None, attended=None):
+    """What a command line names: a config file or an [S] preset, and its matched twin when a recipe is
+    given (a preset matches to "smelt" by default). Returns dict(baseline, matched (or None), report,
+    attended, settings: the config file's other keys)."""
+    if bool(config) == bool(preset):
+        raise ValueError("give exactly one of a config file or --preset")
+    if preset:
+        base, doc_len = preset_baseline(preset)
+        settings, recipe = {}, recipe or "smelt"
+    else:
+        base, settings = read_config(config)
+        doc_len = settings["avg_doc_len"]
+    doc_len = avg_doc_len if avg_doc_len is not None else doc_len
+    attended = resolve_attended(base, attended, None if attended is not None else doc_len)
+    matched, report = match(base, recipe, attended=attended) if recipe else (None, None)
+    return dict(baseline=base, matched=matched, report=report, attended=attended, settings=settings)
 
 
-def main(argv=None):
-    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(parser):
+    """The arguments that name models (models_of), shared with tooling/memory.py's command line."""
     parser.add_argument("config", nargs="?", help="config/NAME.py (nanoGPT style)")
     parser.add_argument("--preset", help="e.g. smelt-200m-s95: [S] baseline and matched SMELT side by side")
     parser.add_argument("--recipe", help=f"match the config to a loop recipe: {sorted(RECIPES)} or key=value,...")
     parser.add_argument("--avg_doc_len", type=float,
                         help="average document length (default: config's, else block_size)")
     parser.add_argument("--attended", type=float, help="mean attended keys per query (overrides avg_doc_len)")
+
+
+def main(argv=None):
+    parser = common.parser(PROG, description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    mem = parser.add_argument_group("memory planner (memory_plan): per-GPU memory under DDP and FSDP2")
-    mem.add_argument("--memory", action="store_true", help="add the memory plan of every model")
-    mem.add_argument("--world_size", type=int, help="GPUs (default 8)")
-    mem.add_argument("--gpu_gb", type=float, help="memory of one GPU in GiB (default 80)")
-    mem.add_argument("--micro_batch", type=int, help="sequences per GPU (default: the config's batch_size, else 1)")
-    mem.add_argument("--optimizer", choices=("muon", "adamw"), help="default muon (Muon + AdamW)")
-    mem.add_argument("--activation_checkpointing", action="store_true", help="checkpoint every executed block")
-    mem.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bfloat16 autocast)")
     args = parser.parse_args(argv)
-    if bool(args.config) == bool(args.preset):
-        return cli_error(PROG, ValueError("give exactly one of a config file or --preset"))
-    stray = [f"--{name}" for name in MEMORY_OPTIONS if getattr(args, name) not in (None, False)]
-    if stray and not args.memory:
-        return cli_error(PROG, ValueError(f"{', '.join(stray)}: memory planner options, add --memory"))
     try:
-        if args.preset:
-            base, doc_len = preset_baseline(args.preset)
-            settings, recipe = {}, args.recipe or "smelt"
-        else:
-            base, settings = read_config(args.config)
-            doc_len, recipe = settings["avg_doc_len"], args.recipe
-        doc_len = args.avg_doc_len if args.avg_doc_len is not None else doc_len
-        attended = resolve_attended(base, args.attended, None if args.attended is not None else doc_len)
-        plan_memory = None
-        if args.memory:
-            plan_memory = partial(memory_plan, world_size=_option(args.world_size, 8),
-                                  micro_batch=_option(args.micro_batch, settings.get("batch_size", 1)),
-                                  optimizer=_option(args.optimizer, "muon"),
-                                  activation_checkpointing=args.activation_checkpointing,
-                                  gpu_gb=_option(args.gpu_gb, 80), mixed_precision=args.dtype != "float32")
-        if recipe is None:
-            out = accounting(base, attended)
-            out.update(sparsity(base, attended))
-            if plan_memory:
-                out["memory"] = plan_memory(base)
-            if args.json:
-                print(json.dumps(out))
-            else:
-                print(accounting_table(base, attended))
-                if plan_memory:
-                    print(memory_table(out["memory"]))
-            return 0
-        matched, report = match(base, recipe, attended=attended)
-        b, m = summary(base, attended), summary(matched, attended, baseline=base)
-        memory = dict(baseline=plan_memory(base), matched=plan_memory(matched)) if plan_memory else {}
+        models = models_of(args.config, args.preset, args.recipe, args.avg_doc_len, args.attended)
     except (ValueError, OSError) as e:
         return cli_error(PROG, e)
+    base, matched, attended = models["baseline"], models["matched"], models["attended"]
+    if matched is None:
+        out = accounting(base, attended) | sparsity(base, attended)
+        print(json.dumps(out) if args.json else accounting_table(base, attended))
+        return 0
+    b, m, report = summary(base, attended), summary(matched, attended, baseline=base), models["report"]
     if args.json:
-        if memory:
-            b["memory"], m["memory"] = memory["baseline"], memory["matched"]
         print(json.dumps(dict(baseline=b, matched=m, ratios=report["ratios"])))
     else:
         print(f"recipe {report['recipe']}, attended {attended:g} keys/query, "
               f"{report['candidates']} candidates searched in {report['seconds']:.2f} s")
         print(side_by_side(b, m, report["ratios"]))
-        for name, plan in memory.items():
-            print(f"{name} {memory_table(plan)}")
     return 0
-
-
-def _option(value, default):
-    return default if value is None else value
 
 
 if __name__ == "__main__":

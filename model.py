@@ -14,9 +14,7 @@ One ModelConfig is the single source of truth for a model's shape; match.py read
 """
 
 import math
-import os
-import types
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -32,16 +30,12 @@ from torch.utils.checkpoint import checkpoint
 class RMSNorm(nn.Module):
     """RMSNorm with an optional learnable gain ([X] Table 1 trains without norm gains)."""
 
-    def __init__(self, dim, eps=1e-6, gain=True, use_triton=False):
+    def __init__(self, dim, eps=1e-6, gain=True):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if gain else None
-        self.use_triton = use_triton
 
     def forward(self, x):
-        if self.use_triton:
-            from kernels import rmsnorm
-            return rmsnorm(x, self.weight, self.eps)
         weight = self.weight
         if weight is not None and weight.dtype != x.dtype:  # bf16 q/k under autocast: keep the fused kernel
             weight = weight.to(x.dtype)
@@ -114,8 +108,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gain, cfg.use_triton) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gain, cfg.use_triton) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gain) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gain) if cfg.qk_norm else None
 
     def qkv(self, x, ctx):
         """Queries (B, n_head, T, head_dim), keys and values (B, n_kv_head, T, head_dim), rotated."""
@@ -146,24 +140,15 @@ class Attention(nn.Module):
 # Feed-forward: dense SwiGLU, and a truly sparse MoE of fine-grained SwiGLU experts
 
 
-def swiglu(gate, up, use_triton=False):
-    if use_triton:
-        from kernels import swiglu as swiglu_kernel
-        return swiglu_kernel(gate, up)
-    return F.silu(gate) * up
-
-
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.w_gate = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=False)
         self.w_up = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=False)
         self.w_down = nn.Linear(cfg.mlp_hidden, cfg.n_embd, bias=False)
-        self.use_triton = cfg.use_triton
 
     def forward(self, x):
-        h = swiglu(self.w_gate(x), self.w_up(x), self.use_triton)
-        return self.w_down(h), None
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x)), None  # SwiGLU
 
 
 def run_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None):
@@ -200,7 +185,6 @@ class MoE(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(cfg.n_expert, cfg.expert_hidden, cfg.n_embd))
         self.w_up = nn.Parameter(torch.empty(cfg.n_expert, cfg.expert_hidden, cfg.n_embd))
         self.w_down = nn.Parameter(torch.empty(cfg.n_expert, cfg.n_embd, cfg.expert_hidden))
-        self.use_triton = cfg.use_triton
 
     def forward(self, x):
         shape = x.shape
@@ -218,13 +202,7 @@ class MoE(nn.Module):
         # tokens per expert (like bincount, but without a host sync on CUDA)
         counts = torch.zeros(self.n_expert, dtype=torch.long, device=x.device).index_add_(
             0, flat_ids, torch.ones_like(flat_ids))
-        if self.use_triton:  # one grouped-GEMM launch over the expert-sorted copies of the tokens
-            from kernels import moe_experts
-            y_sorted = moe_experts(flat[token_of], counts, self.w_gate, self.w_up, self.w_down)
-            y_sorted = y_sorted * weight_of.unsqueeze(1).to(y_sorted.dtype)
-            out = y_sorted.new_zeros(flat.shape).index_add_(0, token_of, y_sorted)
-        else:
-            out = run_experts(flat, token_of, counts, self.w_gate, self.w_up, self.w_down, weight_of)
+        out = self.experts(flat, token_of, counts, weight_of)
         # load-balancing loss (Switch): E * sum_e f_e P_e, minimum 1 for a uniform router
         fraction = counts.float() / (n_tokens * self.top_k)
         balance = self.n_expert * (fraction * probs.mean(dim=0)).sum()
@@ -234,6 +212,10 @@ class MoE(nn.Module):
                       weights=weights.detach().view(*shape[:-1], self.top_k))  # statistics for probes
         return out.view(shape), router
 
+    def experts(self, x, token_of, counts, weight_of):
+        """The routed experts' weighted outputs (N, n_embd) (kernels.apply swaps in a grouped GEMM)."""
+        return run_experts(x, token_of, counts, self.w_gate, self.w_up, self.w_down, weight_of)
+
 
 # ----------------------------------------------------------------------------------------------------
 # Block: pre-norm attention + FFN with a residual scale
@@ -242,9 +224,9 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain, cfg.use_triton)
+        self.norm1 = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain)
         self.attn = Attention(cfg)
-        self.norm2 = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain, cfg.use_triton)
+        self.norm2 = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain)
         self.ffn = MoE(cfg) if cfg.n_expert > 0 else MLP(cfg)
         self.residual_multiplier = cfg.residual_multiplier  # [X] RM on attention-out and MLP-down
 
@@ -260,6 +242,24 @@ class Block(nn.Module):
 def scaled(x, scale):
     """scale * x, skipping the multiply (a full copy forward and backward) when scale is 1."""
     return x if scale == 1.0 else scale * x
+
+
+class BoundaryOperator(nn.Module):
+    """[X3] BO(h, e) = RMSNorm(h) + alpha * e, before a core pass or the coda; each boundary of the plan
+    says whether it norms and whether it injects. One gain-free (or shared-gain) RMSNorm serves them all."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        norms = cfg.layout == "pcc" and cfg.boundary in ("both", "norm")
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain) if norms else None
+        self.alpha = cfg.boundary_alpha
+
+    def forward(self, h, e, norm=True, inject=True):
+        if norm:
+            h = self.norm(h)
+        if inject:
+            h = h + self.alpha * e
+        return h
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -287,7 +287,7 @@ def execution_plan(cfg, n_passes=None):
     if cfg.layout == "plain":
         return [Step("block", i, 1) for i in range(cfg.n_layer)]
     if cfg.layout in ("smelt", "layer_loop"):
-        r = cfg.n_loops if n_passes is None else n_passes
+        r = cfg.passes if n_passes is None else n_passes
         if r < 1:
             raise ValueError(f"n_passes/n_loops must be >= 1, got {r}")
         start, stop = cfg.loop_start, cfg.loop_start + cfg.loop_span
@@ -300,7 +300,7 @@ def execution_plan(cfg, n_passes=None):
             loop = [Step("block", i, v, 1.0 / r) for i in span for v in range(1, r + 1)]
         return prelude + loop + coda
     # prelude-core-coda [X1]-[X2]
-    k_passes = cfg.n_passes if n_passes is None else n_passes
+    k_passes = cfg.passes if n_passes is None else n_passes
     if k_passes < 1:
         raise ValueError(f"n_passes must be >= 1, got {k_passes}")
     if not cfg.tie_core and k_passes > cfg.n_passes:
@@ -390,7 +390,6 @@ class ModelConfig:
     #                  "nanogpt": normal(0.02), out-projections scaled by 1/sqrt(2 * executed layers)
     embed_init_std: float = 0.02  # std of the normal token-embedding init ('x' init)
     uniform_init_scale: float = 3 ** 0.5  # U(-s, s) with s = uniform_init_scale / sqrt(n_embd)
-    use_triton: bool = False  # Triton kernels (kernels/) instead of the PyTorch code; train.py turns them on on CUDA
 
     def __post_init__(self):
         def bad(name, why):
@@ -455,8 +454,26 @@ class ModelConfig:
             return self.n_prelude + self.n_passes * self.n_core + self.n_coda
         return self.n_layer
 
+    @property
+    def passes(self):
+        """How often the looped part runs: K core passes (pcc), r executions of the loop span (smelt,
+        layer_loop); 1 for plain. The one place that reads n_passes or n_loops by layout."""
+        return self.n_passes if self.layout == "pcc" else 1 if self.layout == "plain" else self.n_loops
+
+    def with_passes(self, n_passes):
+        """A copy run with n_passes (K for pcc, r for the loops); None: this config."""
+        if n_passes is None:
+            return self
+        return replace(self, **{"n_passes" if self.layout == "pcc" else "n_loops": n_passes})
+
     def executed_layers(self, n_passes=None):
+        """Block executions of one forward pass (each visit of a looped block counts)."""
         return sum(step.kind == "block" for step in execution_plan(self, n_passes))
+
+    def uses_flex(self, device_type):
+        """The attention backend: FlexAttention with a block mask ("flex"; what "auto" picks on CUDA) or
+        SDPA with a boolean document mask (FlexAttention has no backward on CPU)."""
+        return self.attention == "flex" or (self.attention == "auto" and device_type == "cuda")
 
     @classmethod
     def from_dict(cls, d):
@@ -465,32 +482,6 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig keys: {unknown}")
         return cls(**d)
-
-    @classmethod
-    def from_file(cls, path, **overrides):
-        """Read a nanoGPT-style config file; keys that are not model fields (training settings) are
-        ignored here (train.py checks them)."""
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in read_config_file(path).items() if k in known}
-        values.update(overrides)
-        return cls(**values)
-
-
-def read_config_file(path):
-    """The assignments of a nanoGPT-style config file (plain python) as {name: value}; a file that does
-    not exist or does not run raises ValueError naming the file and line."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file not found: {path}")
-    namespace = {}
-    with open(path) as f:
-        source = f.read()
-    try:
-        exec(compile(source, path, "exec"), {}, namespace)
-    except SyntaxError as e:
-        raise ValueError(f"{path}:{e.lineno}: syntax error in config file: {e.msg}") from None
-    except Exception as e:  # the file runs python: NameError, ImportError, ...
-        raise ValueError(f"{path}: config file failed: {type(e).__name__}: {e}") from None
-    return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -535,12 +526,10 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg = config
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.embed_norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain, cfg.use_triton) if cfg.embed_norm else None
+        self.embed_norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain) if cfg.embed_norm else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_blocks))
-        # one boundary RMSNorm shared by every boundary (it has no weights when norm_gain is off)
-        needs_boundary_norm = cfg.layout == "pcc" and cfg.boundary in ("both", "norm")
-        self.boundary_norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain, cfg.use_triton) if needs_boundary_norm else None
-        self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain, cfg.use_triton)
+        self.boundary = BoundaryOperator(cfg)  # [X3] (empty unless prelude-core-coda norms at its boundaries)
+        self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -607,9 +596,8 @@ class GPT(nn.Module):
         else:
             mask = None
         ctx = ForwardContext(self.rope_cos[start:start + T], self.rope_sin[start:start + T], mask, cache=cache)
-        use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and idx.is_cuda)
-        if mask is not None and cache is None and use_flex:
-            ctx.block_mask = flex_block_mask(docs)  # FlexAttention has no backward on CPU: train there with sdpa
+        if mask is not None and cache is None and cfg.uses_flex(idx.device.type):
+            ctx.block_mask = flex_block_mask(docs)
 
         plan = self.plan if n_passes is None else execution_plan(cfg, n_passes)
         h = self.wte(idx)
@@ -645,17 +633,6 @@ class GPT(nn.Module):
                 self.last_stats.update(balance=balance.detach(), z_loss=z_loss.detach(),
                                        expert_counts=torch.stack([r["counts"] for r in routers]))
         return logits, loss
-
-    def boundary(self, h, anchor, norm, inject):
-        if norm and inject and self.config.use_triton:
-            from kernels import boundary_operator
-            return boundary_operator(h, anchor, self.config.boundary_alpha, self.boundary_norm.weight,
-                                     self.config.norm_eps)
-        if norm:
-            h = self.boundary_norm(h)
-        if inject:
-            h = h + self.config.boundary_alpha * anchor
-        return h
 
     # ---- generation
 
@@ -702,34 +679,3 @@ class GPT(nn.Module):
                 inactive += (block.ffn.n_expert - block.ffn.top_k) * per_expert
         return dict(embedding=embedding, non_embedding=total - embedding, total=total,
                     active=total - embedding - inactive)
-
-    # ---- checkpoints
-
-    @classmethod
-    def from_checkpoint(cls, path, map_location="cpu", use_triton=False):
-        """A model from a checkpoint written by train.py or grow.py -> (model, checkpoint dict).
-        Kernels are off unless asked for (a checkpoint trained on a GPU loads on a CPU)."""
-        ckpt = load_checkpoint(path, map_location)
-        model = cls(ModelConfig.from_dict(ckpt["model_config"] | dict(use_triton=use_triton)))
-        try:
-            model.load_state_dict(ckpt["model"])
-        except RuntimeError as e:  # weights that do not fit the stored config
-            raise ValueError(f"{path}: the weights do not match the model config stored with them: "
-                             f"{str(e).splitlines()[0]}") from None
-        return model, ckpt
-
-
-def load_checkpoint(path, map_location="cpu"):
-    """A checkpoint file -> its dict ({"model_config", "model", ...}), with a clear error when it is
-    missing, unreadable or not a loopstudy checkpoint."""
-    if os.path.isdir(path):
-        raise ValueError(f"{path} is a directory, not a checkpoint file")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as e:  # truncated or not a torch file
-        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
-    if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model" not in ckpt:
-        raise ValueError(f"{path} is not a loopstudy checkpoint (needs 'model_config' and 'model')")
-    return ckpt

@@ -8,7 +8,8 @@ the hidden matrices of a transformer. One file with no project imports: copy it 
 The update of each matrix is SGD momentum (Nesterov by default), orthogonalised by five steps of the
 quintic Newton-Schulz iteration (orthogonalize), scaled by lr * max(1, rows/cols)^0.5 so that tall
 matrices get the same RMS update per element. A stacked expert tensor (E, out, in) is orthogonalised
-per expert. Decoupled weight decay p <- p (1 - lr wd).
+per expert. Decoupled weight decay p <- p (1 - lr wd). The iteration's Gram product is `opt.gram`
+(None: x @ x.mT); kernels.apply(model, [opt]) sets it to a Triton kernel computing half the tiles.
 
 FSDP2: the same class takes parameters that are DTensors sharded on a 1-D mesh (fully_shard). Momentum
 is elementwise, so it runs on the local shard and its buffer stays sharded (a DTensor like the grad).
@@ -43,7 +44,9 @@ def orthogonalize(update, steps=5, eps=1e-7, dtype=None, gram=None):
     orthogonalised per expert.
     dtype: the arithmetic dtype; None -> newton_schulz_dtype (bf16 on CUDA, fp32 elsewhere). Pass
     torch.bfloat16 on CPU to rehearse the CUDA arithmetic.
-    gram: x -> x @ x.mT (kernels.newton_schulz passes its half-tile Triton kernel)."""
+    gram: x -> x @ x.mT for both Gram products of each step (A = X X^T, and A A = A A^T: A is
+    symmetric); None -> the plain matmul. Muon passes its `gram` attribute (kernels.gram: a Triton
+    kernel computing half the tiles)."""
     a, b, c = NS_COEFFICIENTS
     dtype = dtype or newton_schulz_dtype(update)
     gram = gram or (lambda x: x @ x.mT)
@@ -110,13 +113,15 @@ class Muon(torch.optim.Optimizer):
     """Muon for 2-D (out, in) and stacked 3-D (E, out, in) parameters, plain tensors or FSDP2 DTensors.
     See the module docstring.
     ns_dtype: the Newton-Schulz arithmetic dtype (None: bf16 on CUDA, fp32 on CPU).
-    use_triton: None -> kernels.newton_schulz (half-tile Gram kernel) on CUDA, plain matmuls elsewhere."""
+    gram (attribute, not an argument): the Gram product x -> x @ x.mT of the Newton-Schulz iteration;
+    None -> the plain matmul. kernels.apply(model, [opt]) sets it to the half-tile Triton kernel."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
-                 ns_dtype=None, use_triton=None):
+                 ns_dtype=None):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                       weight_decay=weight_decay))
-        self.ns_dtype, self.use_triton = ns_dtype, use_triton
+        self.ns_dtype = ns_dtype
+        self.gram = None
 
     def momentum_update(self, p, group):
         """The Nesterov (or plain) momentum direction of p; the buffer lives in self.state[p]. For a
@@ -130,10 +135,7 @@ class Muon(torch.optim.Optimizer):
         return grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
 
     def orthogonalize(self, update, steps):
-        if update.is_cuda if self.use_triton is None else self.use_triton:
-            from kernels import newton_schulz  # the same iteration, Gram products on Triton
-            return newton_schulz(update, steps, dtype=self.ns_dtype)
-        return orthogonalize(update, steps, dtype=self.ns_dtype)
+        return orthogonalize(update, steps, dtype=self.ns_dtype, gram=self.gram)
 
     def apply_update(self, p, group, update):
         """Decoupled weight decay and the scaled update, on this rank's shard; the lr scale uses p's

@@ -44,8 +44,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import cli_error, write_atomic
+from tooling.common import cli_error, write_atomic
 from model import GPT, scaled
+from tooling.checkpoint import load_model
 
 ATTENTION_QUANTITIES = (("X", "attn_in"), ("Q", "q"), ("K", "k"), ("V", "v"), ("PV", "attn_context"),
                         ("O", "attn_output"))
@@ -552,7 +553,8 @@ def main(argv=None):
     parser.add_argument("--n_passes", type=int, default=None, help="override r / K for the probe forward")
     parser.add_argument("--attn_topk", type=int, default=8, help="attended keys compared per head")
     parser.add_argument("--kl_threshold", type=float, default=2.0, help="nats, for the KL effective depth")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="torch device to probe on, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--plot", default=None, metavar="DIR", help="write sink heatmaps and the KL curve here")
     args = parser.parse_args(argv)
@@ -560,7 +562,7 @@ def main(argv=None):
         parser.error("--tokens, --batch_size and --attn_topk must be >= 1")
 
     try:
-        model, ckpt = GPT.from_checkpoint(args.ckpt)
+        model, ckpt = load_model(args.ckpt)
         data_dir = resolve_data_dir(args.data_dir or ckpt.get("data_dir"))
         seq_len = args.seq_len or model.config.block_size
         if not 1 <= seq_len <= model.config.block_size:

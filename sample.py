@@ -27,9 +27,10 @@ import sys
 
 import torch
 
-from common import cli_error, resolve_device
+from tooling.common import cli_error, resolve_device
 from data.tokenizer import get_tokenizer
 from model import GPT
+from tooling.checkpoint import load_model
 
 SEPARATOR = "---------------"
 LOOPED_LAYOUTS = ("smelt", "layer_loop", "pcc")
@@ -139,25 +140,31 @@ def sample_text(model, tokenizer, start="", max_new_tokens=200, temperature=0.8,
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Sample text from a loopstudy checkpoint (see the module docstring).")
-    parser.add_argument("--ckpt", default="out/tiny/ckpt.pt", help="checkpoint written by train.py (default out/tiny/ckpt.pt)")
+    parser.add_argument("--ckpt", default="out/tiny/ckpt.pt", help="checkpoint written by train.py (default: %(default)s)")
     parser.add_argument("--start", default="", help="prompt text, or FILE:path to read it from a file "
-                        "(default '': <|endoftext|> alone, a fresh document)")
-    parser.add_argument("--num_samples", type=int, default=3)
-    parser.add_argument("--max_new_tokens", type=int, default=200, help="any length: past block_size in windows")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy decoding")
-    parser.add_argument("--top_k", type=int, default=200, help="sample among the top_k most likely tokens")
-    parser.add_argument("--seed", type=int, default=1337)
+                        "(default: '', <|endoftext|> alone, so a fresh document)")
+    parser.add_argument("--num_samples", type=int, default=3,
+                        help="samples to print, each followed by a line of dashes (default: %(default)s)")
+    parser.add_argument("--max_new_tokens", type=int, default=200,
+                        help="new tokens per sample; any length, past block_size in windows (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="softmax temperature; 0 is greedy decoding (default: %(default)s)")
+    parser.add_argument("--top_k", type=int, default=200,
+                        help="sample among the top_k most likely tokens (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=1337, help="random seed: the same seed gives the same text "
+                                                               "(default: %(default)s)")
     parser.add_argument("--n_passes", type=int, default=None,
-                        help="looped models: test-time passes (K for pcc, r for smelt / layer_loop); default as trained")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer name (default: the checkpoint's)")
-    parser.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
+                        help="looped models: test-time passes (K for pcc, r for smelt / layer_loop) (default: as trained)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer name, e.g. gpt2-4096 (default: the checkpoint's)")
+    parser.add_argument("--device", default="auto", help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', "
+                                                         "'cuda:1', ... (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         # settings first: a bad value is reported before the checkpoint is loaded
         check_settings(args.num_samples, args.max_new_tokens, args.temperature, args.top_k, args.n_passes)
         device = resolve_device(args.device)
         start = read_start(args.start)
-        model, ckpt = GPT.from_checkpoint(args.ckpt)
+        model, ckpt = load_model(args.ckpt)
         check_n_passes(model.config, args.n_passes)
         tokenizer_name = args.tokenizer or ckpt.get("tokenizer")
         if not tokenizer_name:

@@ -91,7 +91,7 @@ def main(argv=None):
         cfg = ModelConfig(**SHAPE, block_size=args.block_size, **MODELS[name])
         for optimizer in ("adamw", "muon"):
             steps[f"{name}/{optimizer}"] = Step(cfg, optimizer, args.batch_size)
-    tiny = train.model_config_from(train.DEFAULTS)
+    tiny = train.SETTINGS.build(train.ModelConfig, train.DEFAULTS)
     for optimizer in ("adamw", "muon"):
         steps[f"tiny_default/{optimizer}"] = Step(tiny, optimizer, train.DEFAULTS["batch_size"])
     times = {key: [] for key in steps}

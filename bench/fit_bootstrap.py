@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 import fit  # noqa: E402
+from tooling.tables import read_chinchilla_csv  # noqa: E402
 
 
 def emit(**kw):
@@ -45,8 +46,8 @@ def main():
          a=round(f.a, 4), c=round(f.c, 4))
 
     t = time.perf_counter()
-    N, Dc, Lc = (fit.read_chinchilla_csv(os.path.join(os.path.dirname(__file__), "..", "tests", "data",
-                                                      "chinchilla_fig4_epoch.csv"))[k] for k in ("N", "D", "loss"))
+    N, Dc, Lc = (read_chinchilla_csv(os.path.join(os.path.dirname(__file__), "..", "tests", "data",
+                                                  "chinchilla_fig4_epoch.csv"))[k] for k in ("N", "D", "loss"))
     keep = np.argsort(Lc)[:-5]
     ch = fit.fit_chinchilla(N[keep], Dc[keep], Lc[keep])
     emit(name="chinchilla_fit", n_points=len(keep), seconds=round(time.perf_counter() - t, 3), E=round(ch.E, 4),

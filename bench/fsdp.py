@@ -9,7 +9,6 @@ Targets (CPU, 2 processes): FSDP step time <= 1.3x DDP's at the wider config; pe
 1/2 of DDP's. One JSON line per measurement, then the ratios.
 """
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -21,7 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
+from data.loader import TokenStream  # noqa: E402
 from model import GPT  # noqa: E402
+from tooling import distributed  # noqa: E402
 
 CONFIGS = {
     "tiny_default": dict(),
@@ -30,36 +31,45 @@ CONFIGS = {
 
 
 def build(name, parallel, device, world):
-    settings = train.resolve_settings(CONFIGS[name] | dict(parallel=parallel, progress=False, sample=False))
-    config, cfg = train.train_config_from(settings), train.model_config_from(settings, device.type)
+    settings = train.SETTINGS.resolve(CONFIGS[name] | dict(parallel=parallel, progress=False, sample=False))
+    config, cfg = train.SETTINGS.build(train.TrainConfig, settings), train.SETTINGS.build(train.ModelConfig, settings)
     torch.manual_seed(0)
     model = GPT(cfg)
-    if parallel == "fsdp":
-        train.shard_model(model, config, device, world, use_bf16=False)
-    optimizers = train.build_optimizers(model, config, torch.float32)
+    optimizers = train.prepare(model, config, device, world, use_bf16=False)  # sharded under fsdp
     tokens = np.random.default_rng(0).integers(0, cfg.eot_token, 1 << 20).astype(np.uint16)
-    stream = train.TokenStream(tokens, cfg.block_size, config.seed)
-    return config, model, train.wrap_model(model, config, device, world), optimizers, stream
+    stream = TokenStream(tokens, cfg.block_size, config.seed)
+    return config, model, distributed.wrap(model, device, world, parallel), optimizers, stream
+
+
+def step(model, raw, optimizers, stream, position, config, rank, world):
+    """One training step as train.py's loop takes it: grad_accum micro-batches, clip, optimizer step."""
+    for micro in range(config.grad_accum):
+        x, y = stream.batch(position + (rank * config.grad_accum + micro) * config.batch_size, config.batch_size)
+        with distributed.no_sync(model, raw, skip=world > 1 and micro < config.grad_accum - 1):
+            (model(x, y)[1] / config.grad_accum).backward()
+    torch.nn.utils.clip_grad_norm_(raw.parameters(), config.grad_clip)
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 def worker(steps):
-    rank, world, device = train.setup_distributed(train.TrainConfig(parallel="fsdp"))
+    rank, world, device = distributed.setup("auto", "fsdp")
     torch.set_num_threads(1)
     runs = {(name, parallel): build(name, parallel, device, world) for name in CONFIGS for parallel in ("ddp", "fsdp")}
-    states = {key: train.TrainState() for key in runs}
+    positions = {key: 0 for key in runs}
     times = {key: [] for key in runs}
     for round_ in range(steps + 1):  # round 0 warms up
         for key, (config, raw, model, optimizers, stream) in runs.items():
             t0 = time.perf_counter()
-            train.train_step(model, raw, optimizers, stream, states[key], config, None, contextlib.nullcontext(),
-                             rank, world)
+            step(model, raw, optimizers, stream, positions[key], config, rank, world)
             if round_:
                 times[key].append(time.perf_counter() - t0)
-            states[key].data_position += config.batch_size * config.grad_accum * world
+            positions[key] += config.batch_size * config.grad_accum * world
     for key, (config, raw, model, optimizers, stream) in runs.items():
-        x, y, _ = stream.batch(0, config.batch_size)
+        x, y = stream.batch(0, config.batch_size)
         model(x, y)[1].backward()  # the gradients a step holds: weights + gradients + optimizer state
-        held = torch.tensor([train.local_state_bytes(raw, optimizers)], dtype=torch.float64)
+        held = torch.tensor([distributed.local_state_bytes(raw, optimizers)], dtype=torch.float64)
         gathered = [torch.zeros_like(held) for _ in range(world)]
         torch.distributed.all_gather(gathered, held)
         if rank == 0:
@@ -68,7 +78,7 @@ def worker(steps):
             print(json.dumps(dict(bench="fsdp", config=key[0], parallel=key[1], processes=world,
                                   ms_per_step=round(1e3 * seconds, 1), tokens_per_s=round(tokens / seconds),
                                   state_bytes_per_process=[int(g.item()) for g in gathered])), flush=True)
-    train.end_distributed()
+    distributed.teardown()
 
 
 def main(argv=None):

@@ -4,9 +4,11 @@ compiles), forward and forward+backward, one JSON line per measurement:
 
     python bench/kernels.py                    # CUDA: times; CPU: one line per kernel saying so
     python bench/kernels.py --dtype=float32 --tokens=4096
-    python bench/kernels.py --moe_autocast     # the MoE as model.py calls it: fp32 x and weights, bf16 autocast
+    python bench/kernels.py --moe_autocast     # as a kernels.apply model runs it: fp32 x and weights, bf16 autocast
 
 torch.compile is not applied to the MoE twin: its python loop over experts needs counts on the host.
+"newton_schulz" is Muon's iteration (muon.orthogonalize, 5 steps in its CUDA dtype bf16) with the Gram
+kernel (gram=kernels.gram, as kernels.apply sets it for Muon) against the plain matmuls (gram=None).
 --moe_autocast times moe_experts (and its twin) on fp32 tensors under torch.autocast("cuda", bfloat16),
 so the operand casts count (dtype contract: kernels/moe_kernel.py moe_experts); its lines read
 dtype "float32+autocast-bf16". The other kernels are not autocast-aware and keep --dtype.
@@ -23,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels  # noqa: E402
+from muon import orthogonalize  # noqa: E402
 
 
 def make_cases(tokens, n_embd, hidden, n_expert, top_k, expert_hidden, dtype, device, moe_dtype=None):
@@ -53,8 +56,8 @@ def make_cases(tokens, n_embd, hidden, n_expert, top_k, expert_hidden, dtype, de
                         kernels.moe_experts_reference, moe),
         # Muon runs under no_grad: forward only for these two
         "gram": (f"16x{expert_hidden}x{n_embd}", kernels.gram, kernels.gram_reference, (stack,)),
-        "newton_schulz": (f"16x{expert_hidden}x{n_embd}", kernels.newton_schulz, kernels.newton_schulz_reference,
-                          (stack,)),
+        "newton_schulz": (f"16x{expert_hidden}x{n_embd}", lambda u: orthogonalize(u, gram=kernels.gram),
+                          orthogonalize, (stack,)),
     }
 
 
@@ -83,7 +86,7 @@ def main():
     parser.add_argument("--expert_hidden", type=int, default=432)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--moe_autocast", action="store_true",
-                        help="moe_experts on fp32 tensors under bf16 autocast, as model.py calls it on CUDA")
+                        help="moe_experts on fp32 tensors under bf16 autocast, as a kernels.apply model runs it")
     parser.add_argument("--no_compile", action="store_true", help="skip torch.compile of the twins")
     args = parser.parse_args()
     names = ["rmsnorm", "boundary_operator", "swiglu", "moe_experts", "gram", "newton_schulz"]

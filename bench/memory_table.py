@@ -17,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grow  # noqa: E402
 import match  # noqa: E402
+from tooling import memory  # noqa: E402
 
 GPUS, GPU_GB = (8, 16), 80
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +53,7 @@ def main(argv=None):
               + " | FSDP max micro-batch x" + " / x".join(map(str, GPUS)) + " |")
         print("| --- | ---: | --- | --- |" + " ---: |" * (2 * len(GPUS) + 1))
     for label, cfg, micro_batch, checkpointing in models():
-        plans = [match.memory_plan(cfg, w, micro_batch, activation_checkpointing=checkpointing, gpu_gb=GPU_GB)
+        plans = [memory.memory_plan(cfg, w, micro_batch, activation_checkpointing=checkpointing, gpu_gb=GPU_GB)
                  for w in GPUS]
         params = match.accounting(cfg)["params_total"]
         if args.json:

@@ -20,21 +20,22 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
-from common import resolve_device  # noqa: E402
+from tooling.common import resolve_device  # noqa: E402
+from tooling.settings import read_config_file  # noqa: E402
 from model import GPT  # noqa: E402
 
 
 def dense_twin(settings):
     """The same model with a dense SwiGLU of the MoE's active hidden size (top_k * expert_hidden)."""
-    cfg = train.model_config_from(settings)
+    cfg = train.SETTINGS.build(train.ModelConfig, settings)
     return settings | dict(n_expert=0, mlp_hidden=cfg.top_k * cfg.expert_hidden if cfg.n_expert else cfg.mlp_hidden)
 
 
 def measure(settings, steps, warmup, device, compile_model, peak_flops=None):
-    cfg = train.model_config_from(settings)
+    cfg = train.SETTINGS.build(train.ModelConfig, settings)
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    optimizers = train.build_optimizers(model, train.train_config_from(settings))
+    optimizers = train.build_optimizers(model, train.SETTINGS.build(train.TrainConfig, settings))
     step_model = torch.compile(model) if compile_model else model
     use_bf16 = device.type == "cuda"
     B, T = settings["batch_size"], cfg.block_size
@@ -83,10 +84,10 @@ def main(argv=None):
                         help="bf16 dense peak for MFU on CUDA (989: H100/H200 SXM, as the [X] code)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
-    overrides = train.read_config_file(args.config) if args.config else {}
+    overrides = read_config_file(args.config) if args.config else {}
     if args.batch_size is not None:
         overrides["batch_size"] = args.batch_size
-    settings = train.resolve_settings(overrides)
+    settings = train.SETTINGS.resolve(overrides)
     peak = args.peak_tflops * 1e12 if device.type == "cuda" else None
     for s in (settings, dense_twin(settings)):
         print(json.dumps(measure(s, args.steps, args.warmup, device, args.compile, peak)), flush=True)

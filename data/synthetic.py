@@ -25,7 +25,7 @@ import sys
 
 if __package__ in (None, ""):  # run as a script: python data/synthetic.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cli_error
+from tooling.common import cli_error
 
 BRACKETS = [("(", ")"), ("[", "]"), ("{", "}"), ("<", ">")]
 BIGBENCH_DYCK_PROMPT = "Complete the rest of the sequence, making sure that the parentheses are closed properly. Input: "

@@ -23,7 +23,7 @@ import tiktoken_ext.openai_public
 
 if __package__ in (None, ""):  # run as a script: python data/tokenizer.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cli_error
+from tooling.common import cli_error
 
 RANKS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizer", "gpt2.tiktoken")
 RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # r50k_base.tiktoken

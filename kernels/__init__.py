@@ -1,11 +1,18 @@
 """
-Small Triton kernels, each with a plain PyTorch reference twin in the same file.
+Small Triton kernels, each with a plain PyTorch reference twin in the same file, and `apply`, the one
+way they come into a run:
 
-    rmsnorm(x, weight=None, eps=1e-6)                     rmsnorm_reference          rmsnorm_kernel.py
+    kernels.apply(model, optimizers=())   swap the kernels into a built model (and Muon) in place
+
+    rmsnorm(x, weight=None, eps=1e-6)                     rmsnorm_reference           rmsnorm_kernel.py
     boundary_operator(h, e, alpha, weight=None, eps=1e-6) boundary_operator_reference rmsnorm_kernel.py
-    swiglu(gate, up)                                      swiglu_reference           swiglu_kernel.py
-    moe_experts(x_sorted, counts, w_gate, w_up, w_down)   moe_experts_reference      moe_kernel.py
-    gram(x) = x @ x.mT (half the tiles), newton_schulz    gram_reference, ...        newton_schulz_kernel.py
+    swiglu(gate, up)                                      swiglu_reference            swiglu_kernel.py
+    moe_experts(x_sorted, counts, w_gate, w_up, w_down)   moe_experts_reference       moe_kernel.py
+    gram(x) = x @ x.mT (half the tiles)                   gram_reference              newton_schulz_kernel.py
+
+The package imports nothing from the project (model.py, muon.py): `apply` finds model.py's modules by
+class name, and Muon's Newton-Schulz iteration takes `gram` as its Gram product. The tests hold each
+twin equal to the model's or Muon's own code and each kernel close to its twin.
 
 Every kernel is a torch.autograd.Function with forward and backward in Triton (except gram's backward,
 a torch matmul: it serves Muon, which runs under no_grad). On CUDA they compile;
@@ -17,14 +24,14 @@ bf16 operands on CUDA); every gradient has its input's dtype.
     swiglu                       -> gate.dtype (== up.dtype); not autocast-aware
     moe_experts                  -> x_sorted.dtype; autocast-aware: under autocast the matmul operands
                                     are in the autocast dtype, the result still in x_sorted.dtype
-    gram                         -> x.dtype;  newton_schulz -> update.dtype, arithmetic in `dtype`
+    gram                         -> x.dtype (Muon calls it in its Newton-Schulz dtype)
 The interpreter cannot do bf16 arithmetic: the kernels convert after every load (and the matmul kernels
 convert their tl.dot operands when run on CPU), so bf16 tensors go through the same plumbing there;
 only its fp32 -> bf16 stores truncate where the GPU rounds to nearest (1 bf16 ulp).
 
-Importing this package does not import triton: triton decides interpreter-or-compiler when a kernel is
-defined, so the kernel files are imported on first use, after the caller had the chance to set
-TRITON_INTERPRET (tests/conftest.py does so on machines without CUDA).
+Importing this package does not import triton (nor does `apply`): triton decides interpreter-or-compiler
+when a kernel is defined, so the kernel files are imported on first use, after the caller had the chance
+to set TRITON_INTERPRET (tests/conftest.py does so on machines without CUDA).
 """
 import importlib
 import os
@@ -35,7 +42,7 @@ def _module(name, device=None):
             os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
         raise RuntimeError("kernels: Triton kernels on CPU run only in the interpreter; set TRITON_INTERPRET=1 "
                            "before triton is first imported (tests/conftest.py does), or use the *_reference "
-                           "twins (use_triton=False)")
+                           "twins (a model without kernels.apply)")
     return importlib.import_module(f"kernels.{name}")
 
 
@@ -85,11 +92,80 @@ def gram_reference(x):
     return _module("newton_schulz_kernel").gram_reference(x)
 
 
-def newton_schulz(update, steps=5, eps=1e-7, dtype=None):
-    """Muon's quintic Newton-Schulz orthogonalisation (= muon.orthogonalize) with both Gram products on
-    the kernel."""
-    return _module("newton_schulz_kernel", update.device).newton_schulz(update, steps, eps, dtype)
+# ----------------------------------------------------------------------------------------------------
+# apply: the kernels in a built model, and Muon's Gram product
 
 
-def newton_schulz_reference(update, steps=5, eps=1e-7, dtype=None):
-    return _module("newton_schulz_kernel").newton_schulz_reference(update, steps, eps, dtype)
+def apply(model, optimizers=()):
+    """Swap the Triton kernels into an already built model, in place; returns the model. The one way the
+    kernels come into a run: model.py's code is the PyTorch code, and stays what runs without this call.
+
+    Opt-in on every device, CUDA included (train.py --triton=True), until bench/gpu_check.sh has passed
+    on a GPU: until then the kernels are checked only in the Triton interpreter and compiled ahead of time.
+
+    Each module of the model whose class is named RMSNorm, MLP, MoE or BoundaryOperator (model.py's
+    classes, found by name: this package does not import model.py) gets as its class a subclass of its
+    own class (one per class, cached) that overrides one method:
+        RMSNorm.forward           the fused rmsnorm
+        MLP.forward               the projections as before, silu(gate) * up on the swiglu kernel
+        MoE.experts               moe_experts (one grouped-GEMM launch over the expert-sorted rows), then
+                                  each row times its router weight, index_add back to its token
+        BoundaryOperator.forward  the fused boundary_operator when it both norms and injects; one part
+                                  alone runs the module's own code (its norm is a swapped RMSNorm)
+    Only the class changes: parameters, buffers, module names and the state_dict stay the same objects,
+    so a checkpoint loads either way. Idempotent (a swapped module is left as it is); copy.deepcopy of a
+    block keeps its kernels (grow.py copies blocks). Call it before torch.compile, which traces the
+    modules as it finds them; FSDP2's fully_shard wraps blocks, not these modules, so before or after it
+    (train.py: after, once the optimizers exist). Instances are not picklable with torch.save(model): save
+    the state_dict.
+
+    optimizers: each one with a `gram` attribute (muon.Muon) gets opt.gram = gram, the half-tile Gram
+    kernel, for both Gram products of its Newton-Schulz iteration; others (AdamW) are left alone."""
+    for module in model.modules():
+        mixin = _KERNEL_METHODS.get(type(module).__name__)
+        if mixin is not None:
+            module.__class__ = _kernel_class(type(module), mixin)
+    for opt in optimizers:
+        if hasattr(opt, "gram"):
+            opt.gram = gram
+    return model
+
+
+class _RMSNorm:
+    def forward(self, x):
+        return rmsnorm(x, self.weight, self.eps)
+
+
+class _MLP:
+    def forward(self, x):
+        return self.w_down(swiglu(self.w_gate(x), self.w_up(x))), None
+
+
+class _MoE:
+    def experts(self, x, token_of, counts, weight_of=None):
+        """All experts in one launch over the expert-sorted copies of the tokens; the router weight scales
+        each expert output row (run_experts scales the hidden activation: the same by linearity)."""
+        y_sorted = moe_experts(x[token_of], counts, self.w_gate, self.w_up, self.w_down)
+        if weight_of is not None:
+            y_sorted = y_sorted * weight_of.unsqueeze(1).to(y_sorted.dtype)
+        return y_sorted.new_zeros(x.shape).index_add_(0, token_of, y_sorted)
+
+
+class _BoundaryOperator:
+    def forward(self, h, e, norm=True, inject=True):
+        if norm and inject and self.norm is not None:
+            return boundary_operator(h, e, self.alpha, self.norm.weight, self.norm.eps)
+        return super().forward(h, e, norm, inject)
+
+
+_KERNEL_METHODS = {"RMSNorm": _RMSNorm, "MLP": _MLP, "MoE": _MoE, "BoundaryOperator": _BoundaryOperator}
+_KERNEL_CLASSES = {}  # model class -> its kernel subclass: the same class on every apply and every copy
+
+
+def _kernel_class(cls, methods):
+    if cls not in _KERNEL_CLASSES:
+        name = f"Triton{cls.__name__}"
+        _KERNEL_CLASSES[cls] = type(name, (methods, cls), {
+            "__module__": __name__, "__qualname__": name,
+            "__doc__": f"{cls.__module__}.{cls.__qualname__} with the Triton kernels (kernels.apply)."})
+    return _KERNEL_CLASSES[cls]

@@ -26,10 +26,9 @@ else the inputs' dtype; the result in x_sorted's dtype; each gradient in its inp
 interpreter (CPU) the FP32_DOT flag converts the operands to fp32 after the load (no bf16 arithmetic there).
 """
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from model import run_experts  # the readable reference: one MoE twin in the project
 
 from kernels.swiglu_kernel import swiglu_backward, swiglu_forward
 
@@ -314,7 +313,7 @@ def moe_experts(x_sorted, counts, w_gate, w_up, w_down):
     x_sorted (n, d) rows grouped by expert; counts (E,) integer rows per expert (zeros allowed, sum n; n = 0
     allowed); w_gate, w_up (E, hidden, d); w_down (E, d, hidden); all on one device.
 
-    Dtypes (model.py relies on these):
+    Dtypes (kernels.apply's MoE.experts relies on these):
       matmul operands: under autocast (enabled for x_sorted's device) the autocast dtype, x_sorted and the
           weights cast to it as torch.matmul would cast them; outside autocast x_sorted and the weights
           must share one dtype, which is used. fp32 accumulation, SwiGLU epilogue in fp32.
@@ -333,7 +332,9 @@ def moe_experts(x_sorted, counts, w_gate, w_up, w_down):
 
 
 def moe_experts_reference(x_sorted, counts, w_gate, w_up, w_down):
-    """PyTorch twin of moe_experts: the model's own readable loop over experts (model.run_experts; under
-    autocast its matmuls run in the autocast dtype), returned in x_sorted.dtype as moe_experts."""
-    rows = torch.arange(x_sorted.size(0), device=x_sorted.device)  # row i is its own token
-    return run_experts(x_sorted, rows, counts, w_gate, w_up, w_down).to(x_sorted.dtype)
+    """PyTorch twin of moe_experts: a loop over the experts, each a SwiGLU MLP on its own block of rows
+    (under autocast the matmuls run in the autocast dtype), returned in x_sorted.dtype as moe_experts.
+    tests/test_kernels.py holds it equal to model.run_experts with every row its own token."""
+    blocks = torch.split(x_sorted, counts.tolist())
+    y = [(F.silu(x_e @ w_gate[e].t()) * (x_e @ w_up[e].t())) @ w_down[e].t() for e, x_e in enumerate(blocks)]
+    return torch.cat(y).to(x_sorted.dtype)

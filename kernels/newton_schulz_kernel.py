@@ -9,16 +9,15 @@ stores it at (i, j) and, transposed, at (j, i): half the FLOPs and half the read
 Batched over leading dims (stacked expert weights (E, out, in) are one launch).
 
 `gram` is an autograd.Function whose forward is the kernel; its backward, dX = (dC + dC^T) X, is a torch
-matmul (Muon runs under no_grad, so it exists for completeness, not speed).
-`newton_schulz` is muon.orthogonalize with both Gram products on the kernel; its twin is the plain code.
+matmul (Muon runs under no_grad, so it exists for completeness, not speed). The iteration itself is
+muon.orthogonalize, the only one in the project: Muon with opt.gram = kernels.gram (kernels.apply sets
+it) runs both Gram products of every step here.
 """
 import functools
 
 import torch
 import triton
 import triton.language as tl
-
-from muon import orthogonalize  # the one Newton-Schulz iteration of the project
 
 
 @triton.jit
@@ -110,15 +109,3 @@ def gram_reference(x):
     """PyTorch twin of gram."""
     return x @ x.mT
 
-
-def newton_schulz(update, steps=5, eps=1e-7, dtype=None, gram_fn=gram):
-    """muon.orthogonalize with both Gram products (A = X X^T, and A A = A A^T since A is symmetric)
-    computed by `gram_fn`: the Triton kernel by default.
-    Dtypes: dtype is the iteration's arithmetic dtype (None: bf16 on CUDA, fp32 elsewhere, as muon.py);
-    the Gram products come back in it; the result has update.dtype. bf16 works in the interpreter too."""
-    return orthogonalize(update, steps, eps, dtype=dtype, gram=gram_fn)
-
-
-def newton_schulz_reference(update, steps=5, eps=1e-7, dtype=None):
-    """PyTorch twin of newton_schulz (= muon.orthogonalize: plain matmuls)."""
-    return newton_schulz(update, steps, eps, dtype=dtype, gram_fn=gram_reference)

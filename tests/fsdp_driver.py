@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
-from model import GPT  # noqa: E402
+from tooling import distributed, rundir  # noqa: E402
 
 
 def sharded_logits(summary, settings):
@@ -23,15 +23,15 @@ def sharded_logits(summary, settings):
     rank's bytes of weights, gradients and optimizer state."""
     overrides = dict(settings, resume=True, max_steps=summary["step"], progress=False, sample=False,
                      out_dir=settings["out_dir"], run_name=settings.get("run_name", "tiny"))
-    run = train.resolve_run({k: v for k, v in overrides.items() if k != "init_from"})
-    rank, world, device = train.setup_distributed(run.config)
-    cfg = train.model_config_from(run.model_settings, device.type)
-    model, optimizers, _ = train.build_model(run, cfg, device, world, "stable", use_bf16=False)
+    values, source = rundir.resolve_run(train.SETTINGS, {k: v for k, v in overrides.items() if k != "init_from"})
+    config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(train.ModelConfig, values)
+    rank, world, device = distributed.setup(config.device, config.parallel)
+    model, optimizers, _ = train.build_model(config, cfg, source, device, world, "stable", use_bf16=False)
     idx = torch.arange(2 * 16).reshape(2, 16) % (cfg.vocab_size - 1)
     with torch.no_grad():
         logits = model(idx)[0]
     model(idx, idx)[1].backward()  # the gradients a training step holds: weights + gradients + optimizer state
-    state_bytes = torch.tensor([train.local_state_bytes(model, optimizers)])
+    state_bytes = torch.tensor([distributed.local_state_bytes(model, optimizers)])
     gathered = [torch.zeros_like(state_bytes) for _ in range(world)]
     dist.all_gather(gathered, state_bytes)
     return logits, [int(b) for b in gathered]
@@ -61,5 +61,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)  # see the end of train.py: gloo threads can abort a normal interpreter shutdown
+    distributed.exit(0)  # gloo threads can abort a normal interpreter shutdown (tooling/distributed.py)

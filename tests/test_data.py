@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-import common
+from tooling import common
 from data import make_corpus, prepare as prep, synthetic, tokenizer
 from data.tokenizer import get_tokenizer, load_gpt2_ranks
 

@@ -1,5 +1,6 @@
 # fit.py: scaling-law fits [S2]-[S7], Chinchilla Approach 3, the [X] protocol [X5]-[X7], multipliers,
-# cell bootstrap, calibration, [X19]-[X21] pipeline, quadratic vertex, CLI and input errors.
+# cell bootstrap, calibration, [X19]-[X21] pipeline, quadratic vertex, CLI and input errors. Reading the
+# CSV files: tests/test_tables.py; the figures: tests/test_plots.py.
 import json
 import math
 import os
@@ -11,6 +12,7 @@ from scipy.optimize import brentq, minimize_scalar
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import fit
+from tooling import tables
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "chinchilla_fig4_epoch.csv")
 POWER_EXAMPLE = os.path.join(os.path.dirname(__file__), "data", "power_example.csv")  # fit.synthetic_power_runs()
@@ -68,7 +70,7 @@ def test_power_law_recovers_synthetic():
 # ----------------------------------------------------------------------------- Chinchilla replication
 
 def epoch_points():
-    runs = fit.read_chinchilla_csv(DATA)  # params, train_flops -> N, D = C / (6N)
+    runs = tables.read_chinchilla_csv(DATA)  # params, train_flops -> N, D = C / (6N)
     keep = np.argsort(runs["loss"])[:-5]  # drop the 5 highest-loss points, as Epoch did
     return runs["N"][keep], runs["D"][keep], runs["loss"][keep]
 
@@ -124,6 +126,17 @@ def test_closed_forms_match_numeric_optimum():
         F_opt = fit.optimal_flops(f, C, S)
         assert abs(fit.tpp(f, C, S) - (C / F_opt) / (F_opt / 6)) < 1e-9 * fit.tpp(f, C, S)
         assert abs(fit.frontier_compute(f, fit.frontier_loss(f, C, S), S) / C - 1) < 1e-10
+
+
+def test_frontier_curves_hand_the_plot_gamma_and_the_excess_loss():
+    fits = {a: fit.SurfaceFit(**c) for a, c in fit.SYNTHETIC_SURFACES.items()}
+    curves = fit.frontier_curves(fits)
+    C = np.geomspace(1e19, 1e22, 5)
+    assert list(curves) == list(fits)
+    for arch, (gamma, excess) in curves.items():  # [S4] L* - E = f(S) C^-gamma: each arch its own fit
+        assert gamma == fits[arch].gamma
+        np.testing.assert_array_equal(excess(C, 0.9), fit.frontier_loss(fits[arch], C, 0.9) - fits[arch].E)
+        np.testing.assert_allclose(excess(C, 0.9), fit.frontier_prefactor(fits[arch], 0.9) * C ** -gamma, rtol=1e-9)
 
 
 def test_ce_gain_properties():
@@ -325,7 +338,7 @@ def test_malformed_surface_input(tmp_path, capsys, text, message):
 
 def test_power_example_file_recovers_its_generating_laws(capsys):
     # the shipped example is write_runs_csv(synthetic_power_runs()): it reads back as the generator's values
-    runs, gen = fit.read_runs_csv(POWER_EXAMPLE, ["arch", "C", "loss"], positive=["C", "loss"]), fit.synthetic_power_runs()
+    runs, gen = tables.read_runs_csv(POWER_EXAMPLE, ["arch", "C", "loss"], positive=["C", "loss"]), fit.synthetic_power_runs()
     assert list(runs["arch"]) == list(gen["arch"])
     np.testing.assert_allclose(runs["loss"], gen["loss"], rtol=1e-9)
     # the README command: shared E [X7], (A, gamma) per arch and measured multipliers [X6]
@@ -364,20 +377,6 @@ def test_single_blas_thread_limits_and_restores():
         assert blas_threads() == before
 
 
-def test_csv_with_byte_order_mark(tmp_path, capsys):
-    # spreadsheet programs write a UTF-8 byte-order mark before the header: it is not part of 'params'
-    raw = open(DATA, "rb").read()
-    bom = tmp_path / "bom.csv"
-    bom.write_bytes(b"\xef\xbb\xbf" + raw)
-    plain, marked = fit.read_chinchilla_csv(DATA), fit.read_chinchilla_csv(str(bom))
-    for k in ("N", "D", "loss"):
-        np.testing.assert_array_equal(plain[k], marked[k])
-    power = tmp_path / "power_bom.csv"
-    power.write_bytes(b"\xef\xbb\xbf" + open(POWER_EXAMPLE, "rb").read())
-    assert fit.main(["power", str(power), "--ref", "vanilla", "--json"]) == 0
-    assert set(json.loads(capsys.readouterr().out)["fits"]) == {"vanilla", "loop-2", "untied-grow"}
-
-
 def one_error_line(capsys):
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
@@ -390,34 +389,23 @@ POWER_HEAD = "arch,C,loss\n"
 POWER_OK = "".join(f"v,{c:g},{2 + 1.5 * (c / 1e18) ** -0.3:.6f}\n" for c in (1e18, 3e18, 1e19, 3e19, 1e20))
 
 
-@pytest.mark.parametrize("text, message", [
-    ("", "power.csv: empty file, expected a header row with columns arch,C,loss"),
-    ("\n\n", "power.csv: empty file"),
-    ("\n" + POWER_HEAD + POWER_OK, "power.csv line 1: blank, expected a header row"),
-    (POWER_HEAD, "power.csv: no data rows after the header"),
-    (POWER_HEAD + "\n \n", "power.csv: no data rows after the header"),
-    ("arch,C,loss,C\n" + POWER_OK.replace("\n", ",1\n"), "power.csv line 1, column 4: duplicate column name 'C' (also column 2)"),
-    (POWER_HEAD + POWER_OK + "v,abc,2.0\n", "power.csv line 7, column 'C': 'abc' is not a number"),
-    (POWER_HEAD + POWER_OK + "v,1e21,nan\n", "power.csv line 7, column 'loss': value must be finite, got 'nan'"),
-    (POWER_HEAD + POWER_OK + "v,inf,2.0\n", "power.csv line 7, column 'C': value must be finite, got 'inf'"),
-    (POWER_HEAD + "v,-1e18,2.0\n" + POWER_OK, "power.csv line 2, column 'C': must be > 0, got -1e18"),
-    (POWER_HEAD + POWER_OK + "v,1e21,0\n", "power.csv line 7, column 'loss': must be > 0, got 0"),
-    (POWER_HEAD + POWER_OK + "v,,2.0\n", "power.csv line 7, column 'C': empty value"),
-    (POWER_HEAD + POWER_OK + "v,1e21,2.0,x\n", "power.csv line 7: 4 fields, the header has 3"),
-    (POWER_HEAD + POWER_OK + "v,1e21\n", "power.csv line 7: 2 fields, the header has 3"),
-    (POWER_HEAD + "\n" + POWER_OK + 'v,1e21,"2.0\n', "power.csv line 8: malformed CSV (unexpected end of data)"),
-    (POWER_HEAD + POWER_OK + 'v,"1e21\n2",2.0\n', "power.csv line 7, column 'C': a quoted value spans several lines"),
-    (POWER_HEAD + "\n" + POWER_OK + ",,\n", None),  # blank lines (also as bare commas) are skipped
+@pytest.mark.parametrize("raw, message", [  # every CSV mistake: tests/test_tables.py
+    (b"", "power.csv: empty file"),
+    ((POWER_HEAD + POWER_OK + "v,abc,2.0\n").encode(), "power.csv line 7, column 'C': 'abc' is not a number"),
+    ((POWER_HEAD + POWER_OK + "v,1e21,2.0,x\n").encode(), "power.csv line 7: 4 fields, the header has 3"),
+    ((POWER_HEAD + "caf\u00e9,1e18,2.0\n").encode("latin-1"), "power.csv line 2: not valid UTF-8"),
+    ((POWER_HEAD + "\n" + POWER_OK + ",,\n").encode(), None),  # blank lines (also as bare commas) are skipped
 ])
-def test_malformed_power_input(tmp_path, capsys, text, message):
-    path = write(tmp_path, "power.csv", text)
-    status = fit.main(["power", path, "--ref", "v", "--json"])
+def test_malformed_csv_is_one_line_and_status_2(tmp_path, capsys, raw, message):
+    path = tmp_path / "power.csv"
+    path.write_bytes(raw)
+    status = fit.main(["power", str(path), "--ref", "v", "--json"])
     if message is None:
         assert status == 0 and capsys.readouterr().err == ""
         return
     assert status == 2
     line = one_error_line(capsys)
-    assert message in line and path in line, line
+    assert message in line and str(path) in line, line
 
 
 def test_power_fit_errors_name_the_architecture(tmp_path, capsys):
@@ -429,48 +417,6 @@ def test_power_fit_errors_name_the_architecture(tmp_path, capsys):
     below = write(tmp_path, "below.csv", POWER_HEAD + POWER_OK + "w,1e18,1.5\nw,1e19,1.4\n")
     assert fit.main(["power", below, "--ref", "v"]) == 2
     assert f"{below}: w: loss 1.4 <= shared E 2" in one_error_line(capsys)
-
-
-def test_plot_save_is_atomic_and_closes_the_figure(tmp_path):
-    class Fig:  # the two calls _save makes, without matplotlib
-        def savefig(self, f, format, **kw):
-            if format == "xyz":
-                raise ValueError("Format 'xyz' is not supported")
-            f.write(f"{format} image".encode())
-
-    class Plt:
-        closed = []
-
-        def close(self, fig):
-            self.closed.append(fig)
-
-    plt, fig = Plt(), Fig()
-    fit._save(plt, fig, str(tmp_path / "out" / "m.PDF"))
-    assert (tmp_path / "out" / "m.PDF").read_text() == "pdf image" and plt.closed == [fig]
-    with pytest.raises(ValueError, match="xyz"):
-        fit._save(plt, fig, str(tmp_path / "out" / "m.xyz"))
-    assert sorted(os.listdir(tmp_path / "out")) == ["m.PDF"] and plt.closed == [fig, fig]  # no temp file left
-    fit._save(plt, fig, str(tmp_path / "noext"))
-    assert (tmp_path / "noext").read_text() == "png image"
-
-
-def test_non_utf8_csv_names_line(tmp_path, capsys):
-    path = tmp_path / "latin1.csv"
-    path.write_bytes(("arch,C,loss\nv,1e18,3.5\nvanilla_caf\u00e9,1e19,2.7\n").encode("latin-1"))  # é is byte 12 of line 3
-    assert fit.main(["power", str(path), "--ref", "v"]) == 2
-    assert f"{path} line 3: not valid UTF-8 (byte 0xe9 at byte 12 of the line)" in one_error_line(capsys)
-
-
-@pytest.mark.parametrize("header, message", [
-    ("N,D,C,loss", "line 1: columns 'D' and 'C' both given for 'D'"),
-    ("N,params,D,loss", "line 1: columns 'N' and 'params' both given for 'N'"),
-    ("N,D,loss,N", "line 1, column 4: duplicate column name 'N' (also column 1)"),
-])
-def test_ambiguous_chinchilla_columns(tmp_path, capsys, header, message):
-    n = header.count(",") + 1
-    path = write(tmp_path, "c.csv", header + "\n" + ",".join(["1e9"] * (n - 1) + ["2.0"]) + "\n")
-    assert fit.main(["chinchilla", path]) == 2
-    assert message in one_error_line(capsys)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -509,64 +455,7 @@ def test_malformed_chinchilla_input(tmp_path, capsys):
     assert "too few to fit 5" in capsys.readouterr().err
 
 
-# ----------------------------------------------------------------------------- plots (matplotlib is optional)
-
-@pytest.fixture(scope="module")
-def plot_calls():
-    """name -> call(path) for each plot function, on real fits of the synthetic runs."""
-    runs = {}
-    for seed in (0, 1):  # two seeds: repeated points at every budget
-        cols = fit.synthetic_power_runs(seed=seed)
-        for a in dict.fromkeys(cols["arch"].tolist()):
-            m = cols["arch"] == a
-            C, L = runs.get(a, ((), ()))
-            runs[a] = (np.concatenate([C, cols["C"][m]]), np.concatenate([L, cols["loss"][m]]))
-    fits = fit.fit_power_laws(runs, "vanilla")
-    ref_C = runs["vanilla"][0]
-    mult = {a: fit.compute_multiplier(*runs["vanilla"], *runs[a]) for a in runs}  # nan outside the range
-    bands = {a: (0.95 * m, 1.05 * m) for a, m in mult.items()}
-    surface = fit.synthetic_surface_runs()
-    budgets, sparsities = [1e20, 1e21, 1e22], [0.85, 0.95]
-    boot = fit.cell_bootstrap(surface, "baseline", "smelt", budgets, sparsities, n_draws=4, n_workers=1, progress=False)
-    curves = {f"{arch} L4w32-e16 b{b}": (list(range(b, 60)), [3 + 5 / (1 + x / 10) for x in range(b, 60)])
-              for arch in ("baseline", "smelt") for b in (10, 20, 40)}
-    return {
-        "loss_vs_compute": lambda p: fit.plot_loss_vs_compute(runs, fits, p),
-        "multipliers": lambda p: fit.plot_multipliers(ref_C, mult, p, bands=bands, ref="vanilla"),
-        "power_laws": lambda p: fit.plot_power_laws(runs, fits, mult, "vanilla", p),
-        "ce_gain": lambda p: fit.plot_ce_gain(budgets, sparsities, boot["value"]["ce_gain"], p,
-                                              lo=boot["lo"]["ce_gain"], hi=boot["hi"]["ce_gain"]),
-        "loss_curves": lambda p: fit.plot_loss_curves(curves, p, title="decay branches", xlabel="step"),
-        "surface_frontiers": lambda p: fit.plot_surface_frontiers(boot["full_fits"], sparsities, p, C_range=(1e19, 1e22)),
-    }
-
-
-PLOTS = ["loss_vs_compute", "multipliers", "power_laws", "ce_gain", "loss_curves", "surface_frontiers"]
-
-
-@pytest.mark.parametrize("name", PLOTS)
-def test_plot_writes_png(plot_calls, tmp_path, name):
-    pytest.importorskip("matplotlib")
-    path = tmp_path / f"{name}.png"
-    assert plot_calls[name](str(path)) is True
-    data = path.read_bytes()
-    assert data.startswith(b"\x89PNG") and len(data) > 1000
-    assert os.listdir(tmp_path) == [path.name]  # written atomically: no temp file left beside it
-    assert plot_calls[name](str(tmp_path / "again.png")) and (tmp_path / "again.png").read_bytes() == data  # deterministic
-
-
-@pytest.mark.parametrize("name", PLOTS)
-def test_plot_without_matplotlib_is_one_line_and_no_file(plot_calls, tmp_path, monkeypatch, capsys, name):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
-    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
-    path = tmp_path / f"{name}.png"
-    capsys.readouterr()
-    assert plot_calls[name](str(path)) is False
-    assert not path.exists() and os.listdir(tmp_path) == []
-    captured = capsys.readouterr()
-    lines = captured.err.splitlines()
-    assert captured.out == "" and len(lines) == 1 and "pip install -r requirements-plot.txt" in lines[0], captured.err
-
+# ----------------------------------------------------------------------------- the command line's --plot
 
 def test_plot_cli_without_matplotlib(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -579,20 +468,9 @@ def test_plot_cli_without_matplotlib(tmp_path, monkeypatch, capsys):
                                          "(figures are optional: pip install -r requirements-plot.txt)"]
 
 
-def test_plot_ce_gain_checks_shapes(tmp_path):
-    with pytest.raises(ValueError, match=r"gain has shape \(2,\), expected"):
-        fit.plot_ce_gain([1e20, 1e21], [0.9], [0.1, 0.2], str(tmp_path / "g.png"))
-    with pytest.raises(ValueError, match="both lo and hi"):
-        fit.plot_ce_gain([1e20], [0.9], [[0.1]], str(tmp_path / "g.png"), lo=[[0.0]])
-    assert not (tmp_path / "g.png").exists()
-
-
-def test_requirements_plot_names_matplotlib():
-    path = os.path.join(os.path.dirname(__file__), "..", "requirements-plot.txt")
-    lines = [l.strip() for l in open(path) if l.strip()]
-    assert [l for l in lines if not l.startswith("#")] == ["matplotlib"] and "optional" in lines[0].lower()
-
-
-def test_log_axis_minor_labels_only_at_two_and_five():
-    labels = [fit._two_five_label(x, None) for x in (2e11, 3e11, 5e11, 7e11, 2e12, 5e-3)]
-    assert labels == [r"$2\times10^{11}$", "", r"$5\times10^{11}$", "", r"$2\times10^{12}$", r"$5\times10^{-3}$"]
+def test_cli_surface_plot_draws_the_frontiers(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = surface_csv(tmp_path, fit.synthetic_surface_runs(noise=0.002, seed=0))
+    png = tmp_path / "frontiers.png"
+    assert fit.main(["surface", path, "--ref", "baseline", "--target", "smelt", "--json", "--plot", str(png)]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] and png.read_bytes().startswith(b"\x89PNG")

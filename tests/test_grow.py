@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import grow
+import match
 from model import GPT, ModelConfig, execution_plan
+from tooling.checkpoint import load_model
+from tooling.settings import read_config_file
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -310,14 +313,14 @@ def test_cli_grows_a_checkpoint_and_remaps_optimizer_state(tmp_path, capsys):
     model = random_model(cfg)
     state = {n: {"step": torch.tensor(3.0), "exp_avg": torch.ones_like(p)} for n, p in model.named_parameters()}
     names = list(state)
-    ckpt = {"model_config": asdict(cfg), "model": model.state_dict(), "step": 7, "tokens_seen": 123,
+    ckpt = {"model_config": asdict(cfg), "model": model.state_dict(), "state": {"step": 7, "tokens_seen": 123},
             "optimizer": {"adamw": {"state": state, "param_groups": [{"lr": 0.1, "params": names}]}}}
     src, dst = str(tmp_path / "in.pt"), str(tmp_path / "out.pt")
     torch.save(ckpt, src)
     assert grow.main(["--ckpt", src, "--passes", "4", "--out", dst]) == 0
-    grown, out = GPT.from_checkpoint(dst)
+    grown, out = load_model(dst)
     assert grown.config.n_passes == 4 and len(grown.blocks) == 1 + 4 * 2 + 1
-    assert out["step"] == 7 and out["tokens_seen"] == 123
+    assert out["state"] == {"step": 7, "tokens_seen": 123, "grown": True}
     assert out["growth"][-1]["from_passes"] == 2 and out["growth"][-1]["to_passes"] == 4
     opt = out["optimizer"]["adamw"]
     grown_names = [n for n, _ in grown.named_parameters()]
@@ -420,7 +423,7 @@ def test_x_d8_grow_configs_follow_x13_x14(name, tpp_ref, rho):
     """The [X] code's d8 step counts (2563 Loop-Grow, 3341 Untied-Grow) are the Table 9 recipe: a fixed
     K=2 run at TPP t_ref over the initial stored params sets the compute, [X13] gives the grown tokens."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", f"x_d8_{name}.py")
-    cfg = ModelConfig.from_file(path)
+    cfg = match.read_config(path)[0]
     settings = {}
     exec(open(path).read(), {}, settings)
     assert (cfg.n_prelude, cfg.n_core, cfg.n_coda, cfg.n_passes, cfg.n_embd) == (2, 3, 3, 2, 1024)
@@ -464,7 +467,7 @@ def test_resume_across_growth_is_exact_through_train_py(tmp_path, data_dir):
                       "--out", elsewhere]) == 0
     forked = train.train(dict(out_dir=str(tmp_path / "d"), init_from=elsewhere, run_name="grown", progress=False))
     assert first["train_losses"] + forked["train_losses"] == straight["train_losses"]
-    grown, _ = GPT.from_checkpoint(straight["ckpt_path"])
+    grown, _ = load_model(straight["ckpt_path"])
     assert grown.config.n_passes == 4 and len(grown.blocks) == 1 + 4 + 1
     assert all(math.isfinite(v) for v in straight["train_losses"])
 
@@ -485,8 +488,8 @@ def test_x_d8_configs_give_the_same_model_through_train_py(name):
     everything, so train.py and ModelConfig.from_file build the same model."""
     train = pytest.importorskip("train")
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", f"x_d8_{name}.py")
-    via_train = asdict(train.model_config_from(train.resolve_settings(train.read_config_file(path))))
-    cfg = ModelConfig.from_file(path)
+    via_train = asdict(train.SETTINGS.build(train.ModelConfig, train.SETTINGS.resolve(read_config_file(path))))
+    cfg = match.read_config(path)[0]
     unused = {"top_k", "expert_hidden", "n_loops", "loop_span"}  # dense, not a SMELT / layer loop
     assert {k: v for k, v in via_train.items() if k not in unused} == \
         {k: v for k, v in asdict(cfg).items() if k not in unused}

@@ -18,8 +18,16 @@ bf16 (the CUDA default, under autocast): the interpreter cannot do bf16 arithmet
 convert after every load, so bf16 tensors go through the real plumbing with fp32 arithmetic, as on the
 GPU. They are compared with the twin computed in fp32 on the same bf16-rounded values; the difference is
 then the kernel's bf16 roundings of stored results only: see assert_bf16_close.
+
+The twins are held to the project's own code (model.py's RMSNorm, BoundaryOperator, MLP and run_experts;
+muon.orthogonalize for the Gram kernel), so kernel ~ twin ~ the code that runs without kernels.apply.
+kernels.apply is tested per module here and per model family in test_model.py. kernels/ imports nothing
+from the project and runs copied alone (the last tests).
 """
+import ast
+import copy
 import os
+import shutil
 import subprocess
 import sys
 
@@ -28,7 +36,11 @@ import torch
 
 pytest.importorskip("triton")
 import kernels  # noqa: E402
+import model  # noqa: E402
 from kernels import moe_kernel, newton_schulz_kernel, rmsnorm_kernel  # noqa: E402  (imports triton)
+from muon import Muon, orthogonalize  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
@@ -188,16 +200,16 @@ def test_gram_matches_twin_and_is_symmetric(shape):
 
 
 @pytest.mark.parametrize("shape", [(37, 50), (2, 61, 19)])
-def test_newton_schulz_matches_twin(shape):
-    """fp32 Newton-Schulz with the Triton Gram products vs plain matmuls. Muon's iteration amplifies
-    round-off a little over 5 steps: perturbing every Gram product by 1e-6 relative noise (~8 fp32 ulps,
-    more than a different BLAS or summation order does) moves these outputs (|x| < 0.5) by < 1e-5.
-    Asserted: rtol = atol = 1e-4."""
+def test_newton_schulz_with_gram_kernel_matches_plain_matmuls(shape):
+    """muon.orthogonalize (the project's one Newton-Schulz iteration) in fp32 with gram=kernels.gram vs its
+    plain matmuls. The iteration amplifies round-off a little over 5 steps: perturbing every Gram product
+    by 1e-6 relative noise (~8 fp32 ulps, more than a different BLAS or summation order does) moves these
+    outputs (|x| < 0.5) by < 1e-5. Asserted: rtol = atol = 1e-4."""
     torch.manual_seed(9)
     update = torch.randn(*shape, device=DEVICE)
-    expected = kernels.newton_schulz_reference(update, dtype=torch.float32)
+    expected = orthogonalize(update, dtype=torch.float32)
     for dtype in [torch.float32] + ([None] if DEVICE == "cpu" else []):  # None: fp32 on CPU, bf16 on CUDA
-        y = kernels.newton_schulz(update, 5, 1e-7, dtype)
+        y = orthogonalize(update, 5, 1e-7, dtype=dtype, gram=kernels.gram)
         assert y.dtype == torch.float32
         torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
 
@@ -395,39 +407,46 @@ def test_newton_schulz_bf16_arithmetic(shape, monkeypatch):
     """dtype=bf16 (the CUDA default) runs through the Triton Gram kernel in the interpreter too: every
     Gram product is a bf16 launch, the result has update's dtype. bf16 keeps 8 significant bits and five
     iterations compound the roundings, so the bf16 result is only near the fp32 one. Measured over 30
-    random inputs of these shapes (|x| <= 0.45): max |kernel bf16 - fp32| 0.033, |kernel bf16 - twin bf16|
+    random inputs of these shapes (|x| <= 0.45): max |kernel bf16 - fp32| 0.033, |kernel bf16 - plain bf16|
     0.047, relative Frobenius distance to fp32 4.3%, singular values in [0.66, 1.15].
     Asserted: 0.1 absolute from both, under 8% relative, singular values in Muon's band [0.6, 1.25]."""
     torch.manual_seed(9)
     launches = spy(monkeypatch, newton_schulz_kernel, "_gram_kernel").launches
     update = torch.randn(*shape, device=DEVICE)
-    y = kernels.newton_schulz(update, dtype=BF16)
+    y = orthogonalize(update, dtype=BF16, gram=kernels.gram)
     assert y.dtype == torch.float32
     assert len(launches) == 10 and all(l["X"] == BF16 and l["C"] == BF16 for l in launches)  # 2 per step
-    y_fp32 = kernels.newton_schulz_reference(update, dtype=torch.float32)
-    for expected in (y_fp32, kernels.newton_schulz_reference(update, dtype=BF16)):
+    y_fp32 = orthogonalize(update, dtype=torch.float32)
+    for expected in (y_fp32, orthogonalize(update, dtype=BF16)):
         torch.testing.assert_close(y, expected, rtol=0, atol=0.1)
     assert (y - y_fp32).norm() < 0.08 * y_fp32.norm()
     s = torch.linalg.svdvals(y)
     assert 0.6 < s.min() and s.max() < 1.25
-    assert kernels.newton_schulz(update.to(BF16), dtype=BF16).dtype == BF16  # the result keeps update's dtype
+    assert orthogonalize(update.to(BF16), dtype=BF16, gram=kernels.gram).dtype == BF16  # keeps update's dtype
 
 
 @pytest.mark.parametrize("ns_dtype,atol", [(torch.float32, 1e-4), (BF16, 0.1)])
-def test_muon_use_triton_matches_plain_iteration(ns_dtype, atol):
-    """Muon(use_triton=True) goes through kernels.newton_schulz with its ns_dtype: one step on a 2-D and
-    a stacked (E, out, in) parameter equals the plain-matmul step within the Newton-Schulz tolerances
-    above (times lr)."""
-    from muon import Muon
+def test_muon_with_gram_kernel_matches_plain_muon(ns_dtype, atol, monkeypatch):
+    """kernels.apply(model, [muon, adamw]) sets muon.gram = kernels.gram (AdamW, without the attribute, is
+    left alone): one Muon step on a 2-D and a stacked (E, out, in) parameter equals the plain-matmul step
+    (gram=None) within the Newton-Schulz tolerances above (times lr), and every Gram product of it is a
+    launch of the kernel (2 per step and matrix)."""
     torch.manual_seed(10)
+    launches = spy(monkeypatch, newton_schulz_kernel, "_gram_kernel").launches
     start = [torch.randn(*shape, device=DEVICE) for shape in ((24, 40), (2, 40, 24))]
     grads = [torch.randn_like(p) for p in start]
     params = {flag: [torch.nn.Parameter(p.clone()) for p in start] for flag in (True, False)}
     lr = 0.02
+    opts = {flag: Muon(ps, lr=lr, ns_dtype=ns_dtype) for flag, ps in params.items()}
+    assert opts[True].gram is None and opts[False].gram is None
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    kernels.apply(torch.nn.Linear(2, 2), optimizers=[opts[True], adamw])
+    assert opts[True].gram is kernels.gram and not hasattr(adamw, "gram")
     for flag, ps in params.items():
         for p, g in zip(ps, grads):
             p.grad = g.clone()
-        Muon(ps, lr=lr, ns_dtype=ns_dtype, use_triton=flag).step()
+        opts[flag].step()
+    assert len(launches) == 2 * 5 * 2  # only the kernel-side step launched the kernel
     for p_triton, p_plain in zip(params[True], params[False]):
         torch.testing.assert_close(p_triton, p_plain, rtol=0, atol=lr * 1.5 * atol)  # 1.5: tall-matrix lr scale
 
@@ -474,3 +493,247 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     result = _run_without_interpreter(["-m", "kernels.aot_check", "--arch=90", "--dtypes=bf16", "--quick"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count('"kernel"') == 12 and result.stdout.count('"mixed"') == 4, result.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# Each twin is the project's own code: what a kernel is held to above is what model.py and muon.py run
+# without kernels.apply. Two PyTorch code paths (F.rms_norm vs the twin's written-out fp32 formula; the
+# same matmuls gathered and scattered differently): fp32 round-off only, asserted with TOL / MOE_TOL.
+
+
+def model_config(**kw):
+    base = dict(vocab_size=64, eot_token=63, block_size=16, n_embd=37, n_head=1, head_dim=8, mlp_hidden=45,
+                n_expert=5, top_k=2, expert_hidden=24, layout="pcc", n_layer=3, n_passes=2)
+    return model.ModelConfig(**{**base, **kw})
+
+
+def randomised(module, seed=11):
+    """module with every parameter random (gains ~1, matrices ~1/sqrt(fan_in)), on DEVICE."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if p.dim() == 1 else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return module.to(DEVICE)
+
+
+@pytest.mark.parametrize("gain", [True, False])
+def test_rmsnorm_twin_is_model_rmsnorm(gain):
+    norm = randomised(model.RMSNorm(37, eps=1e-5, gain=gain))
+    x = randn(3, 5, 37)
+    assert_same_forward_and_grads(lambda x, w: norm(x), lambda x, w: kernels.rmsnorm_reference(x, w, norm.eps),
+                                  (x, norm.weight), TOL)
+
+
+def test_rmsnorm_twin_is_model_rmsnorm_bf16():
+    """A bf16 x with an fp32 gain (q/k under autocast): model.RMSNorm casts the gain to bf16 and norms in
+    bf16 (one rounding of the gain, one of the result); the twin computes in fp32 and rounds once. Both
+    are within those 2 roundings of the fp32 value."""
+    norm = randomised(model.RMSNorm(37))
+    x = torch.randn(7, 37, device=DEVICE).to(BF16)
+    expected = kernels.rmsnorm_reference(x.float(), norm.weight.detach())
+    assert_bf16_close(norm(x), expected, roundings=2)
+    assert_bf16_close(kernels.rmsnorm_reference(x, norm.weight.detach()), expected, roundings=1)
+
+
+@pytest.mark.parametrize("gain", [True, False])
+def test_boundary_operator_twin_is_model_boundary_operator(gain):
+    bo = randomised(model.BoundaryOperator(model_config(boundary="both", boundary_alpha=0.37, norm_gain=gain)))
+    assert bo.alpha == 0.37 and (bo.norm.weight is not None) == gain
+    twin = lambda h, e, w: kernels.boundary_operator_reference(h, e, 0.37, w, bo.norm.eps)  # noqa: E731
+    assert_same_forward_and_grads(lambda h, e, w: bo(h, e), twin, (randn(2, 11, 37), randn(2, 11, 37),
+                                                                   bo.norm.weight), TOL)
+
+
+def test_swiglu_twin_is_model_mlp_activation():
+    """model.MLP is w_down(silu(w_gate x) * w_up x): the same MLP with swiglu_reference as its activation."""
+    mlp = randomised(model.MLP(model_config()))
+    twin = lambda x, *w: mlp.w_down(kernels.swiglu_reference(mlp.w_gate(x), mlp.w_up(x)))  # noqa: E731
+    assert_same_forward_and_grads(lambda x, *w: mlp(x)[0], twin, (randn(2, 9, 37), *mlp.parameters()), TOL)
+
+
+@pytest.mark.parametrize("counts", [[7, 0, 13, 1, 16], [0, 0, 0]])
+def test_moe_experts_twin_is_model_run_experts(counts):
+    """model.run_experts with every row its own token (token_of = arange) and no router weights is
+    moe_experts_reference: the same per-expert matmuls, scattered into zeros vs concatenated."""
+    inputs = moe_inputs(counts, n_embd=33, hidden=19)
+    rows = torch.arange(inputs[0].shape[0], device=DEVICE)
+    assert_same_forward_and_grads(lambda x, c, *w: model.run_experts(x, rows, c, *w), kernels.moe_experts_reference,
+                                  inputs, MOE_TOL)
+
+
+def test_moe_experts_twin_is_model_run_experts_under_autocast():
+    """Under bf16 autocast both run the same bf16 matmuls and return fp32 (x's dtype): run_experts adds
+    each bf16 expert output into fp32 zeros, the twin casts the concatenated bf16 outputs. Asserted within
+    one bf16 rounding, forward and every gradient."""
+    x, counts, w_gate, w_up, w_down = moe_inputs([7, 0, 13, 1, 16], n_embd=33, hidden=19)
+    rows = torch.arange(x.shape[0], device=DEVICE)
+    with torch.autocast(DEVICE, dtype=BF16):
+        y = model.run_experts(x, rows, counts, w_gate, w_up, w_down)
+        y_twin = kernels.moe_experts_reference(x, counts, w_gate, w_up, w_down)
+    assert y.dtype == y_twin.dtype == torch.float32
+    assert_bf16_close(y_twin, y, roundings=1)
+    g = torch.randn_like(y)
+    for d_twin, d in zip(grads_of(y_twin, g, (x, w_gate, w_up, w_down)), grads_of(y, g, (x, w_gate, w_up, w_down))):
+        assert_bf16_close(d_twin, d, roundings=1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels.apply on each kind of module: the class swapped, nothing else; the kernel runs where the
+# module's own code ran, within the kernel-vs-twin tolerances above (a GPT per family: test_model.py)
+
+MODULES = {"RMSNorm": lambda: model.RMSNorm(37, eps=1e-5), "MLP": lambda: model.MLP(model_config()),
+           "MoE": lambda: model.MoE(model_config()), "BoundaryOperator": lambda: model.BoundaryOperator(model_config())}
+
+
+def count_kernel_calls(monkeypatch):
+    """Count the calls of the package's kernels (the swapped methods call them through the package)."""
+    calls = dict.fromkeys(("rmsnorm", "boundary_operator", "swiglu", "moe_experts"), 0)
+    for name in calls:
+        def counted(*args, _kernel=getattr(kernels, name), _name=name, **kw):
+            calls[_name] += 1
+            return _kernel(*args, **kw)
+        monkeypatch.setattr(kernels, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_apply_swaps_the_class_and_nothing_else(name):
+    module = randomised(MODULES[name]())
+    plain_class, params = type(module), dict(module.named_parameters())
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    assert kernels.apply(module) is module
+    assert type(module) is not plain_class and isinstance(module, plain_class)
+    assert type(module).__name__ == f"Triton{name}"
+    assert dict(module.named_parameters()).keys() == params.keys()
+    assert all(p is params[n] for n, p in module.named_parameters())  # the same parameter objects
+    assert module.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
+    swapped = type(module)
+    assert type(kernels.apply(module)) is swapped  # idempotent
+    assert type(kernels.apply(MODULES[name]())) is swapped  # one cached subclass per class
+    copied = copy.deepcopy(module)
+    assert type(copied) is swapped and all(type(a) is type(b) for a, b in zip(copied.modules(), module.modules()))
+    module.load_state_dict(MODULES[name]().state_dict())  # a plain module's checkpoint loads
+
+
+@pytest.mark.parametrize("name,kwargs,expected_calls,tol", [
+    ("RMSNorm", {}, dict(rmsnorm=1), TOL),
+    ("MLP", {}, dict(swiglu=1), TOL),
+    ("MoE", {}, dict(moe_experts=1), MOE_TOL),  # router weight on the output vs on the hidden activation
+    ("BoundaryOperator", dict(norm=True, inject=True), dict(boundary_operator=1), TOL),  # fused
+    ("BoundaryOperator", dict(norm=True, inject=False), dict(rmsnorm=1), TOL),  # a part: the swapped norm
+    ("BoundaryOperator", dict(norm=False, inject=True), {}, TOL),  # a part: h + alpha * e, no kernel
+])
+def test_applied_module_matches_its_own_code(name, kwargs, expected_calls, tol, monkeypatch):
+    """The same module object before and after kernels.apply (so the same parameters): forward, and the
+    gradient of sum(y * g) for the inputs and every parameter (None for both where one part of the
+    boundary operator leaves e or the gain unused); and which kernels ran."""
+    module = randomised(MODULES[name]())
+    args = (randn(2, 9, 37),) + ((randn(2, 9, 37),) if name == "BoundaryOperator" else ())
+    wrt = [*args, *module.parameters()]
+
+    def run():
+        out = module(*args, **kwargs)
+        y = out[0] if isinstance(out, tuple) else out
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+        return y, torch.autograd.grad((y * g).sum(), wrt, allow_unused=True)
+
+    y_plain, grads_plain = run()
+    calls = count_kernel_calls(monkeypatch)
+    kernels.apply(module)
+    y, grads = run()
+    assert calls == {**dict.fromkeys(calls, 0), **expected_calls}
+    torch.testing.assert_close(y, y_plain, **tol)
+    assert [d is None for d in grads] == [d is None for d in grads_plain]
+    assert sum(d is not None for d in grads) >= 2
+    for i, (a, b) in enumerate(zip(grads, grads_plain)):
+        if b is not None:
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"gradient {i} of {len(wrt)}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels/ is a package of its own: it imports nothing from the project, and runs copied alone
+
+
+def test_kernels_import_nothing_from_the_project():
+    """No module under kernels/ imports model, muon or any other module of the project (parsed, so a
+    lazy import inside a function counts too); only torch, triton, the standard library and kernels."""
+    project = {name[:-3] for name in os.listdir(REPO) if name.endswith(".py")}
+    project |= {name for name in os.listdir(REPO) if os.path.isfile(os.path.join(REPO, name, "__init__.py"))}
+    project -= {"kernels"}
+    assert {"model", "muon", "tooling"} <= project
+    files = [name for name in sorted(os.listdir(os.path.join(REPO, "kernels"))) if name.endswith(".py")]
+    assert "__init__.py" in files and "moe_kernel.py" in files
+    for name in files:
+        tree = ast.parse(open(os.path.join(REPO, "kernels", name)).read(), filename=name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported = [node.module]
+            else:
+                continue
+            for module_name in imported:
+                assert module_name.split(".")[0] not in project, f"kernels/{name}:{node.lineno} imports {module_name}"
+
+
+STANDALONE = r'''
+import importlib.util, sys
+import torch
+import kernels
+
+assert importlib.util.find_spec("model") is None and importlib.util.find_spec("muon") is None, sys.path
+torch.manual_seed(0)
+
+
+def check(name, fn, twin, *inputs, tol=1e-4):
+    y, y_twin = fn(*inputs), twin(*inputs)
+    torch.testing.assert_close(y, y_twin, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad((y * g).sum(), wrt), torch.autograd.grad((y_twin * g).sum(), wrt)
+    for i, (a, b) in enumerate(zip(*grads)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{name} gradient {i}: {m}")
+    print(name, "ok", flush=True)
+
+
+r = lambda *shape: torch.randn(*shape).requires_grad_()
+w = lambda *shape: (torch.randn(*shape) / shape[-1] ** 0.5).requires_grad_()
+check("rmsnorm", kernels.rmsnorm, kernels.rmsnorm_reference, r(5, 19), r(19))
+check("rmsnorm without gain", kernels.rmsnorm, kernels.rmsnorm_reference, r(5, 19), None)
+check("boundary_operator", lambda h, e, g: kernels.boundary_operator(h, e, 0.5, g),
+      lambda h, e, g: kernels.boundary_operator_reference(h, e, 0.5, g), r(2, 3, 19), r(2, 3, 19), r(19))
+check("swiglu", kernels.swiglu, kernels.swiglu_reference, r(6, 21), r(6, 21))
+check("moe_experts", kernels.moe_experts, kernels.moe_experts_reference, r(14, 17), torch.tensor([5, 0, 9]),
+      w(3, 11, 17), w(3, 11, 17), w(3, 17, 11))
+check("gram", kernels.gram, kernels.gram_reference, r(2, 37, 13))
+
+
+class RMSNorm(torch.nn.Module):  # kernels.apply goes by the class name, nothing else
+    def __init__(self):
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(torch.randn(19)), 1e-6
+
+    def forward(self, x):
+        return kernels.rmsnorm_reference(x, self.weight, self.eps)
+
+
+norm, x = RMSNorm(), torch.randn(4, 19)
+expected = norm(x)
+kernels.apply(torch.nn.Sequential(norm))
+assert type(norm).__name__ == "TritonRMSNorm"
+torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
+assert not {"model", "muon"} & set(sys.modules)
+print("all ok")
+'''
+
+
+def test_kernels_folder_runs_copied_alone(tmp_path):
+    """kernels/ copied alone into an empty folder, with nothing else on the path (PYTHONPATH that folder
+    only, cwd there, the Triton interpreter): every kernel against its own twin at small fp32 shapes,
+    forward and every gradient (rtol = atol = 1e-4, the looser of the two tolerances above), and apply."""
+    shutil.copytree(os.path.join(REPO, "kernels"), tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", STANDALONE], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip().endswith("all ok"), result.stdout + result.stderr[-3000:]

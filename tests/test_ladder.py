@@ -14,6 +14,7 @@ import pytest
 import fit
 import ladder
 import train
+from tooling.checkpoint import load_model
 
 
 class Interrupted(Exception):
@@ -148,8 +149,7 @@ def test_x_micro_budgets_growth_fits_and_noise(x_micro):
     grown = [r for r in rows if r["arch"] == "untied-grow" and int(r["depth"]) == preset["depths"][-1]][0]
     log = [json.loads(line) for line in open(os.path.join(out, "runs", grown["run_id"], "log.jsonl"))]
     assert set(log[-1]["flops_by_passes"]) == {"2", "4"}
-    from model import GPT
-    model, _ = GPT.from_checkpoint(os.path.join(out, "runs", grown["run_id"], "ckpt.pt"))
+    model, _ = load_model(os.path.join(out, "runs", grown["run_id"], "ckpt.pt"))
     assert model.config.n_passes == 4 and not model.config.tie_core
     # the sweep: every architecture's swept values, the chosen one carried up the ladder
     assert set(report["lr_sweep"]) == set(archs) and set(report["lrs"]) == set(archs)
@@ -279,8 +279,8 @@ def test_every_preset_builds_with_valid_train_settings(capsys):
         specs, _ = ladder.full_plan(preset, world=ladder.world_size(preset))
         for s in specs:
             for key, value in s.settings.items():
-                train.check_setting(key, value)
-            train.train_config_from(train.resolve_settings(
+                train.SETTINGS.check(key, value)
+            train.SETTINGS.build(train.TrainConfig, train.SETTINGS.resolve(
                 {k: v for k, v in s.settings.items() if k not in ("init_from", "decay_branch")}))
 
 

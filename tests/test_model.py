@@ -1,3 +1,4 @@
+import copy
 import math
 import os
 
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 
 from model import GPT, MoE, ForwardContext, ModelConfig, execution_plan
 from probe import record_blocks
+from tooling.checkpoint import load_model
 
 VOCAB, EOT = 97, 96
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -365,14 +367,14 @@ def test_checkpoint_round_trip(tmp_path):
     model = build(layout="smelt", n_loops=2)
     path = tmp_path / "ckpt.pt"
     torch.save({"model_config": asdict(model.config), "model": model.state_dict()}, str(path))
-    loaded, _ = GPT.from_checkpoint(str(path))
+    loaded, _ = load_model(str(path))
     idx = tokens()
     assert torch.equal(loaded(idx)[0], model(idx)[0])
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="bad.pt"):
-        GPT.from_checkpoint(str(tmp_path / "bad.pt"))
+        load_model(str(tmp_path / "bad.pt"))
     with pytest.raises(FileNotFoundError):
-        GPT.from_checkpoint(str(tmp_path / "missing.pt"))
+        load_model(str(tmp_path / "missing.pt"))
 
 
 def test_loss_ignores_minus_one_and_includes_router_losses():
@@ -400,23 +402,90 @@ def test_flex_attention_path_equals_sdpa_path():
             torch.testing.assert_close(flex(idx)[0], sdpa(idx)[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kw", [dict(layout="smelt", n_loops=2, n_layer=2, n_expert=6, top_k=2, expert_hidden=8),
-                                dict(layout="pcc", n_layer=3, n_passes=2, qk_norm=True, norm_gain=False)])
-def test_triton_kernels_give_the_same_loss_and_gradients(kw):
-    """use_triton on (kernels; the Triton interpreter on CPU) vs off (PyTorch twins)."""
+KERNEL_FAMILIES = {  # each family's modules that kernels.apply swaps, and the kernels they call
+    "plain_dense": (dict(layout="plain", n_layer=2, qk_norm=True), ("rmsnorm", "swiglu")),
+    "smelt_moe": (dict(layout="smelt", n_loops=2, n_layer=2, n_expert=6, top_k=2, expert_hidden=8),
+                  ("rmsnorm", "moe_experts")),
+    "pcc_both": (dict(layout="pcc", n_layer=3, n_passes=2, qk_norm=True, norm_gain=False),
+                 ("rmsnorm", "swiglu", "boundary_operator")),
+    # a gain on every norm; the coda's boundary only norms (BO's parts: the swapped RMSNorm)
+    "pcc_both_gain": (dict(layout="pcc", n_layer=3, n_passes=2, inject_before_coda=False),
+                      ("rmsnorm", "swiglu", "boundary_operator")),
+}
+KERNELS = ("rmsnorm", "boundary_operator", "swiglu", "moe_experts")
+# the kernels run compiled on CUDA, in the Triton interpreter on CPU (conftest.py sets it without CUDA)
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def count_kernel_calls(monkeypatch, kernels):
+    """Count the calls of the package's kernels (the swapped methods call them through the package)."""
+    calls = dict.fromkeys(KERNELS, 0)
+    for name in KERNELS:
+        def counted(*args, _kernel=getattr(kernels, name), _name=name, **kw):
+            calls[_name] += 1
+            return _kernel(*args, **kw)
+        monkeypatch.setattr(kernels, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("family", KERNEL_FAMILIES)
+def test_kernels_apply_gives_the_same_loss_and_gradients(family, monkeypatch):
+    """A GPT before and after kernels.apply (the kernels; the Triton interpreter on CPU): the same
+    parameters and state_dict, every RMSNorm / MLP / MoE / BoundaryOperator swapped, each of the family's
+    kernels called, and the loss (rtol 1e-5, atol 1e-6) and every parameter's gradient (rtol 1e-4,
+    atol 1e-6) as the PyTorch code gives: fp32, reassociation only. On CUDA when there is one."""
     pytest.importorskip("triton")
+    import kernels
+    from model import MLP, BoundaryOperator, RMSNorm
+    kw, expected_kernels = KERNEL_FAMILIES[family]
     torch.manual_seed(0)
-    cfg = dict(n_embd=32, n_head=2, n_kv_head=1, head_dim=16, **kw)
-    ref = GPT(tiny(use_triton=False, **cfg))
-    fast = GPT(tiny(use_triton=True, **cfg))
+    ref = GPT(tiny(n_embd=32, n_head=2, n_kv_head=1, head_dim=16, **kw))
+    fast = GPT(tiny(n_embd=32, n_head=2, n_kv_head=1, head_dim=16, **kw))
     fast.load_state_dict(ref.state_dict())
-    idx = tokens(B=2, T=16, eot_at=(6,))
+    ref, fast = ref.to(KERNEL_DEVICE), fast.to(KERNEL_DEVICE)
+    params, state = dict(fast.named_parameters()), fast.state_dict()
+    assert kernels.apply(fast) is fast
+    assert all(p is params[n] for n, p in fast.named_parameters()) and len(params) == len(list(fast.parameters()))
+    assert fast.state_dict().keys() == state.keys()
+    swappable = [m for m in fast.modules() if isinstance(m, (RMSNorm, MLP, MoE, BoundaryOperator))]
+    assert swappable and all(type(m).__name__.startswith("Triton") for m in swappable)
+    calls = count_kernel_calls(monkeypatch, kernels)
+    idx = tokens(B=2, T=16, eot_at=(6,)).to(KERNEL_DEVICE)
     loss_ref, loss_fast = ref(idx, idx)[1], fast(idx, idx)[1]
+    assert {name for name, n in calls.items() if n} == set(expected_kernels)
     torch.testing.assert_close(loss_fast, loss_ref, rtol=1e-5, atol=1e-6)
     loss_ref.backward()
     loss_fast.backward()
     for (name, a), b in zip(ref.named_parameters(), fast.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_kernels_apply_is_idempotent_and_survives_a_block_copy(monkeypatch):
+    """Applying twice changes nothing; a deep-copied block (grow.py copies blocks) keeps the kernels:
+    a model whose block is replaced by its copy gives the same loss (the same code on the same values:
+    equal on CPU; fp32 assert_close defaults, since CUDA's index_add_ sums in no fixed order) and still
+    calls the kernels."""
+    pytest.importorskip("triton")
+    import kernels
+    model = kernels.apply(build(layout="smelt", n_loops=2, n_layer=2, n_embd=32, n_head=2, n_kv_head=1,
+                                head_dim=16, n_expert=4, top_k=2, expert_hidden=8).to(KERNEL_DEVICE))
+    classes = [type(m) for m in model.modules()]
+    assert [type(m) for m in kernels.apply(model).modules()] == classes
+    idx = tokens(B=1, T=12).to(KERNEL_DEVICE)
+    loss = model(idx, idx)[1]
+    block = copy.deepcopy(model.blocks[1])
+    assert [type(m) for m in block.modules()] == [type(m) for m in model.blocks[1].modules()]
+    assert type(block.ffn).__name__ == "TritonMoE" and type(block.norm1).__name__ == "TritonRMSNorm"
+    model.blocks[1] = block
+    calls = count_kernel_calls(monkeypatch, kernels)
+    loss_copy = model(idx, idx)[1]
+    if KERNEL_DEVICE == "cpu":
+        assert torch.equal(loss_copy, loss)
+    else:
+        torch.testing.assert_close(loss_copy, loss)
+    executed = model.config.executed_layers()
+    assert executed == 3 and model.embed_norm is None
+    assert calls["moe_experts"] == executed and calls["rmsnorm"] == 2 * executed + 1  # 2 per block, norm_f
 
 
 def test_zero_initial_state_switch():
@@ -434,7 +503,7 @@ def test_zero_initial_state_switch():
 
 def test_model_py_works_copied_alone(tmp_path):
     """model.py is the file people copy: alone in an empty folder it builds and trains every layout
-    family, and the Triton kernels are never imported unless use_triton=True is asked for."""
+    family, and the Triton kernels are never imported (kernels.apply is the only way they come in)."""
     import shutil
     import subprocess
     import sys

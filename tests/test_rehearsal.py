@@ -15,6 +15,7 @@ import eval_core
 import probe
 import train
 from model import GPT, ModelConfig
+from tooling.checkpoint import load_model
 
 VOCAB, EOT = 256, 255
 LAYOUTS = {
@@ -103,8 +104,8 @@ def test_train_bf16_growth_and_decay_branch(tmp_path, data_dir, untie):
                        n_passes=1, n_expert=0, boundary_alpha=0.7, max_steps=6, grow_at=3.0, grow_to=2,
                        grow_untie=untie, decay_fraction=0.0, save_steps=[6])
     stable = train.train(pcc)
-    model, ckpt = GPT.from_checkpoint(stable["ckpt_path"])
-    assert ckpt["grown"] and model.config.n_passes == 2 and model.config.tie_core == (not untie)
+    model, ckpt = load_model(stable["ckpt_path"])
+    assert ckpt["state"]["grown"] and model.config.n_passes == 2 and model.config.tie_core == (not untie)
     branch = train.train(dict(out_dir=str(tmp_path), init_from=os.path.join(stable["run_dir"], "ckpt_step6.pt"),
                               decay_branch=True, decay_tokens=3 * 4 * 32, progress=False))
     assert branch["step"] == 9 and all(v == v for v in branch["train_losses"])

@@ -11,9 +11,14 @@ import numpy as np
 import pytest
 import torch
 
+import grow
 import train
 from data import prepare as prep
+from data.loader import TokenStream
 from model import GPT, ModelConfig
+from tooling import memory, rundir
+from tooling.checkpoint import load_model
+from tooling.settings import described_fields
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,25 +34,28 @@ def run(data_dir, out, **overrides):
 # ---- settings
 
 
-def test_tiny_config_file_equals_defaults():
-    values = train.read_config_file(os.path.join(REPO, "config", "tiny.py"))
-    assert values and all(train.DEFAULTS[k] == v for k, v in values.items())
-    cfg = train.model_config_from(train.DEFAULTS)
-    assert cfg.layout == "smelt" and cfg.n_loops == 2 and cfg.n_expert == 8
+def test_defaults_live_in_one_place_and_train_the_tiny_smelt_moe():
+    """train.py's defaults are TrainConfig's and ModelConfig's field defaults with the tiny model on top."""
+    from dataclasses import fields
+    expected = {f.name: getattr(train.TrainConfig(), f.name) for f in fields(train.TrainConfig)}
+    expected |= {f.name: getattr(ModelConfig(), f.name) for f in fields(ModelConfig)} | train.TINY_MODEL
+    assert train.DEFAULTS == expected
+    cfg = train.SETTINGS.build(train.ModelConfig, train.DEFAULTS)
+    assert (cfg.layout, cfg.n_loops, cfg.passes, cfg.n_expert, cfg.top_k, cfg.block_size) == ("smelt", 2, 2, 8, 2, 128)
 
 
 def test_unknown_key_and_wrong_type_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match="unknown command-line key 'max_stepz'"):
-        train.parse_args(["--max_stepz=3"])
+        train.SETTINGS.parse(["--max_stepz=3"])
     with pytest.raises(ValueError, match="max_steps='abc' has type str, expected int"):
-        train.parse_args(["--max_steps=abc"])
+        train.SETTINGS.parse(["--max_steps=abc"])
     with pytest.raises(ValueError, match="n_embd=1.5 has type float, expected int"):
-        train.parse_args(["--n_embd=1.5"])
+        train.SETTINGS.parse(["--n_embd=1.5"])
     bad = tmp_path / "bad.py"
     bad.write_text("import math\nlearning_rate = 0.1\n")
     with pytest.raises(ValueError, match="unknown key in .*bad.py 'learning_rate'"):
-        train.parse_args([str(bad)])
-    assert train.parse_args(["--max_tokens=1e6", "--layout=pcc", "--grow_at=300"]) == \
+        train.SETTINGS.parse([str(bad)])
+    assert train.SETTINGS.parse(["--max_tokens=1e6", "--layout=pcc", "--grow_at=300"]) == \
         dict(max_tokens=1000000, layout="pcc", grow_at=300.0)
     with pytest.raises(ValueError, match="unknown setting 'nope'"):
         train.train({"nope": 1})
@@ -77,9 +85,9 @@ def test_missing_and_corrupt_data_fail_clearly(tmp_path, data_dir):
 ])
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
 def test_param_groups_cover_every_parameter_once(model_overrides, optimizer):
-    settings = train.resolve_settings(dict(n_embd=32, n_head=2, optimizer=optimizer) | model_overrides)
-    model = GPT(train.model_config_from(settings))
-    optimizers = train.build_optimizers(model, train.train_config_from(settings))
+    settings = train.SETTINGS.resolve(dict(n_embd=32, n_head=2, optimizer=optimizer) | model_overrides)
+    model = GPT(train.SETTINGS.build(train.ModelConfig, settings))
+    optimizers = train.build_optimizers(model, train.SETTINGS.build(train.TrainConfig, settings))
     seen = [id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())  # every parameter exactly once
     kinds = {g["name"]: type(opt).__name__ for opt in optimizers for g in opt.param_groups}
@@ -100,12 +108,12 @@ def test_wsd_schedule_warmup_stable_decay_to_floor():
 
 def test_token_stream_is_seeded_and_covers_every_window_each_epoch():
     tokens = np.arange(1001)
-    stream = train.TokenStream(tokens, 10, seed=3, start=100, stop=901)
+    stream = TokenStream(tokens, 10, seed=3, start=100, stop=901)
     first_epoch = stream.offsets(0, stream.n_windows)
     assert sorted(first_epoch) == list(range(100, 100 + 10 * stream.n_windows, 10))
     assert not np.array_equal(first_epoch, stream.offsets(stream.n_windows, stream.n_windows))  # reshuffled
-    np.testing.assert_array_equal(stream.offsets(5, 7), train.TokenStream(tokens, 10, 3, 100, 901).offsets(5, 7))
-    x, y, _ = stream.batch(0, 2)
+    np.testing.assert_array_equal(stream.offsets(5, 7), TokenStream(tokens, 10, 3, 100, 901).offsets(5, 7))
+    x, y = stream.batch(0, 2)
     assert torch.equal(x[:, 1:], y[:, :-1])
 
 
@@ -126,9 +134,10 @@ def test_loss_falls_on_the_tiny_default(tmp_path, data_dir):
     assert set(last["val_loss_by_source"]) == {"comedy", "history", "tragedy"}
     assert 0 <= last["expert_load_min"] <= 1 / 8 <= last["expert_load_max"] <= 1 and last["balance"] >= 1.0
     assert last["tokens"] == 20 * 8 * 128 and last["flops"] == pytest.approx(
-        train.flops_per_token(train.model_config_from(train.DEFAULTS)) * last["tokens"])
-    model, ckpt = GPT.from_checkpoint(summary["ckpt_path"])
-    assert ckpt["step"] == 20 and ckpt["tokens_seen"] == last["tokens"] and ckpt["data_dir"] == data_dir
+        train.flops_per_token(train.SETTINGS.build(train.ModelConfig, train.DEFAULTS)) * last["tokens"])
+    model, ckpt = load_model(summary["ckpt_path"])
+    assert ckpt["state"]["step"] == 20 and ckpt["state"]["tokens_seen"] == last["tokens"]
+    assert ckpt["data_dir"] == data_dir
     assert set(ckpt["optimizer"]["state"]) == {n for n, _ in model.named_parameters()}  # keyed by name
 
 
@@ -159,15 +168,15 @@ def test_decay_branch_forks_weights_decays_to_floor_on_unseen_data(tmp_path, dat
     assert branch["step"] == 4 + 5 and branch["max_steps"] == 9
     assert branch["data_region"] == "branch" and branch["data_read"][0] >= branch["data_split"]  # unseen data
     # its first loss is the step-4 checkpoint's loss on the first held-back batch: it starts from those weights
-    model, ckpt = GPT.from_checkpoint(ckpt_path)
+    model, ckpt = load_model(ckpt_path)
     train_tokens = prep.load_split(data_dir, "train")
-    stream = train.TokenStream(train_tokens, 32, 1337, branch["data_split"], len(train_tokens))
-    x, y, _ = stream.batch(0, 4)
+    stream = TokenStream(train_tokens, 32, 1337, branch["data_split"], len(train_tokens))
+    x, y = stream.batch(0, 4)
     model(x, y)
     assert branch["train_losses"][0] == pytest.approx(model.last_stats["ce"].item(), rel=1e-5)
     log = [json.loads(l) for l in open(branch["log_path"])]
     assert log[-1]["lr"] == pytest.approx(0.1 * 0.03)  # the floor, inherited matrix_lr
-    assert log[-1]["tokens"] == ckpt["tokens_seen"] + 5 * 4 * 32
+    assert log[-1]["tokens"] == ckpt["state"]["tokens_seen"] + 5 * 4 * 32
 
 
 @pytest.mark.parametrize("untie", [False, True])
@@ -175,10 +184,10 @@ def test_growth_flops_by_phase_and_resume_across_growth(tmp_path, data_dir, unti
     pcc = dict(layout="pcc", n_layer=3, n_passes=1, n_expert=0, max_steps=6, grow_at=0.5, grow_to=3,
                grow_untie=untie, grow_rewarm_steps=2, eval_interval=3)
     summary = run(data_dir, tmp_path / "a", **pcc)
-    model, ckpt = GPT.from_checkpoint(summary["ckpt_path"])
-    assert model.config.n_passes == 3 and model.config.tie_core == (not untie) and ckpt["grown"]
+    model, ckpt = load_model(summary["ckpt_path"])
+    assert model.config.n_passes == 3 and model.config.tie_core == (not untie) and ckpt["state"]["grown"]
     assert set(ckpt["optimizer"]["state"]) == {n for n, _ in model.named_parameters()}
-    flops = ckpt["flops_by_passes"]  # 3 steps at K=1, then 3 at K=3, each at its own FLOPs per token
+    flops = ckpt["state"]["flops_by_passes"]  # 3 steps at K=1, then 3 at K=3, each at its own FLOPs per token
     before = ModelConfig.from_dict(ckpt["model_config"] | dict(n_passes=1, tie_core=True))
     tokens_per_step = 4 * 32
     assert flops[1] == pytest.approx(3 * tokens_per_step * train.flops_per_token(before))
@@ -204,7 +213,7 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, mon
     with pytest.raises(train.NonFiniteLoss, match="non-finite loss .* at step 2.*last good checkpoint is kept"):
         train.train(dict(out_dir=str(tmp_path), run_name="nan", resume=True, max_steps=4, progress=False))
     after = torch.load(path, weights_only=False)
-    assert after["step"] == before["step"] == 2
+    assert after["state"]["step"] == before["state"]["step"] == 2
     assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
 
 
@@ -252,14 +261,14 @@ def test_resuming_a_finished_run_says_so_and_can_be_extended(tmp_path, data_dir,
 
 
 def test_ctrl_c_says_where_the_checkpoint_is_and_how_to_resume(tmp_path, data_dir, monkeypatch, capsys):
-    original = train.train_step
+    original = train.passes_of_step
 
-    def interrupted_at_step_3(*args, **kwargs):
-        if args[4].step == 3:  # state
+    def interrupted_at_step_3(config, step):  # called at the start of every step
+        if step == 3:
             raise KeyboardInterrupt
-        return original(*args, **kwargs)
+        return original(config, step)
 
-    monkeypatch.setattr(train, "train_step", interrupted_at_step_3)
+    monkeypatch.setattr(train, "passes_of_step", interrupted_at_step_3)
     argv = [f"--{k}={v!r}" for k, v in (SMALL | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="c",
                                                      max_steps=6, eval_interval=2)).items()]
     assert train.main(argv) == 130
@@ -271,17 +280,16 @@ def test_ctrl_c_says_where_the_checkpoint_is_and_how_to_resume(tmp_path, data_di
 def test_lr_scaling_uses_stored_params_with_embedding(tmp_path, data_dir):
     """[X16]: N is the stored parameter count at initialisation, token embedding and lm head included
     (the [X] code's N, grow.stored_params), not the non-embedding count."""
-    import grow
     anchor, beta = 10_000, -0.6
     summary = run(data_dir, tmp_path, max_steps=2, warmup_steps=0, eval_interval=1, lr_anchor_params=anchor,
                   lr_scaling_beta=beta)
-    cfg = train.model_config_from(train.DEFAULTS | SMALL)
+    cfg = train.SETTINGS.build(train.ModelConfig, train.DEFAULTS | SMALL)
     stored, non_embedding = grow.stored_params(cfg), GPT(cfg).num_params()["non_embedding"]
     assert stored > 2 * non_embedding  # the embedding matters here: the two rules differ
     log = [json.loads(line) for line in open(summary["log_path"])]
     assert log[1]["lr"] == pytest.approx(0.02 * (stored / anchor) ** beta, rel=1e-12)  # Muon's matrix LR
-    _, ckpt = GPT.from_checkpoint(summary["ckpt_path"])
-    assert ckpt["lr_scaling_params"] == stored
+    _, ckpt = load_model(summary["ckpt_path"])
+    assert ckpt["state"]["lr_scaling_params"] == stored
 
 
 def test_data_repetition_is_logged_warned_and_refused_for_branches(tmp_path, data_dir, capsys):
@@ -297,10 +305,10 @@ def test_data_repetition_is_logged_warned_and_refused_for_branches(tmp_path, dat
 
 
 def test_help_describes_every_setting():
-    described = train.described_fields(train.TrainConfig) | train.described_fields(ModelConfig)
+    described = described_fields(train.TrainConfig) | described_fields(ModelConfig)
     missing = sorted(k for k in train.DEFAULTS if not described.get(k))
     assert missing == []
-    text = train.usage()
+    text = train.SETTINGS.help()
     assert "--matrix_lr=0.02" in text and "Muon LR of the hidden matrices" in text
     assert "the first pass sees the prelude output e itself" in text  # a continued comment line
 
@@ -312,20 +320,19 @@ def test_non_finite_weights_are_never_written(tmp_path, data_dir, monkeypatch):
     """The update of step 2 blows the weights up (the loss before it was fine): the eval/save at step 2
     must not write NaN weights as the last good checkpoint."""
     run(data_dir, tmp_path, run_name="nan", max_steps=1, eval_interval=1)
-    original = train.train_step
+    original = torch.optim.AdamW.step
 
-    def blows_up_at_step_1(model, raw_model, *args, **kwargs):
-        out = original(model, raw_model, *args, **kwargs)
-        if args[2].step == 1:  # state: the update of the second step
-            with torch.no_grad():
-                raw_model.lm_head.weight.fill_(float("nan"))
+    def blows_up(self, *args, **kwargs):  # the resumed run's first update is the second step's
+        out = original(self, *args, **kwargs)
+        with torch.no_grad():
+            next(g for g in self.param_groups if g["name"] == "unembedding")["params"][0].fill_(float("nan"))
         return out
 
-    monkeypatch.setattr(train, "train_step", blows_up_at_step_1)
+    monkeypatch.setattr(torch.optim.AdamW, "step", blows_up)
     with pytest.raises(train.NonFiniteLoss, match="weights became non-finite at step 2.*last good checkpoint is kept"):
         train.train(dict(out_dir=str(tmp_path), run_name="nan", resume=True, max_steps=3, progress=False))
-    model, ckpt = GPT.from_checkpoint(os.path.join(tmp_path, "nan", "ckpt.pt"))
-    assert ckpt["step"] == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+    model, ckpt = load_model(os.path.join(tmp_path, "nan", "ckpt.pt"))
+    assert ckpt["state"]["step"] == 1 and all(torch.isfinite(p).all() for p in model.parameters())
     log = [json.loads(line) for line in open(os.path.join(tmp_path, "nan", "log.jsonl"))]
     assert [r["step"] for r in log] == [0, 1]  # no log line for the checkpoint that was not written
 
@@ -402,9 +409,10 @@ def test_memory_check_covers_the_model_at_its_most_passes(tmp_path, monkeypatch,
     cpu = torch.device("cpu")
 
     def check(available, **extra):
-        monkeypatch.setattr(train, "available_memory", lambda device: available)
-        run = train.resolve_run(settings | extra)
-        train.check_memory(train.model_config_from(run.model_settings, "cpu"), run.config, cpu, False)
+        monkeypatch.setattr(memory, "available_memory", lambda device: available)
+        values, _ = rundir.resolve_run(train.SETTINGS, settings | extra)
+        config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(ModelConfig, values)
+        memory.check_memory(grow.shapes_of_run(cfg, config), config, cpu, False)
 
     low, high = 0, 2**40  # bisect the least memory the 2-pass run fits in
     while high - low > 1:
@@ -477,6 +485,6 @@ def test_killed_during_a_checkpoint_write_then_resumed_ends_equal(tmp_path, data
     assert not any(".tmp-" in name for name in os.listdir(run_dir))
     steps = [json.loads(line)["step"] for line in open(resumed["log_path"])]
     assert steps == list(range(13))
-    a, _ = GPT.from_checkpoint(straight["ckpt_path"])
-    b, _ = GPT.from_checkpoint(resumed["ckpt_path"])
+    a, _ = load_model(straight["ckpt_path"])
+    b, _ = load_model(resumed["ckpt_path"])
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))

@@ -1,8 +1,8 @@
 """train.py --parallel=fsdp on CPU (gloo): 2 processes train exactly what 1 process trains with the same
 global batch (grad_accum=2), with Muon and AdamW, on the SMELT-looped MoE, tied and untied
 prelude-core-coda, and across a growth step; sharded checkpoints resume exactly, onto another world
-size too; the consolidated checkpoint loads in one process; each rank holds half the state, as match.py's
-planner predicts. One torchrun launch runs all FSDP jobs (tests/fsdp_driver.py)."""
+size too; the consolidated checkpoint loads in one process; each rank holds half the state, as the planner
+(tooling/memory.py) predicts. One torchrun launch runs all FSDP jobs (tests/fsdp_driver.py)."""
 import json
 import os
 import subprocess
@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-import match
 import train
-from model import GPT
+from tooling import memory
+from tooling.checkpoint import load_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_loops=2, block_size=32,
@@ -66,7 +66,7 @@ def test_two_fsdp_processes_equal_one_process_with_accumulation(fsdp, tmp_path, 
         if a["train_loss"] is not None:
             assert b["train_loss"] == pytest.approx(a["train_loss"], **TOL), (name, a["step"])
     if name.startswith("grow"):
-        grown, _ = GPT.from_checkpoint(two["ckpt_path"])  # the consolidated file after growth
+        grown, _ = load_model(two["ckpt_path"])  # the consolidated file after growth
         assert grown.config.n_passes == 2 and grown.config.tie_core == (name == "grow_tied_muon")
 
 
@@ -97,8 +97,8 @@ def test_bf16_autocast_under_fsdp_trains(fsdp):
 
 def test_consolidated_checkpoint_loads_in_one_process_with_the_sharded_logits(fsdp):
     results, root = fsdp
-    model, ckpt = GPT.from_checkpoint(results["smelt_muon"]["summaries"][0]["ckpt_path"])
-    assert ckpt["optimizer"] is None and ckpt["step"] == 4  # weights only: the optimizer state stays sharded
+    model, ckpt = load_model(results["smelt_muon"]["summaries"][0]["ckpt_path"])
+    assert ckpt["optimizer"] is None and ckpt["state"]["step"] == 4  # weights only: the optimizer state stays sharded
     idx = torch.arange(2 * 16).reshape(2, 16) % (model.config.vocab_size - 1)
     with torch.no_grad():
         logits = model(idx)[0]
@@ -107,10 +107,10 @@ def test_consolidated_checkpoint_loads_in_one_process_with_the_sharded_logits(fs
 
 def test_each_rank_holds_half_the_state_as_the_planner_predicts(fsdp):
     results, _ = fsdp
-    cfg = train.model_config_from(train.DEFAULTS | SMALL)
+    cfg = train.SETTINGS.build(train.ModelConfig, train.DEFAULTS | SMALL)
     per_rank = results["smelt_muon"]["state_bytes"]
-    total = match.state_bytes_per_rank(cfg, 1, "muon")
-    assert per_rank[0] == match.state_bytes_per_rank(cfg, 2, "muon")  # rank 0 holds the larger halves
+    total = memory.state_bytes_per_rank(cfg, 1, "muon")
+    assert per_rank[0] == memory.state_bytes_per_rank(cfg, 2, "muon")  # rank 0 holds the larger halves
     assert sum(per_rank) == total
     assert all(abs(b / (total / 2) - 1) < 0.03 for b in per_rank), (per_rank, total)
 

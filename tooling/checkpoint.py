@@ -1,9 +1,13 @@
 """
-Training checkpoints and the run directory they live in.
+Training checkpoints: writing them so that nothing is ever half-written, and reading them back.
 
-  ckpt.pt      one file: model, optimizer state keyed by parameter name, step, data position, settings.
-               One process or DDP: rank 0 writes it at every eval. It is what eval_core.py, probe.py,
-               grow.py and sample.py load (model.GPT.from_checkpoint). Under FSDP it holds the
+Guards against: a crash (or kill -9, or a full disk) at any moment destroying the previous checkpoint,
+weights that became non-finite being saved over good ones, and a file that is not a loopstudy
+checkpoint (or does not fit its own config) failing deep inside torch.
+
+  ckpt.pt      one file: model, optimizer state keyed by parameter name, the run's TrainState (step,
+               tokens, data position, ...), settings. One process or DDP: rank 0 writes it at every
+               eval. It is what eval_core.py, probe.py, grow.py and sample.py load (load_model). Under FSDP it holds the
                consolidated model (weights gathered from every rank, no optimizer state), written at
                the end of the run.
   ckpt.dcp/    FSDP2: the same contents sharded. Every rank writes only its own shards
@@ -14,23 +18,20 @@ Training checkpoints and the run directory they live in.
 Both are written under a temporary name and renamed into place: a crash at any moment leaves the
 previous checkpoint intact, and a checkpoint is never written from non-finite weights. A directory is
 swapped in two renames (old -> .old, new -> final); find_resume_checkpoint recovers the moment between.
-The run directory has a lock file (one training per folder), and log.jsonl is cut back to the
-checkpoint a run resumes from, so the log and the checkpoint always agree.
 """
 
-import contextlib
 import errno
-import json
 import os
 import shutil
-import socket
 import warnings
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
-from common import TEMP_MARK, write_atomic
-from model import load_checkpoint
+from model import GPT, ModelConfig
+from tooling import distributed
+from tooling.common import TEMP_MARK, write_atomic
 
 SHARDED_META = "meta.pt"  # inside a ckpt.dcp/ directory: the checkpoint minus its tensor shards
 
@@ -39,21 +40,13 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-def distributed():
-    return dist.is_available() and dist.is_initialized()
-
-
-def local(t):
-    """The part of a tensor this process holds: an FSDP2 DTensor's shard, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def check_finite(tensors, step, path, collective=False):
     """Refuse to write weights that are not finite (on any rank, for a sharded checkpoint)."""
-    finite = torch.tensor([float(all(torch.isfinite(local(t)).all() for t in tensors if t.is_floating_point()))])
+    tensors = [distributed.local(t) for t in tensors if t.is_floating_point()]
+    finite = all(bool(torch.isfinite(t).all()) for t in tensors)
     if collective:
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    if not finite.item():
+        finite = distributed.all_true(finite, tensors[0].device if tensors else "cpu")
+    if not finite:
         raise NonFiniteLoss(f"the weights became non-finite at step {step} (after the update): {path} was not "
                             "written; the last good checkpoint is kept. Lower the learning rates.")
 
@@ -71,9 +64,37 @@ def disk_error(path, error):
 # ckpt.pt: one file
 
 
+def load_checkpoint(path, map_location="cpu"):
+    """A checkpoint file -> its dict ({"model_config", "model", ...}), with a clear error when it is
+    missing, unreadable or not a loopstudy checkpoint."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory, not a checkpoint file")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:  # truncated or not a torch file
+        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+    if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model" not in ckpt:
+        raise ValueError(f"{path} is not a loopstudy checkpoint (needs 'model_config' and 'model')")
+    return ckpt
+
+
+def load_model(path, map_location="cpu"):
+    """A model.GPT from a checkpoint written by train.py or grow.py -> (model, checkpoint dict)."""
+    ckpt = load_checkpoint(path, map_location)
+    model = GPT(ModelConfig.from_dict(ckpt["model_config"]))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # weights that do not fit the stored config
+        raise ValueError(f"{path}: the weights do not match the model config stored with them: "
+                         f"{str(e).splitlines()[0]}") from None
+    return model, ckpt
+
+
 def save_file(path, ckpt):
     """Write ckpt (a dict of whole tensors and values) atomically, after checking its weights."""
-    check_finite(ckpt["model"].values(), ckpt["step"], path)
+    check_finite(ckpt["model"].values(), ckpt["state"]["step"], path)
     try:
         write_atomic(path, lambda f: torch.save(ckpt, f))
     except (OSError, RuntimeError) as e:
@@ -98,10 +119,11 @@ def save_sharded(path, ckpt):
     """Every rank writes its shards of ckpt (model.state_dict() and optimizer state of DTensors) into a
     temp directory beside path; rank 0 adds meta.pt, then swaps the directory into place."""
     import torch.distributed.checkpoint as dcp
-    check_finite(ckpt["model"].values(), ckpt["step"], path, collective=True)
+    check_finite(ckpt["model"].values(), ckpt["state"]["step"], path, collective=True)
     path = os.path.abspath(path)
     directory, name = os.path.split(path)
-    tmp, old = os.path.join(directory, f".{name}{TEMP_MARK}{ckpt['step']}"), os.path.join(directory, f".{name}.old")
+    tmp = os.path.join(directory, f".{name}{TEMP_MARK}{ckpt['state']['step']}")
+    old = os.path.join(directory, f".{name}.old")
     tensors, meta = sharded_tensors(ckpt)
     try:
         if dist.get_rank() == 0:
@@ -131,10 +153,9 @@ def load_sharded_meta(path):
     return meta
 
 
-def load_sharded_tensors(meta, model, optimizers, empty_state):
+def load_sharded_tensors(meta, model, optimizers):
     """Fill model and optimizer state from a sharded checkpoint, in place, re-sharding onto however this
-    process holds the parameters (FSDP2 shards of any world size, or whole tensors). empty_state(opt, p)
-    gives a parameter's optimizer state of the right shapes for DCP to load into."""
+    process holds the parameters (FSDP2 shards of any world size, or whole tensors)."""
     import torch.distributed.checkpoint as dcp
     params = dict(model.named_parameters())
     state = {}
@@ -142,7 +163,7 @@ def load_sharded_tensors(meta, model, optimizers, empty_state):
         for group in opt.param_groups:
             for p, name in zip(group["params"], group["param_names"]):
                 if name in meta["optimizer"]["state_keys"]:
-                    state[name] = opt.state[p] = empty_state(opt, params[name])
+                    state[name] = opt.state[p] = empty_optimizer_state(opt, params[name])
     model_state = model.state_dict()
     with warnings.catch_warnings():  # one process resuming a sharded run is intended: DCP's warning is noise
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -161,7 +182,7 @@ def load_train_checkpoint(path):
         ckpt = load_sharded_meta(path)
     else:
         ckpt = load_checkpoint(path)
-    for key in ("optimizer", "step", "train_config"):
+    for key in ("optimizer", "state", "train_config"):
         if key not in ckpt:
             raise ValueError(f"{path} is not a train.py checkpoint (missing {key!r})")
     if ckpt["optimizer"] is None:
@@ -179,92 +200,85 @@ def find_resume_checkpoint(run_dir):
         os.replace(old, sharded)
     steps = {}
     if os.path.exists(os.path.join(sharded, SHARDED_META)):
-        steps[sharded] = load_sharded_meta(sharded)["step"]
+        steps[sharded] = load_sharded_meta(sharded)["state"]["step"]
     if os.path.exists(single):
         ckpt = load_checkpoint(single)
         if ckpt.get("optimizer") is not None:  # not the consolidated weights of an FSDP run
-            steps[single] = ckpt["step"]
+            steps[single] = ckpt["state"]["step"]
     return max(steps, key=lambda p: (steps[p], p.endswith(".dcp"))) if steps else None
 
 
+
+
 # ----------------------------------------------------------------------------------------------------
-# The run directory
+# What a training checkpoint holds
 
 
-def sync_log(log_path, ckpt):
-    """Cut log.jsonl back to the checkpoint being resumed (lines of later steps were written by the
-    interrupted run after it), and add the checkpoint's own eval line if the run died before writing it."""
-    if not os.path.exists(log_path):
-        return
-    with open(log_path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    kept = [r for r in records if r["step"] <= ckpt["step"]]
-    last_eval = ckpt.get("last_eval")
-    if last_eval and (not kept or kept[-1]["step"] < last_eval["step"]):
-        kept.append(last_eval)
-    if kept != records:
-        write_atomic(log_path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
+def training_checkpoint(model, optimizers, config, state, **extra):
+    """The dict train.py saves: the model's config and weights, optimizer state keyed by parameter name,
+    the run's TrainState (serialised from its own fields), RNG state and the run's settings."""
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return dict(model_config=asdict(model.config), model=model.state_dict(),
+                optimizer=optimizer_state_by_name(optimizers), state=asdict(state), rng=rng,
+                train_config=asdict(config), **extra)
 
 
-def remove_stale_temp_files(run_dir):
-    """What a killed checkpoint write left behind in this run's folder: temp files and directories
-    (.<name>.tmp-*), and a sharded checkpoint's previous copy once the new one is in place."""
-    for name in os.listdir(run_dir):
-        path = os.path.join(run_dir, name)
-        stale_old = name.endswith(".old") and os.path.exists(os.path.join(run_dir, name[1:-len(".old")]))
-        if name.startswith(".") and (TEMP_MARK in name or stale_old):
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+def optimizer_state_by_name(optimizers):
+    """{"state": {param name: {key: tensor}}, "param_groups": [{name, lr, ..., param_names}]}:
+    keyed by parameter name so grow.py can extend it and a grown model can load it."""
+    state, groups = {}, []
+    for opt in optimizers:
+        for group in opt.param_groups:
+            groups.append({k: v for k, v in group.items() if k != "params"})
+            for p, name in zip(group["params"], group["param_names"]):
+                if p in opt.state:
+                    state[name] = dict(opt.state[p])
+    return {"state": state, "param_groups": groups}
 
 
-@contextlib.contextmanager
-def run_dir_lock(run_dir):
-    """Hold run_dir/lock (host and pid) while training: a second training into the same folder stops
-    with a clear message; a lock left by a process that no longer exists (on this host) is taken over."""
-    path, me = os.path.join(run_dir, "lock"), f"{socket.gethostname()} {os.getpid()}"
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-            break
-        except FileExistsError:
-            try:
-                host, pid = open(path).read().split()
-            except (OSError, ValueError):  # half-written or vanished: a lock that holds nothing
-                host, pid = socket.gethostname(), "0"
-            if host == socket.gethostname() and not process_alive(int(pid)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)  # stale: its process is gone
-                continue
-            raise ValueError(f"{run_dir} is in use by process {pid} on {host} (lock file {path}); wait for it "
-                             "to finish, use another --run_name, or delete the lock file if that process is gone")
-    with os.fdopen(fd, "w") as f:
-        f.write(me)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            if open(path).read() == me:
-                os.remove(path)
+def load_optimizer_state(optimizers, state_by_name):
+    """Put saved per-parameter state back by name (parameters without saved state start fresh). Whole
+    tensors of a parameter FSDP has sharded are sharded the same way (distribute_tensor)."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p, name in zip(group["params"], group["param_names"]):
+                if name in state_by_name:
+                    opt.state[p] = {k: like_param(v, p) for k, v in state_by_name[name].items()}
 
 
-def process_alive(pid):
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
+def like_param(value, p):
+    """A saved state tensor placed like its parameter: on its device, and sharded like it under FSDP."""
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return value
+    if hasattr(p, "device_mesh") and not hasattr(value, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+        return distribute_tensor(value.to(p.device), p.device_mesh, p.placements)
+    return value.to(p.device)
 
 
-def make_run_dir(run_dir):
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ValueError(f"cannot create the run directory {run_dir}: a file is in the way; use another "
-                         "--out_dir or --run_name") from None
-    except PermissionError:
-        raise ValueError(f"cannot create the run directory {run_dir}: permission denied; use another --out_dir") from None
-    if not os.access(run_dir, os.W_OK):
-        raise ValueError(f"the run directory {run_dir} is not writable; use another --out_dir")
+def empty_optimizer_state(opt, p):
+    """A parameter's optimizer state before its first step, with the shapes (and shards) a sharded
+    checkpoint loads into: AdamW's step and two moments, or Muon's momentum buffer."""
+    if isinstance(opt, torch.optim.AdamW):
+        return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    return {"momentum_buffer": torch.zeros_like(p)}
+
+
+def consolidated_weights(model):
+    """The whole model's weights on rank 0's CPU ({} on the other ranks), gathered one tensor at a time
+    (DCP's full state dict with CPU offload), so no GPU ever holds the whole model (a collective)."""
+    if not distributed.is_sharded(model):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_into(source, model, optimizers):
+    """Fill a built (possibly sharded) model and its optimizers from a training checkpoint: a ckpt.pt
+    dict (whole tensors, sharded as they load) or a ckpt.dcp/ directory's meta (shard by shard)."""
+    if source.get("sharded"):
+        load_sharded_tensors(source, model, optimizers)
+    else:
+        load_optimizer_state(optimizers, source["optimizer"]["state"])

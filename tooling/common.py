@@ -52,6 +52,18 @@ def cli_error(prog, error):
     return 2
 
 
+def parser(prog, **kwargs):
+    """An argparse.ArgumentParser whose usage mistakes (an unknown flag, a bad value) are one line
+    `<prog>: error: ...` on stderr and exit status 2, like every other mistake of the tools."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            sys.exit(cli_error(prog, ValueError(message)))
+
+    return Parser(prog=prog, **kwargs)
+
+
 def resolve_device(name):
     """A torch.device from a --device value: 'auto' -> cuda when available, else cpu; ValueError for a
     malformed or unavailable device. (torch is imported here, not at the top: common.py also serves

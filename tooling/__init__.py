@@ -1,0 +1,19 @@
+"""
+The operational code a learner can skip: nothing in here is an idea of either paper.
+
+The top-level files (model.py, train.py, muon.py, grow.py, match.py, fit.py, ...) teach the papers and
+import this package; this package imports only the sources of truth below it (model.py, match.py's
+accounting) and never a script. Each module says in its docstring what it guards against:
+
+    common.py       atomic file writes, one-line CLI errors, JSON lines, devices (standard library only)
+    settings.py     settings of any dataclass: config files, --key=value, type and range checks, --help
+    distributed.py  process groups, DDP / FSDP2 wrapping, collectives on the right device
+    checkpoint.py   checkpoint files (one file, or sharded with DCP), loading a model from one
+    rundir.py       the run folder: its lock, stale temp files, log.jsonl, interrupts
+    memory.py       the memory planner (what fits on which GPU) and the memory check before a run
+    guards.py       refusals a run makes before it trains (passes, data budget)
+    tables.py       reading and writing runs CSV files with errors naming file and line
+    plots.py        figures (matplotlib optional)
+
+Importing `tooling` imports nothing: fit.py and the data tools stay free of torch.
+"""

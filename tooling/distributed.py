@@ -1,0 +1,171 @@
+"""
+Process groups, DDP and FSDP2 wrapping, and the collectives train.py makes, in one place.
+
+Guards against: a collective handed a tensor on a device its backend cannot serve (NCCL has no CPU
+backend: a CPU loss tensor all-reduced under NCCL fails at step 0 on the first multi-GPU run, a failure
+gloo on CPU never shows), ranks that disagree on how many collectives they make (under FSDP every
+forward is a collective), and a teardown that aborts the interpreter.
+
+    rank, world, device = setup(device="auto", parallel="ddp")   # under torchrun or not
+    model = shard(model, mesh_device, world, mixed_precision, reshard_after_forward)   # FSDP2
+    loss = all_reduce_sum(loss)                                   # any device, any backend
+"""
+
+import contextlib
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from tooling.common import resolve_device
+
+
+def active():
+    return dist.is_available() and dist.is_initialized()
+
+
+def setup(device="auto", parallel="ddp"):
+    """(rank, world_size, device); initialises the process group under torchrun. The backend maps CPU
+    tensors to gloo and CUDA tensors to nccl ("cpu:gloo,cuda:nccl"), so a collective on either device
+    works. parallel="fsdp" in one process runs as one shard in a one-process group."""
+    device = resolve_device(device)
+    if "RANK" not in os.environ and parallel != "fsdp":
+        return 0, 1, device
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device(f"cuda:{local_rank}")
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend=backend)
+        else:  # one process, one shard
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                    world_size=1)
+    return rank, world, device
+
+
+def rank():
+    return dist.get_rank() if active() else 0
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def teardown():
+    if active():
+        dist.destroy_process_group()
+
+
+def exit(status):
+    """sys.exit(status) for a script run under torchrun. On CPU, gloo's worker threads can outlive
+    destroy_process_group and abort the interpreter's shutdown after FSDP2 collectives ("terminate
+    called without an active exception", about 1 run in 10; a torch issue without an upstream fix):
+    once everything is written and flushed, such a process leaves directly."""
+    import sys
+    if "RANK" in os.environ and not torch.cuda.is_available():
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
+def all_reduce_sum(tensor, op=None):
+    """tensor summed (or reduced with `op`) over every process, in place; a no-op without a process
+    group. The one helper every collective of a training step goes through."""
+    if active() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_true(flag, device):
+    """Whether `flag` holds on every process (a collective when a process group exists)."""
+    t = torch.tensor([float(flag)], device=device)
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def barrier():
+    if active():
+        dist.barrier()
+
+
+def shard(model, device, world, mixed_precision, reshard_after_forward=True):
+    """FSDP2: fully_shard every stored block, then the whole model (embedding, head, norms) on one
+    DeviceMesh; every parameter becomes a DTensor holding 1/world of its rows. On CUDA with bf16 the
+    blocks compute in bf16 (MixedPrecisionPolicy) with fp32 master weights and fp32 gradient reduction;
+    on CPU in fp32 (autocast still applies with --dtype=bfloat16).
+    Looped blocks: a tied core or a SMELT span runs the same sharded block several times per forward.
+    Gradients accumulate over the visits and are reduce-scattered once per backward (tested equal to one
+    process). With reshard_after_forward=True each visit all-gathers the block again (forward and
+    backward): r or K gathers of a looped block per pass, but only one gathered block in memory at a
+    time, which is what lets the 21.5B / 53.9B-parameter [S] MoEs fit. reshard_after_forward=False
+    gathers every block once per step and keeps it until its backward: fewer collectives when the
+    unsharded model fits (python -m tooling.memory says whether it does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.type, (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if mixed_precision and device.type == "cuda" else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def is_sharded(model):
+    return any(hasattr(p, "device_mesh") for p in model.parameters())
+
+
+def full_state(tensors):
+    """{name: tensor} with every FSDP shard gathered into the whole tensor (a collective: every rank)."""
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in tensors.items()}
+
+
+def wrap(model, device, world, parallel, compile=False):
+    """The module the training step calls: DDP around the model (several processes, parallel="ddp"),
+    and / or torch.compile. The unwrapped model (sharded in place under FSDP) stays the one to save."""
+    if compile:
+        model = torch.compile(model)
+    if world > 1 and parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                        gradient_as_bucket_view=True)  # no second copy of the gradients
+    return model
+
+
+@contextlib.contextmanager
+def no_sync(model, raw_model, skip):
+    """Gradient accumulation: when `skip`, do not reduce gradients across processes for this backward
+    (DDP's no_sync, FSDP2's set_requires_gradient_sync); the last micro-batch reduces them all."""
+    if not skip:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(raw_model, "set_requires_gradient_sync"):  # FSDP2
+        raw_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            raw_model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def local(t):
+    """The part of a tensor this process holds: an FSDP2 DTensor's shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_state_bytes(model, optimizers):
+    """Bytes of weights, gradients and optimizer state this process holds (its shards under FSDP)."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for opt in optimizers for s in opt.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0]
+    return sum(local(t).numel() * t.element_size() for t in tensors)

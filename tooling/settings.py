@@ -1,0 +1,159 @@
+"""
+Settings of a script, for any dataclasses it hands in: defaults, config files, --key=value, --help.
+
+Guards against: a setting that does not exist (a typo trains with the default in silence), a value of the
+wrong type (--n_embd=1.5, --max_steps=abc), a non-finite number, and a config file that does not run
+(named with its line). The comment beside a field's default is its --help text (continued on indented
+comment lines), so a setting is described where it is defined, once.
+
+    SETTINGS = Settings(TrainConfig, ModelConfig, defaults={"block_size": 128}, groups={...})
+    overrides = SETTINGS.parse(["config/x.py", "--max_steps=10"])  # a config file, then --key=value
+    values = SETTINGS.resolve(overrides)                            # defaults <- overrides, all checked
+    config = SETTINGS.build(TrainConfig, values)
+
+Config files are Python (nanoGPT's configurator style): reading one runs it. Read only the files you trust.
+"""
+
+import ast
+import inspect
+import math
+import os
+import re
+import types
+from dataclasses import fields
+
+
+def read_config_file(path):
+    """The assignments of a nanoGPT-style config file (plain python) as {name: value}; a file that does
+    not exist or does not run raises an error naming the file and line. The file is executed: it is
+    code, like nanoGPT's config files."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file not found: {path}")
+    namespace = {}
+    with open(path) as f:
+        source = f.read()
+    try:
+        exec(compile(source, path, "exec"), {}, namespace)
+    except SyntaxError as e:
+        raise ValueError(f"{path}:{e.lineno}: syntax error in config file: {e.msg}") from None
+    except Exception as e:  # the file runs python: NameError, ImportError, ...
+        raise ValueError(f"{path}: config file failed: {type(e).__name__}: {e}") from None
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+
+
+def described_fields(cls):
+    """{field: the comment beside its default, with the indented comment lines that continue it}."""
+    descriptions, last = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        if m := re.match(r"\s+(\w+): [^=]+= .*?  # (.*)$", line):
+            descriptions[m[1]], last = m[2], m[1]
+        elif (m := re.match(r"\s+#\s{2,}(.*)$", line)) and last:
+            descriptions[last] += " " + m[1]
+        else:
+            last = None
+    return descriptions
+
+
+class Settings:
+    """The flat settings of several dataclasses (field names must not collide). defaults: values that
+    replace the dataclasses' own defaults (train.py's tiny model). groups: {title: [keys]} for --help,
+    in order; the keys no group names follow under each dataclass's name."""
+
+    def __init__(self, *classes, defaults=None, groups=None, prog="train.py"):
+        self.classes, self.groups, self.prog = classes, dict(groups or {}), prog
+        self.keys = {cls: [f.name for f in fields(cls)] for cls in classes}
+        self.defaults = {}
+        for cls in classes:
+            self.defaults.update({f.name: getattr(cls(), f.name) for f in fields(cls)})
+        unknown = sorted(set(defaults or {}) - set(self.defaults))
+        if unknown:
+            raise ValueError(f"defaults for unknown settings {unknown}")
+        self.defaults.update(defaults or {})
+        listed = [k for keys in self.groups.values() for k in keys]
+        if not set(listed) <= set(self.defaults):
+            raise ValueError(f"help groups name unknown settings {sorted(set(listed) - set(self.defaults))}")
+
+    def check(self, key, value, where="setting"):
+        """Type-check one setting against its default; returns the (normalised) value."""
+        if key not in self.defaults:
+            close = [k for k in self.defaults if k.split("_")[0] == key.split("_")[0]][:5]
+            hint = f" (similar: {', '.join(close)})" if close else ""
+            raise ValueError(f"unknown {where} {key!r}{hint}; run `python {self.prog} --help` for the list")
+        default = self.defaults[key]
+        if isinstance(default, bool):
+            ok, expected = isinstance(value, bool), "bool"
+        elif isinstance(default, int):
+            if isinstance(value, float) and value.is_integer():  # --max_tokens=1e6
+                value = int(value)
+            ok, expected = isinstance(value, int) and not isinstance(value, bool), "int"
+        elif isinstance(default, float):
+            ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "float"
+            value = float(value) if ok else value
+            if ok and not math.isfinite(value):
+                raise ValueError(f"{where} {key}={value!r}: must be a finite number")
+        elif isinstance(default, (list, tuple)):
+            ok, expected = isinstance(value, (list, tuple)), type(default).__name__
+            value = type(default)(value) if ok else value
+        else:
+            ok, expected = isinstance(value, type(default)), type(default).__name__
+        if not ok:
+            raise ValueError(f"{where} {key}={value!r} has type {type(value).__name__}, expected {expected} "
+                             f"(default {default!r})")
+        return value
+
+    def parse(self, argv):
+        """[config/NAME.py ...] [--key=value ...] -> overrides dict. Values are python literals
+        (literal_eval), anything else is a string. A config file without a run_name names the run after
+        itself (config/x_d8_loop2.py -> x_d8_loop2) when run_name is a setting."""
+        overrides = {}
+        for arg in argv:
+            if not arg.startswith("--"):
+                values = {k: self.check(k, v, where=f"key in {arg}") for k, v in read_config_file(arg).items()}
+                if "run_name" in self.defaults:
+                    overrides["run_name"] = os.path.splitext(os.path.basename(arg))[0]
+                overrides.update(values)
+                continue
+            key, eq, text = arg[2:].partition("=")
+            if not eq:
+                raise ValueError(f"expected --key=value, got {arg!r}")
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text
+            overrides[key] = self.check(key, value, where="command-line key")
+        return overrides
+
+    def resolve(self, overrides, base=None, not_inherited=()):
+        """defaults, then `base` (e.g. a checkpoint's settings, minus the keys in not_inherited), then
+        overrides -> one flat dict; every key checked and every dataclass built once to validate it."""
+        values = dict(self.defaults)
+        for key, value in (base or {}).items():
+            if key in self.defaults and key not in not_inherited:
+                values[key] = value
+        for key, value in overrides.items():
+            values[key] = self.check(key, value)
+        for cls in self.classes:
+            self.build(cls, values)
+        return values
+
+    def build(self, cls, values):
+        """An instance of one of the dataclasses from its keys of `values`."""
+        return cls(**{k: values[k] for k in self.keys[cls]})
+
+    def help(self):
+        """--help: the groups in order, then the remaining keys of each dataclass; each key with its
+        default and the comment beside it."""
+        described = {}
+        for cls in self.classes:
+            described.update(described_fields(cls))
+        listed = {k for keys in self.groups.values() for k in keys}
+        sections = list(self.groups.items())
+        sections += [(f"other {cls.__name__} settings", [k for k in self.keys[cls] if k not in listed])
+                     for cls in self.classes]
+        lines = [f"usage: python {self.prog} [config/NAME.py ...] [--key=value ...]", ""]
+        for title, keys in sections:
+            if keys:
+                lines.append(f"{title}:")
+                lines += [f"  --{k}={self.defaults[k]!r}".ljust(34) + f" {described.get(k, '')}" for k in keys]
+                lines.append("")
+        return "\n".join(lines)

@@ -1,0 +1,173 @@
+"""
+Runs tables: the CSV files the fits read (one row per measured point) and the ones the ladder writes.
+
+Guards against: a CSV that would be read wrong in silence or fail deep inside a fit. A missing, blank,
+duplicate or ambiguous column, a row with too few or too many fields (an unquoted comma shifts every
+column after it), an empty cell, a value that is not a finite number or out of its range, a quoted value
+spanning lines, a quote left open and bytes that are not UTF-8 each raise one ValueError naming the file,
+the line and the column; a spreadsheet's UTF-8 byte-order mark is accepted. Files are written atomically
+(tooling.common.write_atomic), so a reader never sees half a table. numpy and the standard library only.
+
+    runs = read_runs_csv("runs.csv", ["arch", "C", "loss"], positive=["C", "loss"])  # {column: array}
+    write_runs_csv(runs, "copy.csv")               # {column: array} -> CSV
+    write_rows_csv("out/runs.csv", [dict(arch="vanilla", C=1e18, loss=3.1), ...])   # list of dicts -> CSV
+    read_chinchilla_csv("tests/data/chinchilla_fig4_epoch.csv")    # N, D, loss (from N,C / params,train_flops)
+"""
+
+import codecs
+import csv
+import io
+import math
+
+import numpy as np
+
+from tooling.common import write_atomic
+
+
+def read_runs_csv(path, required, numeric=(), positive=(), fraction=(), alternatives=None):
+    """Read a CSV with a header row into {column: np.ndarray}. `required` columns must be present
+    (or one of `alternatives[col]`), `numeric` ones parse as finite floats, `positive` ones are > 0,
+    `fraction` ones lie in [0, 1); other columns are ignored. A file that cannot be opened raises
+    OSError; anything wrong inside it raises ValueError naming the file, the line and the column."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    lines = _csv_lines(path, _decode_utf8(path, raw))
+    header = _header(path, lines, required)
+    columns = _required_columns(path, header, required, alternatives or {})
+    numbers = set(numeric) | set(positive) | set(fraction)
+    data = {name: [] for name in columns}
+    for lineno, row in lines[1:]:
+        if not any(cell.strip() for cell in row):
+            continue  # blank line
+        if len(row) != len(header):  # a shifted row (e.g. an unquoted comma) would read wrong columns
+            raise ValueError(f"{path} line {lineno}: {len(row)} fields, the header has {len(header)}")
+        for name, col in columns.items():
+            where = f"{path} line {lineno}, column '{name}'"
+            cell = _text_cell(where, row[col])
+            if name in numbers:
+                data[name].append(_number_cell(where, cell, name in positive, name in fraction))
+            else:
+                data[name].append(cell)
+    if not next(iter(data.values())):
+        raise ValueError(f"{path}: no data rows after the header")
+    return {k: np.asarray(v, dtype=float if k in numbers else object) for k, v in data.items()}
+
+
+def _decode_utf8(path, raw):
+    """The text of a file's bytes, without a UTF-8 byte-order mark (what encoding="utf-8-sig" does, with
+    the line and byte of the first invalid byte in the error)."""
+    bom = codecs.BOM_UTF8 if raw.startswith(codecs.BOM_UTF8) else b""  # spreadsheets write one first
+    try:
+        return raw[len(bom):].decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = len(bom) + e.start
+        lineno, line_start = raw.count(b"\n", 0, at) + 1, raw.rfind(b"\n", 0, at) + 1
+        raise ValueError(f"{path} line {lineno}: not valid UTF-8 (byte 0x{raw[at]:02x} at byte {at - line_start + 1} "
+                         "of the line); save the file as UTF-8 CSV") from None
+
+
+def _csv_lines(path, text):
+    """[(line number the row starts on, fields)] of a CSV text: a quoted field may span lines."""
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    lines, end = [], 0
+    try:
+        for row in reader:
+            lines.append((end + 1, row))
+            end = reader.line_num
+    except csv.Error as e:  # e.g. a quote left open, or text after a closing quote
+        raise ValueError(f"{path} line {end + 1}: malformed CSV ({e})") from None
+    return lines
+
+
+def _header(path, lines, required):
+    """The stripped column names of the first row; an empty file, a blank first row or a column name
+    given twice is a ValueError."""
+    if not any(cell.strip() for _, row in lines for cell in row):
+        raise ValueError(f"{path}: empty file, expected a header row with columns {','.join(required)}")
+    if not any(cell.strip() for cell in lines[0][1]):
+        raise ValueError(f"{path} line 1: blank, expected a header row with columns {','.join(required)}")
+    header = [h.strip() for h in lines[0][1]]
+    first = {}
+    for col, name in enumerate(header, start=1):
+        if name and name in first:
+            raise ValueError(f"{path} line 1, column {col}: duplicate column name '{name}' (also column {first[name]})")
+        first.setdefault(name, col)
+    return header
+
+
+def _required_columns(path, header, required, alternatives):
+    """{column name found: its index} for every required column (under its own name or exactly one of
+    its alternatives)."""
+    columns = {}
+    for name in required:
+        options = [name] + list(alternatives.get(name, ()))
+        found = [o for o in options if o in header]
+        if not found:
+            raise ValueError(f"{path} line 1: missing column '{name}'"
+                             + (f" (or {' / '.join(repr(o) for o in options[1:])})" if len(options) > 1 else "")
+                             + f"; header is: {','.join(header)}")
+        if len(found) > 1:
+            raise ValueError(f"{path} line 1: columns {' and '.join(repr(o) for o in found)} both given for "
+                             f"'{name}'; keep one")
+        columns[found[0]] = header.index(found[0])
+    return columns
+
+
+def _text_cell(where, cell):
+    cell = cell.strip()
+    if cell == "":
+        raise ValueError(f"{where}: empty value")
+    if "\n" in cell or "\r" in cell:
+        raise ValueError(f"{where}: a quoted value spans several lines")
+    return cell
+
+
+def _number_cell(where, cell, positive, fraction):
+    try:
+        value = float(cell)
+    except ValueError:
+        raise ValueError(f"{where}: '{cell}' is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: value must be finite, got '{cell}'")
+    if positive and value <= 0:
+        raise ValueError(f"{where}: must be > 0, got {cell}")
+    if fraction and not 0 <= value < 1:
+        raise ValueError(f"{where}: must lie in [0, 1), got {cell}")
+    return value
+
+
+def read_chinchilla_csv(path):
+    """N,D,loss or N,C,loss (D = C / 6N); Epoch AI's column names params / train_flops are accepted too.
+    Returns {"N": array, "D": array, "loss": array}."""
+    runs = read_runs_csv(path, ["N", "D", "loss"], positive=["N", "params", "D", "C", "train_flops", "loss"],
+                         alternatives={"N": ["params"], "D": ["C", "train_flops"]})
+    if "params" in runs:
+        runs["N"] = runs.pop("params")
+    for name in ("C", "train_flops"):
+        if name in runs:
+            runs["D"] = runs.pop(name) / (6 * runs["N"])  # C = 6 N D
+    return runs
+
+
+def write_runs_csv(runs, path):
+    """Write {column: array} (e.g. fit.synthetic_surface_runs()) as a CSV with a header, atomically.
+    Floats are written with 10 significant digits."""
+    cols = list(runs)
+    text = io.StringIO()
+    w = csv.writer(text, lineterminator="\n")
+    w.writerow(cols)
+    for row in zip(*(runs[c] for c in cols)):
+        w.writerow([f"{v:.10g}" if isinstance(v, (float, np.floating)) else v for v in row])
+    write_atomic(path, lambda f: f.write(text.getvalue().encode("utf-8")))
+
+
+def write_rows_csv(path, rows):
+    """Write a list of dicts as a CSV, atomically: the union of the rows' keys (first-seen order) is the
+    header, a missing or None value an empty cell, floats as Python prints them (exact round trip)."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    buffer = io.StringIO()
+    w = csv.DictWriter(buffer, fieldnames=columns)
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else r[k]) for k in columns})
+    write_atomic(path, lambda f: f.write(buffer.getvalue().encode()))
