@@ -10,7 +10,7 @@
 #   python data/prepare.py fineweb_docs/ --tokenizer gpt2 --out data/cache/fineweb_gpt2
 # Global batch = batch_size * grad_accum * world_size = 32 x 1 x 8 GPUs = 256 sequences x 2048 tokens;
 # on one GPU add --grad_accum=8. After growth (K=4) the model needs ~82-84 GB per GPU at micro-batch 32
-# (python match.py --memory): on 80 GB GPUs run --batch_size=16 --grad_accum=2 (train.py refuses otherwise).
+# (python -m tooling.memory): on 80 GB GPUs run --batch_size=16 --grad_accum=2 (train.py refuses otherwise).
 # model (Table 1: RoPE, SwiGLU, QK-norm, no biases, no norm gains, RMSNorm after the embedding)
 vocab_size = 50304  # GPT-2 50257 padded to a multiple of 64, as the [X] code
 eot_token = 50256
