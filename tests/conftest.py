@@ -49,3 +49,15 @@ def torchrun():
         assert result.returncode == 0, result.stderr[-4000:]
         return result
     return launch
+
+
+def one_line_error(main, argv, capsys, prog):
+    """Run a CLI's main(argv) that must fail: returns its stderr after checking the project's rule, one
+    line `<prog>: error: ...` and exit status 2 (argparse's own checks exit from parse_args)."""
+    try:
+        status = main(argv)
+    except SystemExit as e:
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: error: "), (status, err)
+    return err

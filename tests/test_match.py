@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import one_line_error
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -298,12 +299,7 @@ def test_cli_json_and_table(capsys):
     (["--preset", "smelt-200m-s95", "--memory"], "unrecognized arguments: --memory"),  # now tooling/memory.py
 ])
 def test_cli_mistakes_are_one_line_and_exit_2(argv, message, capsys):
-    try:
-        status = match.main(argv)
-    except SystemExit as e:  # argparse's own checks (types, choices) exit from parse_args
-        status = e.code
-    err = capsys.readouterr().err
-    assert status == 2 and err.count("\n") == 1 and err.startswith("match.py: error: ") and message in err
+    assert message in one_line_error(match.main, argv, capsys, "match.py")
 
 
 # match.py --preset smelt-SCALE-sS: the twin's (n_embd, n_expert, expert_hidden, n_head, n_kv_head, head_dim) and

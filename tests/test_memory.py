@@ -6,11 +6,8 @@ import os
 
 import pytest
 import torch
-from test_match import (  # the same model families as the accounting tests
-    FAMILIES,
-    SMALL,
-    make,
-)
+from conftest import one_line_error
+from test_match import FAMILIES, SMALL, make  # the same model families as the accounting tests
 
 import match
 from model import GPT, ModelConfig
@@ -227,9 +224,4 @@ def test_cli_json_and_table(capsys):
     (["config/no_such_config.py"], "config file not found"),
 ])
 def test_cli_mistakes_are_one_line_and_exit_2(argv, message, capsys):
-    try:
-        status = memory.main(argv)
-    except SystemExit as e:  # argparse's own checks (types, choices) exit from parse_args
-        status = e.code
-    err = capsys.readouterr().err
-    assert status == 2 and err.count("\n") == 1 and err.startswith("tooling.memory: error: ") and message in err
+    assert message in one_line_error(memory.main, argv, capsys, "tooling.memory")

@@ -412,20 +412,8 @@ KERNEL_FAMILIES = {  # each family's modules that kernels.apply swaps, and the k
     "pcc_both_gain": (dict(layout="pcc", n_layer=3, n_passes=2, inject_before_coda=False),
                       ("rmsnorm", "swiglu", "boundary_operator")),
 }
-KERNELS = ("rmsnorm", "boundary_operator", "swiglu", "moe_experts")
 # the kernels run compiled on CUDA, in the Triton interpreter on CPU (conftest.py sets it without CUDA)
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def count_kernel_calls(monkeypatch, kernels):
-    """Count the calls of the package's kernels (the swapped methods call them through the package)."""
-    calls = dict.fromkeys(KERNELS, 0)
-    for name in KERNELS:
-        def counted(*args, _kernel=getattr(kernels, name), _name=name, **kw):
-            calls[_name] += 1
-            return _kernel(*args, **kw)
-        monkeypatch.setattr(kernels, name, counted)
-    return calls
 
 
 @pytest.mark.parametrize("family", KERNEL_FAMILIES)
@@ -437,6 +425,7 @@ def test_kernels_apply_gives_the_same_loss_and_gradients(family, monkeypatch):
     pytest.importorskip("triton")
     import kernels
     from model import MLP, BoundaryOperator, RMSNorm
+    from test_kernels import count_kernel_calls
     kw, expected_kernels = KERNEL_FAMILIES[family]
     torch.manual_seed(0)
     ref = GPT(tiny(n_embd=32, n_head=2, n_kv_head=1, head_dim=16, **kw))
@@ -449,7 +438,7 @@ def test_kernels_apply_gives_the_same_loss_and_gradients(family, monkeypatch):
     assert fast.state_dict().keys() == state.keys()
     swappable = [m for m in fast.modules() if isinstance(m, (RMSNorm, MLP, MoE, BoundaryOperator))]
     assert swappable and all(type(m).__name__.startswith("Triton") for m in swappable)
-    calls = count_kernel_calls(monkeypatch, kernels)
+    calls = count_kernel_calls(monkeypatch)
     idx = tokens(B=2, T=16, eot_at=(6,)).to(KERNEL_DEVICE)
     loss_ref, loss_fast = ref(idx, idx)[1], fast(idx, idx)[1]
     assert {name for name, n in calls.items() if n} == set(expected_kernels)
@@ -467,6 +456,7 @@ def test_kernels_apply_is_idempotent_and_survives_a_block_copy(monkeypatch):
     calls the kernels."""
     pytest.importorskip("triton")
     import kernels
+    from test_kernels import count_kernel_calls
     model = kernels.apply(build(layout="smelt", n_loops=2, n_layer=2, n_embd=32, n_head=2, n_kv_head=1,
                                 head_dim=16, n_expert=4, top_k=2, expert_hidden=8).to(KERNEL_DEVICE))
     classes = [type(m) for m in model.modules()]
@@ -477,7 +467,7 @@ def test_kernels_apply_is_idempotent_and_survives_a_block_copy(monkeypatch):
     assert [type(m) for m in block.modules()] == [type(m) for m in model.blocks[1].modules()]
     assert type(block.ffn).__name__ == "TritonMoE" and type(block.norm1).__name__ == "TritonRMSNorm"
     model.blocks[1] = block
-    calls = count_kernel_calls(monkeypatch, kernels)
+    calls = count_kernel_calls(monkeypatch)
     loss_copy = model(idx, idx)[1]
     if KERNEL_DEVICE == "cpu":
         assert torch.equal(loss_copy, loss)
