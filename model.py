@@ -97,7 +97,7 @@ def flex_block_mask(docs):
         return (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
     B, T = docs.shape
-    return create_block_mask(causal_same_document, B, None, T, T, device=docs.device)
+    return create_block_mask(causal_same_document, B, None, T, T, device=docs.device, _compile=docs.is_cuda)
 
 
 class Attention(nn.Module):
@@ -361,6 +361,8 @@ class ModelConfig:
     embed_norm: bool = False  # RMSNorm right after the token embedding ([X] Table 1)
     tie_embeddings: bool = False  # the lm head shares the token embedding's weights
     attention: str = "auto"  # "sdpa" (boolean mask), "flex" (FlexAttention block mask), "auto": flex on CUDA
+    document_mask: bool = True  # attention never crosses an eot (document) boundary [S]; False: causal across
+    #   documents, as the [X] code trains
     # feed-forward: dense SwiGLU (n_expert == 0) or MoE
     mlp_hidden: int = 0  # 0 -> 256 * ceil(8 n_embd / 3 / 256), as the [X] code
     n_expert: int = 0  # experts per MoE layer; 0 -> a dense SwiGLU FFN
@@ -584,20 +586,20 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         if start + T > cfg.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size={cfg.block_size}")
-        docs = document_ids(idx, cfg.eot_token)
-        if cache is not None:
-            offset = cache.doc_ids[:, -1:] if cache.doc_ids is not None else 0
-            docs = docs + offset
-            k_docs = docs if cache.doc_ids is None else torch.cat([cache.doc_ids, docs], dim=1)
-            cache.doc_ids = k_docs
-            mask = attention_mask(docs, k_docs, start)
-        elif (docs[:, -1] != docs[:, 0]).any():  # some sequence holds a document boundary
+        # the document mask [S]: causal attention that never crosses an eot boundary (document_mask=False:
+        # causal across documents, as [X] trains). On the FlexAttention path (CUDA) the block mask is always
+        # built, without a host sync to ask first whether a sequence holds a boundary; a CPU asks (free there).
+        docs = document_ids(idx, cfg.eot_token) if cfg.document_mask else torch.zeros_like(idx)
+        mask = block_mask = None
+        if cache is not None:  # the new tokens' documents continue the cached ones
+            docs = docs + (cache.doc_ids[:, -1:] if cache.doc_ids is not None else 0)
+            cache.doc_ids = docs if cache.doc_ids is None else torch.cat([cache.doc_ids, docs], dim=1)
+            mask = attention_mask(docs, cache.doc_ids, start)
+        elif cfg.document_mask and cfg.uses_flex(idx.device.type):
+            block_mask = flex_block_mask(docs)
+        elif cfg.document_mask and (idx.is_cuda or (docs[:, -1] != docs[:, 0]).any()):
             mask = attention_mask(docs, docs, 0)
-        else:
-            mask = None
-        ctx = ForwardContext(self.rope_cos[start:start + T], self.rope_sin[start:start + T], mask, cache=cache)
-        if mask is not None and cache is None and cfg.uses_flex(idx.device.type):
-            ctx.block_mask = flex_block_mask(docs)
+        ctx = ForwardContext(self.rope_cos[start:start + T], self.rope_sin[start:start + T], mask, block_mask, cache)
 
         plan = self.plan if n_passes is None else execution_plan(cfg, n_passes)
         h = self.wte(idx)

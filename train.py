@@ -33,7 +33,7 @@ from tqdm import tqdm
 import grow
 import kernels
 import match
-from data.loader import open_data, windows
+from data.loader import open_data, to_device, windows
 from data.tokenizer import get_tokenizer
 from model import GPT, ModelConfig
 from muon import Muon
@@ -302,7 +302,7 @@ def evaluate(model, data, config, autocast=contextlib.nullcontext(), rank=0, wor
     model.eval()
     for i in range(0, math.ceil(math.ceil(n_windows / world) / batch_size) * batch_size, batch_size):
         offsets = starts[mine[i:i + batch_size] or [0]]
-        rows = torch.from_numpy(windows(data.val_tokens, offsets, seq_len)).to(device)
+        rows = to_device(windows(data.val_tokens, offsets, seq_len), device)
         x, y = rows[:, :-1], rows[:, 1:]
         with autocast:
             logits, _ = model(x, y)
@@ -311,7 +311,7 @@ def evaluate(model, data, config, autocast=contextlib.nullcontext(), rank=0, wor
         ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double()
         sums[:, 0] += torch.stack([ce.sum(), torch.tensor(ce.numel(), dtype=torch.float64, device=device)])
         if n_sources:
-            src = torch.from_numpy(np.stack([data.val_sources[o + 1:o + seq_len + 1] for o in offsets])).to(device)
+            src = to_device(np.stack([data.val_sources[o + 1:o + seq_len + 1] for o in offsets]), device)
             sums[0, 1:] += sums.new_zeros(n_sources).index_add_(0, src.flatten(), ce)
             sums[1, 1:] += torch.bincount(src.flatten(), minlength=n_sources).double()
         if "balance" in model.last_stats:
@@ -319,7 +319,7 @@ def evaluate(model, data, config, autocast=contextlib.nullcontext(), rank=0, wor
             router += torch.stack([stats["balance"].double(), stats["z_loss"].double(), router.new_ones(())])
             expert_counts += stats["expert_counts"].double()
     model.train(was_training)
-    sums, router, expert_counts = (distributed.all_reduce_sum(t) if t.numel() else t
+    sums, router, expert_counts = (distributed.all_reduce(t) if t.numel() else t
                                    for t in (sums, router, expert_counts))
     out = {"val_loss": (sums[0, 0] / sums[1, 0]).item()}
     if n_sources:
@@ -340,8 +340,9 @@ def evaluate(model, data, config, autocast=contextlib.nullcontext(), rank=0, wor
 def prepare(model, config, device, world, use_bf16):
     """Shard the model (FSDP), build its optimizers, swap in the Triton kernels when asked."""
     model.activation_checkpointing = config.activation_checkpointing
-    if config.parallel == "fsdp":
-        distributed.shard(model, device, world, use_bf16, config.reshard_after_forward)
+    if config.parallel == "fsdp":  # bf16 gathered copies of the blocks' fp32 weights on CUDA
+        bf16 = torch.bfloat16 if use_bf16 and device.type == "cuda" else None
+        distributed.shard(model, device, world, bf16, config.reshard_after_forward)
     optimizers = build_optimizers(model, config, ns_dtype=torch.bfloat16 if use_bf16 else torch.float32)
     if config.triton:
         kernels.apply(model, optimizers)
@@ -400,7 +401,7 @@ def train(overrides=None):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
     grown = bool(source and source["state"]["grown"])
     guards.check_passes(model_config, config, grown)
-    memory.check_memory(grow.shapes_of_run(model_config, config, grown), config, device, use_bf16, world)
+    defer_sync = memory.check_memory(grow.shapes_of_run(model_config, config, grown), config, device, use_bf16, world)
     run = RunDir(os.path.join(config.out_dir, config.run_name), sharded=config.parallel == "fsdp", master=rank == 0)
     log, state = tqdm.write if rank == 0 else (lambda *args: None), None
     with run.hold(), run.on_interrupt(lambda: state.step if state else 0):
@@ -431,13 +432,13 @@ def train(overrides=None):
                 step_loss = torch.zeros((), dtype=torch.float64, device=device)
                 for micro in range(config.grad_accum):  # rank r reads its own slice of the global batch
                     x, y = stream.batch(state.data_position + (rank * config.grad_accum + micro) * config.batch_size,
-                                        config.batch_size)
+                                        config.batch_size, device)
                     last = micro == config.grad_accum - 1
-                    with distributed.no_sync(wrapped, model, skip=world > 1 and not last), autocast:
-                        _, loss = wrapped(x.to(device), y.to(device), n_passes=n_passes)
+                    with distributed.no_sync(wrapped, model, skip=world > 1 and not last and defer_sync), autocast:
+                        _, loss = wrapped(x, y, n_passes=n_passes)
                         (loss / config.grad_accum).backward()
                     step_loss += model.last_stats["ce"].double() / config.grad_accum  # the CE, without router losses
-                step_loss = distributed.all_reduce_sum(step_loss).item() / world
+                step_loss = distributed.all_reduce(step_loss).item() / world
                 if not (math.isfinite(step_loss) and math.isfinite(loss.item())):
                     raise NonFiniteLoss(f"non-finite loss ({step_loss}) at step {state.step}")
                 if config.grad_clip > 0:

@@ -10,6 +10,7 @@ checkpointing off, also after growth to K = 4 for the two growth configs; the [S
 4096-token sequence per GPU, activation checkpointing on at 600M and 1.6B. Muon, bf16 autocast.
 """
 import argparse
+import glob
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grow  # noqa: E402
 import match  # noqa: E402
+import train  # noqa: E402
 from tooling import memory  # noqa: E402
 
 GPUS, GPU_GB = (8, 16), 80
@@ -24,23 +26,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def models():
-    """(label, ModelConfig, micro-batch, activation checkpointing) of every row."""
+    """(label, ModelConfig, micro-batch, grad_accum, activation checkpointing) of every row: each named config
+    at its own batch (the [X] growth configs also after growth), each [S] preset at one sequence per GPU."""
     rows = []
-    for name in ("vanilla", "operator1", "loop2", "untied2", "loop_grow", "untied_grow"):
-        cfg, settings = match.read_config(os.path.join(REPO, "config", f"x_d8_{name}.py"))
-        rows.append((f"`x_d8_{name}.py`", cfg, settings["batch_size"], False))
-        if "grow_to" in settings:  # the grown model of the run's last 1 - grow_at
-            rows.append((f"`x_d8_{name}.py` after growth (K={settings['grow_to']})",
-                         grow.grown_config(cfg, settings["grow_to"], settings.get("grow_untie", False)),
-                         settings["batch_size"], False))
+    for path in sorted(glob.glob(os.path.join(REPO, "config", "*.py"))):
+        values = train.SETTINGS.resolve(train.SETTINGS.parse([path]))
+        config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(train.ModelConfig, values)
+        for when, shape in grow.shapes_of_run(cfg, config):
+            rows.append((f"`{os.path.basename(path)}`{when}", shape, config.batch_size, config.grad_accum,
+                         config.activation_checkpointing))
     for scale, (*_, experts) in match.SCALES.items():
         for s in experts:
             base, doc_len = match.preset_baseline(f"smelt-{scale}-s{s}")
             twin, _ = match.match(base, "smelt", avg_doc_len=doc_len)
-            files = (" = `smelt_200m_base.py`", " = `smelt_200m_s95.py`") if (scale, s) == ("200m", 95) else ("", "")
             checkpointing = scale in ("600m", "1.6b")
-            rows.append((f"smelt-{scale}-s{s} baseline{files[0]}", base, 1, checkpointing))
-            rows.append((f"smelt-{scale}-s{s} SMELT{files[1]}", twin, 1, checkpointing))
+            rows.append((f"smelt-{scale}-s{s} baseline", base, 1, 1, checkpointing))
+            rows.append((f"smelt-{scale}-s{s} SMELT", twin, 1, 1, checkpointing))
     return rows
 
 
@@ -49,21 +50,24 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not args.json:
-        print("| model | params | micro-batch | AC | " + " | ".join(f"{p} x{w}" for w in GPUS for p in ("DDP", "FSDP"))
-              + " | FSDP max micro-batch x" + " / x".join(map(str, GPUS)) + " |")
+        columns = " | ".join(f"{p} x{w}" for w in GPUS for p in ("DDP", "FSDP"))
+        print(f"| model | params | micro-batch x accumulation | AC | {columns} | FSDP max micro-batch x"
+              + " / x".join(map(str, GPUS)) + " |")
         print("| --- | ---: | --- | --- |" + " ---: |" * (2 * len(GPUS) + 1))
-    for label, cfg, micro_batch, checkpointing in models():
-        plans = [memory.memory_plan(cfg, w, micro_batch, activation_checkpointing=checkpointing, gpu_gb=GPU_GB)
-                 for w in GPUS]
+    for label, cfg, micro_batch, grad_accum, checkpointing in models():
+        plans = [memory.memory_plan(cfg, w, micro_batch, activation_checkpointing=checkpointing, gpu_gb=GPU_GB,
+                                    grad_accum=grad_accum) for w in GPUS]
         params = match.accounting(cfg)["params_total"]
         if args.json:
-            print(json.dumps(dict(bench="memory", model=label.strip("`"), params=params, micro_batch=micro_batch,
+            print(json.dumps(dict(bench="memory", model=label.replace("`", ""), params=params, micro_batch=micro_batch,
+                                  grad_accum=grad_accum,
                                   block_size=cfg.block_size, activation_checkpointing=checkpointing,
                                   **{f"{s}_x{p['world_size']}": p[s] for p in plans for s in ("ddp", "fsdp")})))
             continue
         cells = [f"{p[s]['total_gb_per_gpu']:.1f} {'yes' if p[s]['fits'] else '**no**'}" for p in plans
                  for s in ("ddp", "fsdp")]
-        print(f"| {label} | {params / 1e9:.2f}B | {micro_batch} x {cfg.block_size} | {'on' if checkpointing else 'off'} | "
+        print(f"| {label} | {params / 1e9:.2f}B | {micro_batch} x {cfg.block_size} x {grad_accum} | "
+              f"{'on' if checkpointing else 'off'} | "
               + " | ".join(cells) + " | " + " / ".join(str(p["fsdp"]["max_micro_batch"]) for p in plans) + " |")
 
 

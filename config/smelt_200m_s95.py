@@ -25,3 +25,10 @@ layout = "smelt"
 n_loops = 2
 loop_span = 6
 avg_doc_len = 512  # not a model field: match.py uses it for the attention FLOPs
+# training on a node of 8 GPUs of 80 GB: FSDP2 (replicated, the 3.9B parameters' weights, gradients and
+# optimizer state alone take 43 GiB per GPU), 4 sequences per GPU x 8 micro-batches x 8 GPUs = 256 x 4096
+# tokens per step ([S]'s batch); python -m tooling.memory config/smelt_200m_s95.py for the per-GPU memory
+parallel = "fsdp"
+reshard_after_forward = False  # each block gathered once per micro-batch, not per visit: 50 vs 152 GiB of all-gathers
+batch_size = 4
+grad_accum = 8

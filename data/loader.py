@@ -46,15 +46,21 @@ class TokenStream:
             out[sel] = self.start + self.permutation(int(epoch))[index[sel] % self.n_windows] * self.seq_len
         return out
 
-    def batch(self, first, count):
-        """(x, y) int64 tensors (count, seq_len) of windows first .. first + count - 1."""
-        rows = torch.from_numpy(windows(self.tokens, self.offsets(first, count), self.seq_len))
+    def batch(self, first, count, device="cpu"):
+        """(x, y) int64 tensors (count, seq_len) on device of windows first .. first + count - 1."""
+        rows = to_device(windows(self.tokens, self.offsets(first, count), self.seq_len), torch.device(device))
         return rows[:, :-1], rows[:, 1:]
 
 
 def windows(tokens, offsets, seq_len):
     """int64 array (len(offsets), seq_len + 1) of the token windows starting at offsets."""
     return np.stack([np.asarray(tokens[o:o + seq_len + 1], dtype=np.int64) for o in offsets])
+
+
+def to_device(array, device):
+    """A numpy array as a tensor on device: on CUDA through pinned memory, copied without a host sync."""
+    rows = torch.from_numpy(array)
+    return rows.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else rows.to(device)
 
 
 @dataclass

@@ -43,10 +43,10 @@ class NonFiniteLoss(RuntimeError):
 def check_finite(tensors, step, path, collective=False):
     """Refuse to write weights that are not finite (on any rank, for a sharded checkpoint)."""
     tensors = [distributed.local(t) for t in tensors if t.is_floating_point()]
-    finite = all(bool(torch.isfinite(t).all()) for t in tensors)
-    if collective:
-        finite = distributed.all_true(finite, tensors[0].device if tensors else "cpu")
-    if not finite:
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all().float() if tensors else torch.ones(())
+    if collective:  # on the weights' device: one reduction, then one host sync
+        distributed.all_reduce(finite, op="min")
+    if not finite.item():
         raise NonFiniteLoss(f"the weights became non-finite at step {step} (after the update): {path} was not "
                             "written; the last good checkpoint is kept. Lower the learning rates.")
 

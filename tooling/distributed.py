@@ -7,8 +7,8 @@ gloo on CPU never shows), ranks that disagree on how many collectives they make 
 forward is a collective), and a teardown that aborts the interpreter.
 
     rank, world, device = setup(device="auto", parallel="ddp")   # under torchrun or not
-    model = shard(model, mesh_device, world, mixed_precision, reshard_after_forward)   # FSDP2
-    loss = all_reduce_sum(loss)                                   # any device, any backend
+    model = shard(model, device, world, param_dtype=torch.bfloat16)   # FSDP2: blocks gather bf16 copies
+    loss = all_reduce(loss)                                       # summed over ranks; a no-op alone
 """
 
 import contextlib
@@ -74,20 +74,13 @@ def exit(status):
     sys.exit(status)
 
 
-def all_reduce_sum(tensor, op=None):
-    """tensor summed (or reduced with `op`) over every process, in place; a no-op without a process
-    group. The one helper every collective of a training step goes through."""
+def all_reduce(tensor, op="sum"):
+    """tensor summed ("sum") or reduced with "min" / "max" over every process, in place; a no-op without
+    a process group of several. The one helper train.py's own collectives go through: hand it tensors on
+    the model's device (tests/test_gpu_rehearsal.py holds every one to that on fake CUDA tensors)."""
     if active() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dict(sum=dist.ReduceOp.SUM, min=dist.ReduceOp.MIN, max=dist.ReduceOp.MAX)[op])
     return tensor
-
-
-def all_true(flag, device):
-    """Whether `flag` holds on every process (a collective when a process group exists)."""
-    t = torch.tensor([float(flag)], device=device)
-    if active():
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
 
 
 def barrier():
@@ -95,26 +88,30 @@ def barrier():
         dist.barrier()
 
 
-def shard(model, device, world, mixed_precision, reshard_after_forward=True):
+def shard(model, device, world, param_dtype=None, reshard_after_forward=True, mesh=None):
     """FSDP2: fully_shard every stored block, then the whole model (embedding, head, norms) on one
-    DeviceMesh; every parameter becomes a DTensor holding 1/world of its rows. On CUDA with bf16 the
-    blocks compute in bf16 (MixedPrecisionPolicy) with fp32 master weights and fp32 gradient reduction;
-    on CPU in fp32 (autocast still applies with --dtype=bfloat16).
+    DeviceMesh; every parameter becomes a DTensor holding 1/world of its rows. param_dtype=torch.bfloat16
+    (train.py: bf16 on CUDA): the blocks gather bf16 copies of their fp32 master weights and reduce
+    gradients in fp32, and nothing else changes: inputs are not cast (the residual stream stays fp32, as
+    under DDP, where autocast casts only the matmul operands) and the root (embedding, lm head, final
+    norm) keeps fp32 parameters, so the embedding's output is fp32 too; autocast runs the matmuls in bf16
+    either way. None: every parameter in its own dtype (fp32).
     Looped blocks: a tied core or a SMELT span runs the same sharded block several times per forward.
     Gradients accumulate over the visits and are reduce-scattered once per backward (tested equal to one
     process). With reshard_after_forward=True each visit all-gathers the block again (forward and
     backward): r or K gathers of a looped block per pass, but only one gathered block in memory at a
     time, which is what lets the 21.5B / 53.9B-parameter [S] MoEs fit. reshard_after_forward=False
     gathers every block once per step and keeps it until its backward: fewer collectives when the
-    unsharded model fits (python -m tooling.memory says whether it does)."""
+    unsharded model fits (python -m tooling.memory says whether it does). mesh: a DeviceMesh made
+    beforehand (bench/fsdp_memory.py makes it outside FakeTensorMode), else one of world ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(device.type, (world,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if mixed_precision and device.type == "cuda" else MixedPrecisionPolicy()
+    mesh = mesh or init_device_mesh(device.type, (world,))
+    blocks = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False) \
+        if param_dtype is not None else MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=blocks, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy())
     return model
 
 

@@ -80,8 +80,9 @@ def activation_bytes(cfg, micro_batch, mixed_precision=True, activation_checkpoi
       block      = attention + FFN, once per *executed* block (each loop visit / pass saves its own)
       embedding  = i (token ids) [+ norm(H) with embed_norm];  boundary [X3] = norm(H) where it norms
       head       = norm(H) + a H (lm_head input) + f V (log-probs of the cross-entropy) + i (targets)
-    saved = embedding + executed x block + boundaries + head, and logits_grad = f V (the fp32 gradient
-    of the logits, alive with the saved tensors at the start of the backward) is added to the total.
+    saved = embedding + executed x block + boundaries + head, and logits_grad = 2 f V (the cross-entropy's
+    backward: the dense fp32 gradient of the log-probs and the log-softmax's fp32 input gradient, alive
+    together with the saved tensors at the start of the backward) is added to the total.
     With activation checkpointing per executed block a block keeps only its input (f H), and one
     block's activations (recompute) are alive again while it is recomputed. Left out: per-block
     constants (RoPE tables, expert load statistics, MoE tile maps) and the backward's other gradient
@@ -127,7 +128,7 @@ def activation_bytes(cfg, micro_batch, mixed_precision=True, activation_checkpoi
     items = dict(embedding=embedding, blocks=blocks, boundaries=boundaries, head=head)
     items = {name: tokens * v for name, v in items.items()}
     items["saved"] = sum(items.values())
-    items.update(recompute=tokens * recompute, logits_grad=tokens * f * V, per_block=tokens * block,
+    items.update(recompute=tokens * recompute, logits_grad=tokens * 2 * f * V, per_block=tokens * block,
                  executed_blocks=executed, tokens=tokens)
     items["total"] = items["saved"] + items["recompute"] + items["logits_grad"]
     return items
@@ -148,21 +149,32 @@ def weight_copy_bytes(cfg, activation_checkpointing=False, n_passes=None):
 
 
 def memory_plan(cfg, world_size, micro_batch, optimizer="muon", activation_checkpointing=False, gpu_gb=80,
-                mixed_precision=True, headroom=HEADROOM, n_passes=None, kernels=False):
+                mixed_precision=True, headroom=HEADROOM, n_passes=None, kernels=False, grad_accum=1):
     """Per-GPU memory, in GiB, of training cfg with micro_batch sequences of block_size tokens per GPU
     on world_size GPUs of gpu_gb GiB, under DDP and under FSDP2. Returns the settings and
     {"ddp": {...}, "fsdp": {...}}, each with states_gb_per_gpu, activations_gb_per_gpu,
-    transient_gb_per_gpu, total_gb_per_gpu, fits and max_micro_batch.
+    transient_gb_per_gpu, total_gb_per_gpu, fits and max_micro_batch; "fsdp" also with accumulation and
+    its collective traffic per step.
       states       sum over parameters of numel x (4 weight + 4 grad + 4 Muon momentum or 8 AdamW moments);
                    FSDP2: of the fullest rank's shard, ceil(dim0 / world_size) rows (state_bytes_per_rank)
       activations  activation_bytes(...)["total"]; the same under both (each GPU runs its own micro-batch)
-      transient    DDP: its gradient buckets, a second fp32 copy of the gradients (4 B/param; zero with
-                   DistributedDataParallel(gradient_as_bucket_view=True)), and under autocast the bf16
-                   weight copies autograd keeps for the backward (weight_copy_bytes).
-                   FSDP2: unsharded parameters and gradients (bf16 with mixed precision, param and reduce
-                   dtype; fp32 without) of the root (embedding, lm head, norms: FSDP2 does not reshard
-                   the root after forward) and of 2 blocks (the one computing, the one prefetched):
-                   (root + 2 x block params) x (2 + 2) bytes.
+      transient    DDP: its gradient buckets, a second fp32 copy of the gradients (4 B/param), and under
+                   autocast the bf16 weight copies autograd keeps for the backward (weight_copy_bytes).
+                   FSDP2 (tooling.distributed.shard: blocks gather bf16 copies, the root stays fp32): the
+                   root's unsharded fp32 parameters and gradients (embedding, lm head, norms: FSDP2 does
+                   not reshard the root after forward), 2 blocks' unsharded parameters and gradients (the
+                   one computing, the one prefetched; bf16 with mixed precision, fp32 without), and the
+                   fp32 copy of one block's gradients the reduce-scatter reads: root x 8 + block x (2 x 4
+                   + 4) bytes with bf16.
+      accumulation FSDP2 with grad_accum > 1: "unsharded" (the reduce-scatter waits for the last micro-batch,
+                   and every block's fp32 unsharded gradients stay: 4 B/param more) when that fits, else
+                   "sharded" (a reduce-scatter per micro-batch: grad_accum times the reduce traffic)
+      traffic      FSDP2 bytes per GPU per step: all-gathers (bf16 blocks, every executed block once in
+                   the forward and again in the backward with reshard_after_forward, per micro-batch) and
+                   reduce-scatters (fp32 block gradients), each (world - 1) / world of the full size
+      keep_gathered  FSDP2 with reshard_after_forward=False: every stored block's bf16 copy stays from its
+                   forward to its backward (2 B/param more), one all-gather per stored block per
+                   micro-batch instead of two per execution; whether that still fits, and its traffic
       fits         total <= (1 - headroom) x gpu_gb; the headroom (10%) is for the CUDA context, NCCL
                    buffers, allocator fragmentation, and the optimizer step (one all-gathered Muon matrix
                    and its Newton-Schulz iterates, after the activations are freed)
@@ -174,28 +186,39 @@ def memory_plan(cfg, world_size, micro_batch, optimizer="muon", activation_check
         raise ValueError(f"gpu_gb must be > 0, got {gpu_gb}")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     act = activation_bytes(cfg, micro_batch, mixed_precision, activation_checkpointing, kernels, n_passes)
     per_sequence = activation_bytes(cfg, 1, mixed_precision, activation_checkpointing, kernels, n_passes)["total"]
-    shapes = match.block_shapes(cfg)
+    block = match.block_shapes(cfg)["total"]
     n_params = sum(math.prod(shape) for _, shape, _ in match.param_shapes(cfg))
-    root = n_params - cfg.n_blocks * shapes["total"]
-
+    root = n_params - cfg.n_blocks * block
     weight_copies = weight_copy_bytes(cfg, activation_checkpointing, n_passes) if mixed_precision else 0
-    unsharded = 2 if mixed_precision else 4
-    transient = dict(ddp=4 * n_params + weight_copies,
-                     fsdp=(root + 2 * shapes["total"]) * 2 * unsharded)
+    p = 2 if mixed_precision else 4  # a gathered block parameter (and its unsharded gradient)
+    transient = dict(ddp=4 * n_params + weight_copies, fsdp=root * 8 + block * (2 * 2 * p + 4))
     states = dict(ddp=state_bytes_per_rank(cfg, 1, optimizer), fsdp=state_bytes_per_rank(cfg, world_size, optimizer))
     usable = (1 - headroom) * gpu_gb * GIB
-    plan = dict(world_size=world_size, micro_batch=micro_batch, tokens_per_gpu=act["tokens"],
+    plan = dict(world_size=world_size, micro_batch=micro_batch, grad_accum=grad_accum, tokens_per_gpu=act["tokens"],
                 optimizer=optimizer, mixed_precision=mixed_precision,
                 activation_checkpointing=activation_checkpointing, gpu_gb=gpu_gb, headroom=headroom,
                 usable_gb=usable / GIB)
+    unsharded_grads = 4 * cfg.n_blocks * block if grad_accum > 1 else 0
+    defer = states["fsdp"] + act["total"] + transient["fsdp"] + unsharded_grads <= usable
+    if grad_accum > 1 and defer:
+        transient["fsdp"] += unsharded_grads
     for name in ("ddp", "fsdp"):
         total = states[name] + act["total"] + transient[name]
         plan[name] = dict(states_gb_per_gpu=states[name] / GIB, activations_gb_per_gpu=act["total"] / GIB,
                           transient_gb_per_gpu=transient[name] / GIB, total_gb_per_gpu=total / GIB,
                           fits=total <= usable,
                           max_micro_batch=max(0, int((usable - states[name] - transient[name]) // per_sequence)))
+    share, reduces = (world_size - 1) / world_size, 1 if defer else grad_accum
+    kept = p * cfg.n_blocks * block  # reshard_after_forward=False: every block's gathered copy
+    plan["fsdp"].update(accumulation="unsharded" if grad_accum == 1 or defer else "sharded",
+                        all_gather_gb_per_step=share * grad_accum * 2 * cfg.executed_layers(n_passes) * block * p / GIB,
+                        reduce_scatter_gb_per_step=share * reduces * cfg.n_blocks * block * 4 / GIB,
+                        keep_gathered_fits=plan["fsdp"]["total_gb_per_gpu"] * GIB + kept <= usable,
+                        keep_gathered_all_gather_gb_per_step=share * grad_accum * kept / GIB)
     return plan
 
 
@@ -204,7 +227,7 @@ def memory_table(plan):
     p = plan
     lines = [f"memory per GPU (GiB): {p['world_size']} GPUs x {p['gpu_gb']:g} GiB, fits if total <= "
              f"{p['usable_gb']:.1f} ({p['headroom']:.0%} headroom); micro-batch {p['micro_batch']} x "
-             f"{p['tokens_per_gpu'] // p['micro_batch']} tokens; {p['optimizer']}, "
+             f"{p['tokens_per_gpu'] // p['micro_batch']} tokens, grad_accum {p['grad_accum']}; {p['optimizer']}, "
              f"{'bf16 autocast' if p['mixed_precision'] else 'fp32'}, activation checkpointing "
              f"{'on' if p['activation_checkpointing'] else 'off'}",
              f"  {'':<5} {'states':>8} {'activations':>12} {'transient':>10} {'total':>8} {'fits':>5} "
@@ -214,6 +237,12 @@ def memory_table(plan):
         lines.append(f"  {name:<5} {m['states_gb_per_gpu']:>8.1f} {m['activations_gb_per_gpu']:>12.1f} "
                      f"{m['transient_gb_per_gpu']:>10.1f} {m['total_gb_per_gpu']:>8.1f} "
                      f"{'yes' if m['fits'] else 'no':>5} {m['max_micro_batch']:>16}")
+    f = p["fsdp"]
+    lines.append(f"  fsdp per step: all-gathers {f['all_gather_gb_per_step']:.1f} GiB, reduce-scatters "
+                 f"{f['reduce_scatter_gb_per_step']:.1f} GiB; gradient accumulation {f['accumulation']} "
+                 "(unsharded: one reduce-scatter per step, sharded: one per micro-batch)")
+    lines.append(f"  fsdp with --reshard_after_forward=False: {'fits' if f['keep_gathered_fits'] else 'does not fit'}"
+                 f" (all-gathers {f['keep_gathered_all_gather_gb_per_step']:.1f} GiB per step)")
     return "\n".join(lines)
 
 
@@ -240,24 +269,33 @@ def check_memory(shapes, config, device, use_bf16, world=1):
     weights, gradients and optimizer state (this rank's shard under FSDP), the activations autograd keeps,
     and on the SDPA path the boolean document mask (batch x block_size^2 bytes, twice while it is
     built). shapes: [(when, ModelConfig)]: the model as built and every larger shape the run gives it
-    (grow.shapes_of_run). config: the run's settings (batch_size, parallel, optimizer, triton,
-    activation_checkpointing)."""
+    (grow.shapes_of_run). config: the run's settings (batch_size, grad_accum, parallel, optimizer,
+    triton, activation_checkpointing, document_mask). Returns whether gradient accumulation may wait
+    for the last micro-batch to reduce (DDP's no_sync; under FSDP2 that keeps every block's unsharded
+    fp32 gradients, so only when they fit too; else FSDP reduce-scatters every micro-batch)."""
     available = available_memory(device)
-    if available is None:
-        return
+    defer = True
     for when, shape in shapes:
-        mask = 0 if shape.uses_flex(device.type) else 2 * config.batch_size * shape.block_size ** 2
+        if available is None:
+            break
+        mask = 0 if shape.uses_flex(device.type) or not shape.document_mask else \
+            2 * config.batch_size * shape.block_size ** 2
         states = state_bytes_per_rank(shape, world if config.parallel == "fsdp" else 1, config.optimizer)
         activations = activation_bytes(shape, config.batch_size, mixed_precision=use_bf16,
                                        activation_checkpointing=config.activation_checkpointing,
                                        kernels=config.triton)["total"]
+        if config.parallel == "fsdp" and not config.reshard_after_forward:  # every block's gathered bf16 copy
+            states += 2 * shape.n_blocks * match.block_shapes(shape)["total"]
         need = states + activations + mask
+        if config.parallel == "fsdp" and world > 1 and config.grad_accum > 1:  # unsharded fp32 gradients
+            defer = defer and need + 4 * shape.n_blocks * match.block_shapes(shape)["total"] <= available
         if need > available:
             gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
             raise ValueError(f"block_size={shape.block_size}, batch_size={config.batch_size}: this run needs about "
                              f"{gib(need)}{when} (weights, gradients and optimizer state {gib(states)}, "
                              f"activations {gib(activations)}, attention mask {gib(mask)}) but {gib(available)} "
                              f"is available on {device}; lower batch_size (raise grad_accum) or block_size")
+    return defer
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -271,6 +309,7 @@ def main(argv=None):
     parser.add_argument("--world_size", type=int, default=8, help="GPUs (default 8)")
     parser.add_argument("--gpu_gb", type=float, default=80, help="memory of one GPU in GiB (default 80)")
     parser.add_argument("--micro_batch", type=int, help="sequences per GPU (default: the config's batch_size, else 1)")
+    parser.add_argument("--grad_accum", type=int, help="micro-batches per step (default: the config's, else 1)")
     parser.add_argument("--optimizer", choices=("muon", "adamw"), default="muon", help="default muon (Muon + AdamW)")
     parser.add_argument("--activation_checkpointing", action="store_true", help="checkpoint every executed block")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -282,9 +321,10 @@ def main(argv=None):
     try:
         models = match.models_of(args.config, args.preset, args.recipe, args.avg_doc_len, args.attended)
         micro_batch = args.micro_batch if args.micro_batch is not None else models["settings"].get("batch_size", 1)
+        grad_accum = args.grad_accum if args.grad_accum is not None else models["settings"].get("grad_accum", 1)
         plans = {name: memory_plan(models[name], args.world_size, micro_batch, args.optimizer,
                                    args.activation_checkpointing, args.gpu_gb, args.dtype == "bfloat16",
-                                   kernels=args.triton)
+                                   kernels=args.triton, grad_accum=grad_accum)
                  for name in ("baseline", "matched") if models[name] is not None}
     except (ValueError, OSError) as e:
         return cli_error("tooling.memory", e)
