@@ -348,6 +348,8 @@ class ModelConfig:
     vocab_size: int = 4096  # token ids 0 .. vocab_size - 1 (rows of the embedding and the lm head)
     block_size: int = 256  # the longest sequence (context length)
     eot_token: int = 4095  # document separator: each eot starts a new document (document mask)
+    n_logits: int = 0  # logits kept before the softmax: the real vocabulary of a padded vocab_size ([X]: 50257
+    #   of 50304; the padded rows never take probability); 0 -> vocab_size
     # width and attention
     n_layer: int = 4  # physical depth L (SMELT, layer-loop, plain) or nominal depth P+C+D (prelude-core-coda)
     n_embd: int = 128  # width of the residual stream
@@ -402,6 +404,8 @@ class ModelConfig:
                 bad(name, "must be >= 1")
         if not 0 <= self.eot_token < self.vocab_size:
             bad("eot_token", f"must be a token id in [0, vocab_size={self.vocab_size})")
+        if self.n_logits and not self.eot_token < self.n_logits <= self.vocab_size:
+            bad("n_logits", f"must be 0 or in (eot_token={self.eot_token}, vocab_size={self.vocab_size}]")
         self.n_kv_head = derive(self.n_kv_head, 0, self.n_head)
         self.head_dim = derive(self.head_dim, 0, self.n_embd // self.n_head)
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
@@ -622,6 +626,8 @@ class GPT(nn.Module):
             else:  # [X3] boundary operator BO(h, e) = RMSNorm(h) + alpha * e
                 h = self.boundary(h, anchor, step.norm, step.inject)
         logits = scaled(self.lm_head(self.norm_f(h)), cfg.output_multiplier)  # [X] OM on the unembedding
+        if cfg.n_logits:  # a padded vocabulary's extra rows are cut before the softmax ([X] code)
+            logits = logits[..., :cfg.n_logits]
         loss = None
         if targets is not None:
             ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)

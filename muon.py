@@ -4,6 +4,17 @@ the hidden matrices of a transformer. One file with no project imports: copy it 
 
     from muon import Muon
     opt = Muon(hidden_matrices, lr=0.02, momentum=0.95)      # 2-D (out, in) or stacked experts (E, out, in)
+    opt = Muon(hidden_matrices, lr=0.04, variant="x", weight_decay=0.07)   # the [X] paper code's Muon
+
+variant="original": the update below. variant="x": the Muon the [X] paper's code trains with
+(qlabs-eng/scaling-exponents, models/optimizer.py), step by step:
+    buf <- lerp(buf, g, 1 - m); u = lerp(g, buf, m)                 Nesterov momentum
+    u <- u / ||u||_row                                              MuonEq-R: every row to unit norm
+    X = u / (||u||_F * 1.02 + 1e-6); 5 Polar Express steps           orthogonalisation (per-step coefficients)
+    v = mean(X^2) over each row (tall or square) or column (wide); s <- lerp(s, v, 1 - beta2)
+    X <- X * rsqrt(s), rescaled back to the Frobenius norm it had    variance reduction (NorMuon-like)
+    p <- p - lr' X - lr' wd p [X p >= 0],  lr' = lr max(1, rows/cols)^0.5    cautious weight decay
+Matrices of the same shape are orthogonalised in one batched call, as the [X] code does.
 
 The update of each matrix is SGD momentum (Nesterov by default), orthogonalised by five steps of the
 quintic Newton-Schulz iteration (orthogonalize), scaled by lr * max(1, rows/cols)^0.5 so that tall
@@ -28,6 +39,13 @@ import torch
 import torch.distributed as dist
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic (a, b, c): maximal slope at 0, 5 steps suffice
+POLAR_EXPRESS = (  # the [X] code's 5 steps, each its own (a, b, c) (Polar Express, Amsel et al. 2025)
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
 
 
 def newton_schulz_dtype(update):
@@ -36,7 +54,7 @@ def newton_schulz_dtype(update):
     return torch.bfloat16 if update.is_cuda else torch.float32
 
 
-def orthogonalize(update, steps=5, eps=1e-7, dtype=None, gram=None):
+def orthogonalize(update, steps=5, eps=1e-7, dtype=None, gram=None, coefficients=None, norm_scale=1.0):
     """Newton-Schulz quintic iteration: X <- a X + (b A + c A^2) X with A = X X^T, `steps` times, after
     X = G / ||G||_F (so every singular value starts <= 1). The coefficients maximise the slope at 0, so
     small singular values grow fast; the result is U S' V^T with S' in ~[0.7, 1.2], not exactly 1,
@@ -46,21 +64,55 @@ def orthogonalize(update, steps=5, eps=1e-7, dtype=None, gram=None):
     torch.bfloat16 on CPU to rehearse the CUDA arithmetic.
     gram: x -> x @ x.mT for both Gram products of each step (A = X X^T, and A A = A A^T: A is
     symmetric); None -> the plain matmul. Muon passes its `gram` attribute (kernels.gram: a Triton
-    kernel computing half the tiles)."""
-    a, b, c = NS_COEFFICIENTS
+    kernel computing half the tiles).
+    coefficients: one (a, b, c) per step (POLAR_EXPRESS for the [X] variant); None: NS_COEFFICIENTS every
+    step. norm_scale: X = G / (norm_scale ||G||_F + eps) ([X] code: 1.02 and eps 1e-6)."""
+    coefficients = coefficients or [NS_COEFFICIENTS] * steps
     dtype = dtype or newton_schulz_dtype(update)
     gram = gram or (lambda x: x @ x.mT)
     x = update.to(dtype)
     transposed = x.size(-2) > x.size(-1)
     if transposed:  # iterate on the smaller Gram matrix
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * norm_scale + eps)
+    for a, b, c in coefficients[:steps]:
         A = gram(x)
         x = a * x + (b * A + c * gram(A)) @ x  # A A = A A^T: A is symmetric
     if transposed:
         x = x.mT
     return x.to(update.dtype)
+
+
+def row_normalize(update):
+    """MuonEq-R ([X] code): every row of each (out, in) matrix scaled to unit norm."""
+    return update / update.float().norm(dim=-1, keepdim=True).clamp_min(1e-7).to(update.dtype)
+
+
+def second_moment_shape(shape):
+    """The [X] variant's second-moment buffer: one value per row of a tall or square (..., rows, cols)
+    matrix, per column of a wide one."""
+    return (*shape[:-1], 1) if shape[-2] >= shape[-1] else (*shape[:-2], 1, shape[-1])
+
+
+def variance_reduction(direction, second_moment, beta2, shape, reduce=None):
+    """[X] code: the orthogonalised update's mean square per row (tall, square) or column (wide) goes into
+    the EMA second_moment (in place); each row / column is scaled by its rsqrt, then the whole matrix back
+    to the Frobenius norm it had. shape: the matrix's global (..., rows, cols). reduce: for a matrix whose
+    rows are split across ranks (FSDP2), the sum over ranks (else None)."""
+    g, rows, cols = direction.float(), shape[-2], shape[-1]
+    if rows >= cols:  # per row: this rank's rows are whole
+        v_mean = g.square().mean(dim=-1, keepdim=True)
+    else:  # per column: a sum over every row
+        v_mean = g.square().sum(dim=-2, keepdim=True)
+        v_mean = (reduce(v_mean) if reduce else v_mean) / rows
+    size = cols if rows >= cols else rows
+    second_moment.lerp_(v_mean.to(second_moment.dtype), 1 - beta2)
+    step = second_moment.float().clamp_min(1e-10).rsqrt()
+    sums = torch.stack([v_mean.sum(dim=(-2, -1)) * size, (v_mean * size * step.square()).sum(dim=(-2, -1))])
+    if reduce and rows >= cols:  # the norms of a matrix split by rows
+        sums = reduce(sums)
+    v_norm, v_norm_new = sums.sqrt()
+    return (g * step * (v_norm / v_norm_new.clamp_min(1e-10))[..., None, None]).to(direction.dtype)
 
 
 def muon_lr_scale(shape):
@@ -101,6 +153,13 @@ def split_dim(p):
     return dim if dim >= p.ndim - 2 else None
 
 
+def all_reduce_sum(t, group):
+    """t summed over the ranks of a process group (a new tensor)."""
+    t = t.contiguous()
+    dist.all_reduce(t, group=group)
+    return t
+
+
 def pad(x, dim, size):
     """x zero-padded along dim to `size`, contiguous (collectives need equal, contiguous pieces)."""
     missing = size - x.size(dim)
@@ -112,42 +171,85 @@ def pad(x, dim, size):
 class Muon(torch.optim.Optimizer):
     """Muon for 2-D (out, in) and stacked 3-D (E, out, in) parameters, plain tensors or FSDP2 DTensors.
     See the module docstring.
+    variant: "original" or "x" (the [X] paper code's: beta2 is its variance reduction's EMA).
     ns_dtype: the Newton-Schulz arithmetic dtype (None: bf16 on CUDA, fp32 on CPU).
     gram (attribute, not an argument): the Gram product x -> x @ x.mT of the Newton-Schulz iteration;
     None -> the plain matmul. kernels.apply(model, [opt]) sets it to the half-tile Triton kernel."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
-                 ns_dtype=None):
+                 ns_dtype=None, variant="original", beta2=0.95):
+        if variant not in ("original", "x"):
+            raise ValueError(f"Muon variant={variant!r}: must be 'original' or 'x'")
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                                      weight_decay=weight_decay))
-        self.ns_dtype = ns_dtype
+                                      weight_decay=weight_decay, beta2=beta2))
+        self.ns_dtype, self.variant = ns_dtype, variant
         self.gram = None
 
     def momentum_update(self, p, group):
         """The Nesterov (or plain) momentum direction of p; the buffer lives in self.state[p]. For a
         DTensor the buffer is a DTensor like p.grad (this rank holds its shard only) and the math runs on
-        the local shards."""
+        the local shards. original: buf <- m buf + g, g + m buf; x: buf <- lerp(buf, g, 1 - m),
+        lerp(g, buf, m), then every row to unit norm (MuonEq-R; FSDP2 shards hold whole rows)."""
         state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        grad, buf = local(p.grad), local(state["momentum_buffer"])
-        buf.mul_(group["momentum"]).add_(grad)
-        return grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
+        if "momentum_buffer" not in state:  # on every rank, also one holding no piece of p (FSDP2)
+            state.update(self.empty_state(p))
+        grad, buf, m = local(p.grad), local(state["momentum_buffer"]), group["momentum"]
+        if self.variant == "original":
+            buf.mul_(m).add_(grad)
+            return grad.add(buf, alpha=m) if group["nesterov"] else buf
+        buf.lerp_(grad, 1 - m)
+        return row_normalize(grad.lerp(buf, m) if group["nesterov"] else buf.clone())
 
     def orthogonalize(self, update, steps):
+        if self.variant == "x":  # [X] code: Polar Express, X / (1.02 ||X|| + 1e-6)
+            return orthogonalize(update, steps, 1e-6, self.ns_dtype, self.gram, POLAR_EXPRESS, 1.02)
         return orthogonalize(update, steps, dtype=self.ns_dtype, gram=self.gram)
 
+    def empty_state(self, p):
+        """p's state before its first step, with the shapes and shards a sharded checkpoint loads into:
+        the momentum, and for the [X] variant the variance reduction's second moment: per row (sharded
+        like p's rows under FSDP2) or per column (replicated: every rank holds it whole)."""
+        state = {"momentum_buffer": torch.zeros_like(p)}
+        if self.variant == "x":
+            shape = second_moment_shape(p.shape)
+            if not is_dtensor(p):
+                state["second_momentum_buffer"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+                return state
+            # sharded like p (made from this rank's piece: no collective), except the per-column buffer
+            # of a matrix split by rows, which every rank holds whole
+            from torch.distributed.tensor import DTensor, Replicate
+            wide_split = split_dim(p) is not None and p.shape[-2] < p.shape[-1]
+            piece = shape if wide_split else (local(p).shape[0], *shape[1:])  # FSDP2 shards dim 0
+            zeros = torch.zeros(piece, dtype=p.dtype, device=local(p).device)
+            state["second_momentum_buffer"] = DTensor.from_local(
+                zeros, p.device_mesh, [Replicate()] if wide_split else p.placements, run_check=False,
+                shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        return state
+
+    def finish(self, p, group, update, reduce=None):
+        """The [X] variant's variance reduction of an orthogonalised update (reduce: the sum over the ranks
+        p's rows are split across), then the update applied."""
+        if self.variant == "x":
+            second_moment = local(self.state[p]["second_momentum_buffer"])
+            update = variance_reduction(update, second_moment, group["beta2"], p.shape, reduce)
+        self.apply_update(p, group, update)
+
     def apply_update(self, p, group, update):
-        """Decoupled weight decay and the scaled update, on this rank's shard; the lr scale uses p's
-        global (out, in) shape."""
-        lr, p_local = group["lr"], local(p)
+        """The weight decay and the scaled update, on this rank's shard; the lr scale uses p's global
+        (out, in) shape. original: decoupled decay p (1 - lr wd); x: cautious decay at the scaled lr,
+        only where the update and the weight agree in sign."""
+        lr, p_local, update = group["lr"], local(p), update.to(p.dtype)
+        if self.variant == "x":
+            lr = lr * muon_lr_scale(p.shape)
+            p_local.sub_(lr * update + lr * group["weight_decay"] * p_local * (update * p_local >= 0))
+            return
         if group["weight_decay"]:
             p_local.mul_(1 - lr * group["weight_decay"])
-        p_local.add_(update.to(p.dtype), alpha=-lr * muon_lr_scale(p.shape))
+        p_local.add_(update, alpha=-lr * muon_lr_scale(p.shape))
 
     @torch.no_grad()
     def step(self, closure=None):  # closure: unused, in the signature that torch.distributed.checkpoint calls
-        split = []  # (p, group, local update) of the matrices split across ranks
+        split, whole = [], []  # (p, group, local update): matrices split across ranks / whole here
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -156,9 +258,26 @@ class Muon(torch.optim.Optimizer):
                 if split_dim(p) is not None:
                     split.append((p, group, update))
                 elif update.numel():  # whole matrices here (none if E < world left this rank no expert)
-                    self.apply_update(p, group, self.orthogonalize(update, group["ns_steps"]))
+                    whole.append((p, group, update))
+        for (p, group, _), update in zip(whole, self.orthogonalize_whole(whole)):
+            self.finish(p, group, update)
         for (p, group, _), update in zip(split, self.orthogonalize_split(split)):
-            self.apply_update(p, group, update)
+            mesh = p.device_mesh
+            self.finish(p, group, update, reduce=lambda t: all_reduce_sum(t, mesh.get_group()))
+
+    def orthogonalize_whole(self, whole):
+        """Each update orthogonalised; the [X] variant batches the updates of one shape and step count
+        into one call (as its code does), the original takes them one by one."""
+        if self.variant == "original":
+            return [self.orthogonalize(update, group["ns_steps"]) for _, group, update in whole]
+        out, buckets = [None] * len(whole), {}
+        for i, (_, group, update) in enumerate(whole):
+            buckets.setdefault((update.shape, update.dtype, group["ns_steps"]), []).append(i)
+        for (_, _, steps), members in buckets.items():
+            stacked = self.orthogonalize(torch.stack([whole[i][2] for i in members]), steps)
+            for i, result in zip(members, stacked):
+                out[i] = result
+        return out
 
     # FSDP2: matrices split across ranks are orthogonalised whole, each on one owner rank
 

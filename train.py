@@ -39,7 +39,7 @@ from model import GPT, ModelConfig
 from muon import Muon
 from sample import sample_text
 from tooling import checkpoint, distributed, guards, memory, rundir
-from tooling.checkpoint import NonFiniteLoss
+from tooling.checkpoint import NonFiniteLoss, TrainState
 from tooling.common import cli_error
 from tooling.rundir import RunDir, TrainingInterrupted
 from tooling.settings import Settings
@@ -66,6 +66,7 @@ class TrainConfig:
     # batch: one optimizer step reads batch_size * grad_accum * world_size sequences of block_size tokens
     batch_size: int = 16  # sequences per micro-batch per process
     grad_accum: int = 1  # micro-batches per optimizer step
+    global_batch: int = 0  # > 0: sequences per step over all processes; grad_accum follows from the world size
     max_steps: int = 200  # optimizer steps of the whole run
     max_tokens: int = 0  # > 0: max_steps = ceil(max_tokens / tokens per step)
     stop_at_step: int = 0  # > 0: save and stop after this step without changing the schedule (preemption)
@@ -77,10 +78,15 @@ class TrainConfig:
     unembedding_lr: float = 0.004  # AdamW LR of the lm head
     router_lr: float = 3e-3  # AdamW LR of the MoE routers (always AdamW: see param_groups)
     scalar_lr: float = 0.01  # AdamW LR of norm gains and other vectors
-    weight_decay: float = 0.0  # decoupled weight decay of the hidden matrices
+    weight_decay: float = 0.0  # decoupled weight decay of the hidden matrices (Muon's "x" variant: cautious)
+    embedding_weight_decay: float = 0.0  # decoupled weight decay of the token embedding ([X] code: the matrices')
+    unembedding_weight_decay: float = 0.0  # decoupled weight decay of the lm head ([X] code: the matrices')
     adam_betas: tuple = (0.8, 0.95)  # AdamW (beta1, beta2)
     adam_eps: float = 1e-10  # AdamW epsilon
+    muon_variant: str = "original"  # "original" (Keller Jordan's) or "x" (the [X] paper code's Muon, muon.py)
     muon_momentum: float = 0.95  # Muon momentum
+    muon_momentum_warmup: int = 0  # steps over which Muon's momentum rises from 0.85 ([X] code: 300); 0 -> off
+    muon_beta2: float = 0.95  # the "x" variant's variance-reduction EMA
     muon_nesterov: bool = True  # Nesterov momentum in Muon
     muon_ns_steps: int = 5  # Newton-Schulz steps per Muon update
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 -> off
@@ -132,36 +138,10 @@ HELP_GROUPS = {title: keys.split() for title, keys in {  # --help shows these fi
     "growth, random passes, decay branches, LR scaling": "grow_at grow_to grow_untie grow_rewarm_steps "
     "n_passes_choices init_from decay_branch decay_tokens branch_data_fraction save_steps max_tokens "
     "lr_anchor_params lr_scaling_beta",
-    "distributed and precision": "device dtype parallel reshard_after_forward activation_checkpointing",
+    "distributed and precision": "global_batch device dtype parallel reshard_after_forward activation_checkpointing",
     "kernels and compilation": "triton compile", "reliability": "resume stop_at_step"}.items()}
 SETTINGS = Settings(TrainConfig, ModelConfig, defaults=TINY_MODEL, groups=HELP_GROUPS, prog="train.py")
 DEFAULTS = SETTINGS.defaults
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint carries for an exact resume, besides weights, optimizer state and settings."""
-    step: int = 0
-    tokens_seen: int = 0
-    flops_seen: float = 0.0
-    flops_by_passes: dict = field(default_factory=dict)  # {passes: training FLOPs run at that many passes}
-    data_region: str = "stable"  # "stable" or "branch" (the held-back tail)
-    data_position: int = 0  # windows of the region consumed so far
-    branch_start_step: Optional[int] = None
-    grown: bool = False
-    last_eval: Optional[dict] = None  # the log record of the last eval
-    lr_scaling_params: int = 0  # [X16] N: stored parameters at initialisation, token embedding included
-
-    def advance(self, tokens, windows, flops, passes):
-        self.step, self.tokens_seen, self.data_position = self.step + 1, self.tokens_seen + tokens, \
-            self.data_position + windows
-        self.flops_seen += flops
-        self.flops_by_passes[passes] = self.flops_by_passes.get(passes, 0.0) + flops
-
-    def record(self, **values):
-        """A log line: where the run is, then the values."""
-        return dict(step=self.step, tokens=self.tokens_seen, flops=self.flops_seen,
-                    flops_by_passes={str(k): v for k, v in sorted(self.flops_by_passes.items())}, **values)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -178,8 +158,8 @@ def param_groups(model, config):
     groups = {
         "matrix": ("muon" if muon else "adamw", config.matrix_lr if muon else config.adamw_matrix_lr,
                    config.weight_decay),
-        "embedding": ("adamw", config.embedding_lr, 0.0),
-        "unembedding": ("adamw", config.unembedding_lr, 0.0),
+        "embedding": ("adamw", config.embedding_lr, config.embedding_weight_decay),
+        "unembedding": ("adamw", config.unembedding_lr, config.unembedding_weight_decay),
         "router": ("adamw", config.router_lr, 0.0),
         "scalar": ("adamw", config.scalar_lr, 0.0),
     }
@@ -204,15 +184,19 @@ def build_optimizers(model, config, ns_dtype=None):
     optimizers = [torch.optim.AdamW(adamw, betas=tuple(config.adam_betas), eps=config.adam_eps, fused=False)]
     if muon:
         optimizers.append(Muon(muon, momentum=config.muon_momentum, nesterov=config.muon_nesterov,
-                               ns_steps=config.muon_ns_steps, ns_dtype=ns_dtype))
+                               ns_steps=config.muon_ns_steps, ns_dtype=ns_dtype, variant=config.muon_variant,
+                               beta2=config.muon_beta2))
     return optimizers
 
 
-def set_learning_rates(optimizers, multiplier):
+def set_schedule(optimizers, multiplier, muon_momentum):
+    """Every group's LR = its base LR x multiplier; Muon's momentum. Returns the hidden matrices' LR (logged)."""
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["base_lr"] * multiplier
-    return optimizers[-1].param_groups[0]["lr"]  # the hidden matrices' LR (logged)
+            if isinstance(opt, Muon):
+                group["momentum"] = muon_momentum
+    return optimizers[-1].param_groups[0]["lr"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -220,16 +204,18 @@ def set_learning_rates(optimizers, multiplier):
 
 
 def wsd_multiplier(step, warmup_steps, decay_start, decay_end, shape="cosine", floor=0.0):
-    """Warmup-stable-decay [S]: linear warmup to 1, constant, then cosine/linear decay reaching `floor`
-    exactly at the last step of the decay (step decay_end - 1)."""
+    """Warmup-stable-decay [S]: linear warmup to 1, constant, then a decay reaching `floor` exactly at the
+    last step (decay_end - 1): cosine from its first step on, or linear as the [X] code's warm-down (1 at
+    decay_start, floor after decay_end - decay_start - 1 more steps)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if step < decay_start or decay_end <= decay_start:
         return 1.0
-    progress = min(1.0, (step - decay_start + 1) / (decay_end - decay_start))
     if shape == "cosine":
+        progress = min(1.0, (step - decay_start + 1) / (decay_end - decay_start))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    return 1 - (1 - floor) * progress
+    steps = decay_end - decay_start
+    return 1 + (floor - 1) * (1.0 if steps == 1 else min(1.0, (step - decay_start) / (steps - 1)))
 
 
 def lr_scaling(n_params, anchor_params, beta):
@@ -254,6 +240,11 @@ class Schedule:
         return multiplier * (1.0 if self.grow_step is None else grow.rewarm_multiplier(step, self.grow_step,
                                                                                        c.grow_rewarm_steps))
 
+    def muon_momentum(self, step):
+        """Muon's momentum, rising linearly from 0.85 over muon_momentum_warmup steps ([X] code: 300)."""
+        warmup, m = self.config.muon_momentum_warmup, self.config.muon_momentum
+        return m if warmup <= 0 else 0.85 + (m - 0.85) * min(1.0, step / warmup)
+
 
 def plan_schedule(config, state, tokens_per_step):
     if config.decay_branch:  # a branch decays over decay_tokens from the step it forked at
@@ -261,7 +252,7 @@ def plan_schedule(config, state, tokens_per_step):
         decay_start = state.branch_start_step
     else:
         max_steps = math.ceil(config.max_tokens / tokens_per_step) if config.max_tokens > 0 else config.max_steps
-        decay_start = max_steps - round(config.decay_fraction * max_steps)
+        decay_start = max(config.warmup_steps, max_steps - round(config.decay_fraction * max_steps))
     grow_step = grow.growth_step(max_steps, config.grow_at) if config.grow_at and not config.decay_branch else None
     lr_scale = lr_scaling(state.lr_scaling_params, config.lr_anchor_params, config.lr_scaling_beta)  # [X16]
     return Schedule(max_steps, decay_start, grow_step, lr_scale, config)
@@ -397,6 +388,7 @@ def train(overrides=None):
     values, source = rundir.resolve_run(SETTINGS, dict(overrides or {}))
     config, model_config = SETTINGS.build(TrainConfig, values), SETTINGS.build(ModelConfig, values)
     rank, world, device = distributed.setup(config.device, config.parallel)
+    guards.derive_grad_accum(config, world)  # global_batch: the same step on 8 GPUs or 16
     use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
     grown = bool(source and source["state"]["grown"])
@@ -427,7 +419,7 @@ def train(overrides=None):
                 if state.step == schedule.grow_step and not state.grown:  # [X] growth, once
                     model, optimizers = grow_during_training(model, optimizers, config, device, world, use_bf16, log)
                     wrapped, state.grown = distributed.wrap(model, device, world, config.parallel, config.compile), True
-                lr = set_learning_rates(optimizers, schedule.lr_multiplier(state.step))
+                lr = set_schedule(optimizers, schedule.lr_multiplier(state.step), schedule.muon_momentum(state.step))
                 n_passes = passes_of_step(config, state.step)  # None: the model's own K (or r)
                 step_loss = torch.zeros((), dtype=torch.float64, device=device)
                 for micro in range(config.grad_accum):  # rank r reads its own slice of the global batch

@@ -45,7 +45,8 @@ class Step:
     def __init__(self, cfg, optimizer, batch_size):
         torch.manual_seed(0)
         self.model = GPT(cfg)
-        self.config = train.TrainConfig(optimizer=optimizer)
+        self.config = train.TrainConfig(optimizer="muon" if optimizer == "muon_x" else optimizer,
+                                        muon_variant="x" if optimizer == "muon_x" else "original")
         self.optimizers = train.build_optimizers(self.model, self.config)
         g = torch.Generator().manual_seed(0)
         self.x = torch.randint(0, cfg.eot_token, (batch_size, cfg.block_size), generator=g)
@@ -92,7 +93,7 @@ def main(argv=None):
         for optimizer in ("adamw", "muon"):
             steps[f"{name}/{optimizer}"] = Step(cfg, optimizer, args.batch_size)
     tiny = train.SETTINGS.build(train.ModelConfig, train.DEFAULTS)
-    for optimizer in ("adamw", "muon"):
+    for optimizer in ("adamw", "muon", "muon_x"):  # muon_x: the [X] paper code's Muon (muon.py variant="x")
         steps[f"tiny_default/{optimizer}"] = Step(tiny, optimizer, train.DEFAULTS["batch_size"])
     times = {key: [] for key in steps}
     for r in range(args.rounds + 1):
@@ -110,8 +111,8 @@ def main(argv=None):
         gflops = fn.flops / median[key] / 1e9
         row = dict(bench="efficiency", model=name, optimizer=optimizer, ms_per_step=round(1e3 * median[key], 2),
                    gflops=round(gflops, 2), fraction_of_peak=round(gflops * 1e9 / peak, 3),
-                   vs_plain=round(median[f"plain/{optimizer}"] / median[key] * fn.flops / steps[f"plain/{optimizer}"].flops, 3)
-                   if f"plain/{optimizer}" in median else None,
+                   vs_plain=round(median[f"plain/{optimizer}"] / median[key] * fn.flops
+                                  / steps[f"plain/{optimizer}"].flops, 3) if f"plain/{optimizer}" in median else None,
                    threads=args.threads, batch=f"{fn.x.size(0)}x{fn.x.size(1)}")
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -120,6 +121,10 @@ def main(argv=None):
                           matmul="2048^3 fp32 torch.mm", threads=args.threads)))
     print(json.dumps(dict(bench="efficiency", measurement="muon_overhead_tiny_default",
                           ratio=round(1 + muon_overhead, 3), target=1.15)))
+    muon_x_overhead = median["tiny_default/muon_x"] / median["tiny_default/adamw"] - 1
+    print(json.dumps(dict(bench="efficiency", measurement="muon_x_overhead_tiny_default",
+                          ratio=round(1 + muon_x_overhead, 3), vs_original_muon=round(
+                              median["tiny_default/muon_x"] / median["tiny_default/muon"], 3))))
     print(f"\npractical peak {peak / 1e9:.1f} GFLOP/s ({args.threads} thread(s), 2048^3 fp32 mm); "
           f"vs_plain = achieved FLOP/s relative to plain with the same optimizer")
     print(f"{'model':<14} {'optimizer':<9} {'ms/step':>9} {'GFLOP/s':>8} {'of peak':>8} {'vs plain':>9}")
@@ -127,7 +132,8 @@ def main(argv=None):
         vs = f"{row['vs_plain']:.3f}" if row["vs_plain"] is not None else "-"
         print(f"{row['model']:<14} {row['optimizer']:<9} {row['ms_per_step']:>9.1f} {row['gflops']:>8.1f} "
               f"{row['fraction_of_peak']:>8.3f} {vs:>9}")
-    print(f"Muon adds {muon_overhead:+.1%} to the tiny default's step (target <= +15%)")
+    print(f"Muon adds {muon_overhead:+.1%} to the tiny default's step (target <= +15%); the [X] code's Muon "
+          f"{muon_x_overhead:+.1%}")
 
 
 if __name__ == "__main__":

@@ -31,13 +31,13 @@ import grow  # noqa: E402
 import match  # noqa: E402
 import model as model_module  # noqa: E402
 import train  # noqa: E402
-from tooling import distributed, memory  # noqa: E402
+from tooling import distributed, guards, memory  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def runs():
-    """(name, ModelConfig, world_size, micro_batch, grad_accum, reshard_after_forward) of every documented
+    """(name, ModelConfig, world_size, micro_batch, grad_accum, reshard_after_forward, optimizer) of every documented
     GPU run: each config's
     own batch on 8 GPUs (a node), the [X] growth configs also after growth."""
     out = []
@@ -46,8 +46,9 @@ def runs():
         values = train.SETTINGS.resolve(train.SETTINGS.parse([os.path.join(REPO, "config", f"{name}.py")]))
         config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(train.ModelConfig, values)
         for when, shape in grow.shapes_of_run(cfg, config):
+            guards.derive_grad_accum(config, 8)
             out.append((name + when.replace(" ", "_"), shape, 8, config.batch_size, config.grad_accum,
-                        config.reshard_after_forward))
+                        config.reshard_after_forward, config.optimizer))
     return out
 
 
@@ -105,16 +106,16 @@ def tracked_peak(cfg, world, micro_batch, grad_accum=1, reshard_after_forward=Tr
     return {getattr(k, "value", k): v for k, v in device_snapshot.items()}
 
 
-def compare(name, cfg, world, micro_batch, grad_accum=1, reshard_after_forward=True):
+def compare(name, cfg, world, micro_batch, grad_accum=1, reshard_after_forward=True, optimizer="muon"):
     grad_accum = min(grad_accum, 2)  # what accumulation keeps is the same for any number of micro-batches >= 2
     t0 = time.time()
-    peak = tracked_peak(cfg, world, micro_batch, grad_accum, reshard_after_forward)
-    plan = memory.memory_plan(cfg, world, micro_batch, grad_accum=grad_accum)["fsdp"]
+    peak = tracked_peak(cfg, world, micro_batch, grad_accum, reshard_after_forward, optimizer)
+    plan = memory.memory_plan(cfg, world, micro_batch, optimizer, grad_accum=grad_accum)["fsdp"]
     gib = 2 ** 30
     if not reshard_after_forward:  # every block's gathered bf16 copy kept from its forward to its backward
         plan["total_gb_per_gpu"] += 2 * cfg.n_blocks * match.block_shapes(cfg)["total"] / gib
     return dict(bench="fsdp_memory", run=name, world_size=world, micro_batch=micro_batch, grad_accum=grad_accum,
-                reshard_after_forward=reshard_after_forward,
+                reshard_after_forward=reshard_after_forward, optimizer=optimizer,
                 tracker_peak_gb=round(peak["Total"] / gib, 2),
                 planner_gb=round(plan["total_gb_per_gpu"], 2),
                 planner_over_tracker=round(plan["total_gb_per_gpu"] * gib / peak["Total"], 3),
@@ -128,9 +129,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
     args = ap.parse_args(argv)
-    for name, cfg, world, micro_batch, grad_accum, reshard in runs():
+    for name, cfg, world, micro_batch, grad_accum, reshard, optimizer in runs():
         if not args.only or name in args.only.split(","):
-            print(json.dumps(compare(name, cfg, world, micro_batch, grad_accum, reshard)), flush=True)
+            print(json.dumps(compare(name, cfg, world, micro_batch, grad_accum, reshard, optimizer)), flush=True)
 
 
 if __name__ == "__main__":

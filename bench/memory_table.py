@@ -19,29 +19,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grow  # noqa: E402
 import match  # noqa: E402
 import train  # noqa: E402
-from tooling import memory  # noqa: E402
+from tooling import guards, memory  # noqa: E402
 
 GPUS, GPU_GB = (8, 16), 80
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def models():
-    """(label, ModelConfig, micro-batch, grad_accum, activation checkpointing) of every row: each named config
-    at its own batch (the [X] growth configs also after growth), each [S] preset at one sequence per GPU."""
+    """(label, ModelConfig, micro-batch, grad_accum, activation checkpointing, optimizer) of every row: each
+    named config at its own batch on 8 GPUs (the [X] growth configs also after growth), each [S] preset at
+    one sequence per GPU with AdamW ([S] trains with AdamW)."""
     rows = []
     for path in sorted(glob.glob(os.path.join(REPO, "config", "*.py"))):
         values = train.SETTINGS.resolve(train.SETTINGS.parse([path]))
         config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(train.ModelConfig, values)
+        guards.derive_grad_accum(config, 8)
         for when, shape in grow.shapes_of_run(cfg, config):
             rows.append((f"`{os.path.basename(path)}`{when}", shape, config.batch_size, config.grad_accum,
-                         config.activation_checkpointing))
+                         config.activation_checkpointing, config.optimizer))
     for scale, (*_, experts) in match.SCALES.items():
         for s in experts:
             base, doc_len = match.preset_baseline(f"smelt-{scale}-s{s}")
             twin, _ = match.match(base, "smelt", avg_doc_len=doc_len)
             checkpointing = scale in ("600m", "1.6b")
-            rows.append((f"smelt-{scale}-s{s} baseline", base, 1, 1, checkpointing))
-            rows.append((f"smelt-{scale}-s{s} SMELT", twin, 1, 1, checkpointing))
+            rows.append((f"smelt-{scale}-s{s} baseline", base, 1, 1, checkpointing, "adamw"))
+            rows.append((f"smelt-{scale}-s{s} SMELT", twin, 1, 1, checkpointing, "adamw"))
     return rows
 
 
@@ -54,9 +56,9 @@ def main(argv=None):
         print(f"| model | params | micro-batch x accumulation | AC | {columns} | FSDP max micro-batch x"
               + " / x".join(map(str, GPUS)) + " |")
         print("| --- | ---: | --- | --- |" + " ---: |" * (2 * len(GPUS) + 1))
-    for label, cfg, micro_batch, grad_accum, checkpointing in models():
-        plans = [memory.memory_plan(cfg, w, micro_batch, activation_checkpointing=checkpointing, gpu_gb=GPU_GB,
-                                    grad_accum=grad_accum) for w in GPUS]
+    for label, cfg, micro_batch, grad_accum, checkpointing, optimizer in models():
+        plans = [memory.memory_plan(cfg, w, micro_batch, optimizer, activation_checkpointing=checkpointing,
+                                    gpu_gb=GPU_GB, grad_accum=grad_accum) for w in GPUS]
         params = match.accounting(cfg)["params_total"]
         if args.json:
             print(json.dumps(dict(bench="memory", model=label.replace("`", ""), params=params, micro_batch=micro_batch,

@@ -29,10 +29,27 @@ top_k = 8
 expert_hidden = 432
 layout = "plain"
 avg_doc_len = 512  # not a model field: match.py uses it for the attention FLOPs
-# training on a node of 8 GPUs of 80 GB: FSDP2 (replicated, the 3.9B parameters' weights, gradients and
-# optimizer state alone take 43 GiB per GPU), 4 sequences per GPU x 8 micro-batches x 8 GPUs = 256 x 4096
-# tokens per step ([S]'s batch); python -m tooling.memory config/smelt_200m_base.py for the per-GPU memory
+# training, the [S] recipe: AdamW + WSD. A stable phase at a constant LR for 196,075 steps of 256 sequences
+# x 4096 tokens (205.6B tokens, [S]'s ~1M-token batch), keeping checkpoints at 10k / 20k / 50k / 100k /
+# 150k steps; from each of them and from the end a cosine decay branch over 10B tokens the stable phase
+# never read (the held-back tail of the data). The baseline and its SMELT twin read identical token
+# sequences (same data, seed, global batch and context); the document (segment) mask is on. [S] does not
+# state AdamW's learning rates, betas or warmup: train.py's AdamW defaults and a 2000-step warmup are ours.
+#   python ladder.py --plan config/smelt_200m_base.py      # every run of the recipe, and the tokens the data must hold
+optimizer = "adamw"
+max_steps = 196075
+warmup_steps = 2000
+decay_fraction = 0.0  # stable to the end: the decays are the branches
+save_steps = [10000, 20000, 50000, 100000, 150000]
+decay_tokens = 10_000_000_000  # each branch's (given again on a branch's command line: the plan prints it)
+decay_shape = "cosine"
+branch_data_fraction = 0.0464  # the held-back tail holds one branch's 10.0B of 215.6B train tokens
+data_dir = "data/cache/smelt_gpt2_4096"  # your corpus: python data/prepare.py DOCS --tokenizer gpt2-4096 --out this
+# a node of 8 GPUs of 80 GB, or two: FSDP2 (replicated, the 3.9B parameters' weights, gradients and optimizer
+# state alone take 43 GiB per GPU); 4 sequences per GPU, grad_accum from the world size (8 on 8 GPUs, 4 on
+# 16); python -m tooling.memory config/smelt_200m_base.py for the per-GPU memory
 parallel = "fsdp"
 reshard_after_forward = False  # each block gathered once per micro-batch, not per visit: 50 vs 152 GiB of all-gathers
 batch_size = 4
 grad_accum = 8
+global_batch = 256

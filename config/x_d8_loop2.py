@@ -13,8 +13,10 @@
 # bench/fsdp_memory.py), more than 80 GB GPUs leave after their 10% headroom. On one GPU use --grad_accum=16.
 # model (Table 1: RoPE, SwiGLU, QK-norm, no biases, no norm gains, RMSNorm after the embedding)
 vocab_size = 50304  # GPT-2 50257 padded to a multiple of 64, as the [X] code
+n_logits = 50257  # the padded rows are cut before the softmax, as the [X] code (logits[..., :vocab])
 eot_token = 50256
 block_size = 2048
+document_mask = False  # the [X] code trains on windows that may start inside a document, attending across them
 n_layer = 8
 n_embd = 1024
 n_head = 8
@@ -42,15 +44,20 @@ uniform_init_scale = 0.0441941738242  # U(-s, s), s = uniform_init_scale / sqrt(
 data_dir = "data/cache/fineweb_gpt2"
 run_name = "x_d8_loop2"
 optimizer = "muon"
+muon_variant = "x"  # the [X] code's Muon: MuonEq-R, Polar Express, variance reduction, cautious decay
+muon_momentum_warmup = 300  # momentum 0.85 -> 0.95 over the first 300 steps, as the [X] code
+grad_clip = 0.0  # the [X] code never clips
 matrix_lr = 0.04
 embedding_lr = 0.0128  # from the ladder script (not in the table above)
 unembedding_lr = 0.0045254833996  # from the ladder script (not in the table above)
-weight_decay = 0.05
+weight_decay = 0.05  # Muon's cautious decay of the matrices; the embedding and lm head decay alike
+embedding_weight_decay = 0.05  # the [X] code's default: the matrices' weight decay
+unembedding_weight_decay = 0.05
 adam_betas = (0.8, 0.95)
 adam_eps = 1e-10
 warmup_steps = 40
 decay_fraction = 1.0  # warmdown_ratio
-decay_shape = "linear"  # assumption: nanochat-style linear warmdown to 0 (the [X] code decays to 0)
+decay_shape = "linear"  # the [X] code's warm-down: 1 at its first step, 0 at the last
 min_lr_fraction = 0.0
 batch_size = 16
 grad_accum = 2

@@ -14,8 +14,10 @@
 # On one GPU use --grad_accum=16.
 # model (Table 1: RoPE, SwiGLU, QK-norm, no biases, no norm gains, RMSNorm after the embedding)
 vocab_size = 50304  # GPT-2 50257 padded to a multiple of 64, as the [X] code
+n_logits = 50257  # the padded rows are cut before the softmax, as the [X] code (logits[..., :vocab])
 eot_token = 50256
 block_size = 2048
+document_mask = False  # the [X] code trains on windows that may start inside a document, attending across them
 n_layer = 8
 n_embd = 1024
 n_head = 8
@@ -42,15 +44,20 @@ uniform_init_scale = 0.353553390593  # U(-s, s), s = uniform_init_scale / sqrt(n
 data_dir = "data/cache/fineweb_gpt2"
 run_name = "x_d8_untied_grow"
 optimizer = "muon"
+muon_variant = "x"  # the [X] code's Muon: MuonEq-R, Polar Express, variance reduction, cautious decay
+muon_momentum_warmup = 300  # momentum 0.85 -> 0.95 over the first 300 steps, as the [X] code
+grad_clip = 0.0  # the [X] code never clips
 matrix_lr = 0.04
 embedding_lr = 0.0064
 unembedding_lr = 0.0064
-weight_decay = 0.0707106781187
+weight_decay = 0.0707106781187  # Muon's cautious decay of the matrices; the embedding and lm head decay alike
+embedding_weight_decay = 0.0707106781187  # the [X] code's default: the matrices' weight decay
+unembedding_weight_decay = 0.0707106781187
 adam_betas = (0.8, 0.99)
 adam_eps = 1e-08
 warmup_steps = 40
 decay_fraction = 1.0  # warmdown_ratio
-decay_shape = "linear"  # assumption: nanochat-style linear warmdown to 0 (the [X] code decays to 0)
+decay_shape = "linear"  # the [X] code's warm-down: 1 at its first step, 0 at the last
 min_lr_fraction = 0.0
 batch_size = 16
 grad_accum = 2

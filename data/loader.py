@@ -101,9 +101,11 @@ def open_data(data_dir, model_config=None, world=1, master=True):
         distributed.barrier()
     data = load_data(data_dir)
     n_vocab, eot = data.meta["n_vocab"], data.meta["eot_token"]
-    if model_config is not None and (model_config.vocab_size < n_vocab or model_config.eot_token != eot):
-        raise ValueError(f"model vocab_size={model_config.vocab_size}, eot_token={model_config.eot_token} do not fit "
-                         f"the data ({data.data_dir}: n_vocab={n_vocab}, eot_token={eot})")
+    logits = model_config and (model_config.n_logits or model_config.vocab_size)  # the ids the model can predict
+    if model_config is not None and (logits < n_vocab or model_config.eot_token != eot):
+        raise ValueError(f"model vocab_size={model_config.vocab_size} (n_logits={model_config.n_logits}), eot_token="
+                         f"{model_config.eot_token} do not fit the data ({data.data_dir}: n_vocab={n_vocab}, "
+                         f"eot_token={eot})")
     return data
 
 

@@ -27,3 +27,36 @@ def test_train_and_from_file_read_the_same_model(path):
     via_file, _ = match.read_config(path)
     assert execution_plan(via_train) == execution_plan(via_file)
     assert match.accounting(via_train) == match.accounting(via_file)
+
+
+def settings_of(name):
+    values = train.SETTINGS.resolve(train.SETTINGS.parse([os.path.join(os.path.dirname(CONFIGS[0]), name)]))
+    return train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(train.ModelConfig, values)
+
+
+@pytest.mark.parametrize("name", [os.path.basename(p) for p in CONFIGS if "x_d8" in p])
+def test_x_configs_train_with_the_x_codes_recipe(name):
+    """The optimizer, decay, clipping and attention the [X] code's d8 hyperparameters were tuned with."""
+    config, cfg = settings_of(name)
+    assert (config.optimizer, config.muon_variant, config.muon_momentum, config.muon_momentum_warmup,
+            config.muon_beta2) == ("muon", "x", 0.95, 300, 0.95)
+    assert config.embedding_weight_decay == config.unembedding_weight_decay == config.weight_decay > 0
+    assert config.grad_clip == 0.0 and config.decay_shape == "linear" and config.min_lr_fraction == 0.0
+    assert not cfg.document_mask and (cfg.vocab_size, cfg.n_logits, cfg.eot_token) == (50304, 50257, 50256)
+    assert config.batch_size * config.grad_accum * 8 * cfg.block_size == 524288  # the [X] code's batch on 8 GPUs
+
+
+@pytest.mark.parametrize("name", ["smelt_200m_base.py", "smelt_200m_s95.py"])
+def test_s_configs_train_with_the_s_recipe(name):
+    """[S]: AdamW + WSD, 256 x 4096 tokens per step on any number of GPUs, 196,075 stable steps, six decay
+    branches of 10B tokens the held-back data can hold, the segment mask on."""
+    from tooling import guards
+    config, cfg = settings_of(name)
+    assert config.optimizer == "adamw" and config.decay_fraction == 0.0 and config.max_steps == 196075
+    for world in (8, 16):
+        guards.derive_grad_accum(config, world)
+        assert config.batch_size * config.grad_accum * world == 256 and cfg.block_size == 4096
+    assert config.save_steps == [10000, 20000, 50000, 100000, 150000] and config.decay_tokens == 10 ** 10
+    stable = config.max_steps * 256 * 4096
+    assert config.branch_data_fraction * (stable + config.decay_tokens) >= config.decay_tokens
+    assert cfg.document_mask and config.parallel == "fsdp"

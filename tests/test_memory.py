@@ -254,6 +254,8 @@ def test_every_documented_gpu_run_fits_on_80_gb_gpus(label, world, argv):
     values = train.SETTINGS.resolve(train.SETTINGS.parse([a if not a.startswith("config/") else os.path.join(ROOT, a)
                                                           for a in argv]))
     config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(ModelConfig, values)
+    from tooling import guards
+    guards.derive_grad_accum(config, world)
     parallel = config.parallel if world > 1 or config.parallel == "fsdp" else "ddp"
     for when, shape in grow.shapes_of_run(cfg, config):
         plan = memory.memory_plan(shape, world, config.batch_size, config.optimizer, config.activation_checkpointing,

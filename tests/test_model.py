@@ -57,6 +57,66 @@ def test_layer_loop_repeats_each_layer_in_place():
     assert order == [(0, 1), (1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3), (3, 1)]
 
 
+@pytest.mark.parametrize("layout", ["smelt", "layer_loop"])
+def test_every_update_inside_the_loop_is_scaled_by_one_over_r(layout):
+    """[S8]-[S9] in the forward itself: each block execution receives the scale its Step says, 1/r inside
+    the loop span, 1 outside; and the update a block writes is its unscaled update times that scale."""
+    model = build(n_layer=4, layout=layout, n_loops=3, loop_span=2)
+    seen = []
+    hooks = [b.register_forward_pre_hook(lambda m, args, i=i: seen.append((i, args[1]))) for i, b in enumerate(model.blocks)]
+    model(tokens(B=1, T=8))
+    for h in hooks:
+        h.remove()
+    looped = set(range(model.config.loop_start, model.config.loop_start + model.config.loop_span))
+    assert seen == [(i, 1 / 3 if i in looped else 1.0) for i in [s.block for s in model.plan if s.kind == "block"]]
+    x = torch.randn(1, 8, 32)
+    ctx = ForwardContext(model.rope_cos[:8], model.rope_sin[:8], None)
+    block = model.blocks[1]
+    full = block(x, 1.0, ctx)[0] - x
+    third = block(x, 1 / 3, ctx)[0] - x
+    assert not torch.allclose(third, full) and third.norm() < full.norm()  # the MoE/MLP sees the scaled write
+
+
+def test_rope_is_a_rotation_that_sees_only_relative_positions():
+    """RoPE keeps every vector's norm, and <rope(q, i), rope(k, j)> depends on i - j only."""
+    from model import apply_rope, rope_tables
+    cos, sin = rope_tables(16, 128)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16, generator=g), torch.randn(1, 1, 1, 16, generator=g)
+
+    def at(x, i):
+        return apply_rope(x, cos[i:i + 1], sin[i:i + 1])
+
+    torch.testing.assert_close(at(q, 37).norm(), q.norm())
+    scores = {(i, j): (at(q, i) * at(k, j)).sum().item() for i in (3, 10, 40) for j in (0, 7, 33)}
+    for (i, j), score in scores.items():
+        assert score == pytest.approx((at(q, i - j + 50) * at(k, 50)).sum().item(), abs=1e-4)
+    assert len({round(v, 4) for v in scores.values()}) > 3  # the position matters at all
+
+
+def test_document_mask_off_attends_across_documents():
+    """document_mask=False ([X]): a later document sees an earlier one; True ([S]): it does not."""
+    idx = tokens(B=1, T=16, eot_at=(8,))
+    changed = idx.clone()
+    changed[0, 2] = (changed[0, 2] + 1) % EOT  # a token of the first document
+    for mask in (True, False):
+        model = build(document_mask=mask)
+        after = model(changed)[0][0, 9:] - model(idx)[0][0, 9:]  # the second document's logits
+        assert (after.abs().max() < 1e-6) == mask
+
+
+def test_n_logits_cuts_the_padded_vocabulary_before_the_softmax():
+    """[X] code: logits[..., :vocab] of a padded head; the loss is the CE over the real vocabulary."""
+    model = build(vocab_size=128, eot_token=EOT, n_logits=100)
+    idx = tokens(B=2, T=12)
+    logits, loss = model(idx, idx)
+    assert logits.shape[-1] == 100
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), idx.flatten()))
+    assert model.generate(idx[:, :4], 8, temperature=1.0).max() < 100
+    with pytest.raises(ValueError, match="n_logits"):
+        tiny(n_logits=EOT)  # must leave the end-of-text token inside
+
+
 @pytest.mark.parametrize("depth, split", [(6, (2, 2, 2)), (7, (2, 3, 2)), (8, (2, 3, 3)), (10, (3, 4, 3))])
 def test_prelude_core_coda_split(depth, split):
     cfg = ModelConfig(n_layer=depth, n_embd=64, n_head=4, layout="pcc", n_passes=2)
@@ -193,12 +253,13 @@ def test_causal_and_document_mask(layout):
 # ---- MoE
 
 
-def naive_moe(moe, x):
-    """Every token through its top-k experts one at a time: the obviously correct reference."""
+def naive_moe(moe, x, renormalize):
+    """Every token through its top-k experts one at a time: the obviously correct reference (the
+    renormalisation is the test's setting, not read back from the module under test)."""
     flat = x.reshape(-1, x.size(-1))
     probs = moe.router(flat).float().softmax(-1)
     w, ids = probs.topk(moe.top_k, dim=-1)
-    if moe.renormalize:
+    if renormalize:
         w = w / w.sum(-1, keepdim=True)
     rows = []
     for t in range(flat.size(0)):
@@ -219,7 +280,7 @@ def test_moe_sparse_dispatch_equals_naive_reference(renormalize):
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(2, 9, 32, requires_grad=True)
     out, router = moe(x)
-    ref = naive_moe(moe, x)
+    ref = naive_moe(moe, x, renormalize)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, [x] + list(moe.parameters()), g)

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from muon import Muon, orthogonalize
+from muon import POLAR_EXPRESS, Muon, orthogonalize
 
 
 def test_orthogonalize_gives_singular_values_near_one():
@@ -66,6 +66,79 @@ def test_muon_step_is_the_formula(nesterov):
         torch.testing.assert_close(a, e)
 
 
+def x_muon_reference(params, grads, lr, momentum, wd, beta2):
+    """The [X] paper code's Muon step (models/optimizer.py, muon_step_fused) written out per matrix, in
+    fp32, with its own tall / wide Polar Express formulas."""
+    params = [p.clone() for p in params]
+    buffers = [torch.zeros_like(p) for p in params]
+    seconds = [torch.zeros(*p.shape[:-1], 1) if p.shape[-2] >= p.shape[-1] else torch.zeros(*p.shape[:-2], 1, p.shape[-1])
+               for p in params]
+    for step_grads in grads:
+        for p, buf, second, g in zip(params, buffers, seconds, step_grads):
+            rows, cols = p.shape[-2:]
+            buf.lerp_(g, 1 - momentum)
+            u = g.lerp(buf, momentum)  # Nesterov
+            u = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-7)  # MuonEq-R
+            x = u / (u.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+            for a, b, c in POLAR_EXPRESS:
+                if rows > cols:
+                    A = x.mT @ x
+                    x = a * x + x @ (b * A + c * (A @ A))
+                else:
+                    A = x @ x.mT
+                    x = a * x + (b * A + c * (A @ A)) @ x
+            red = -1 if rows >= cols else -2
+            v = x.square().mean(dim=red, keepdim=True)
+            n = x.size(red)
+            v_norm = (v.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
+            second.lerp_(v, 1 - beta2)
+            step = second.clamp_min(1e-10).rsqrt()
+            v_new = (v * n * step.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+            x = x * step * (v_norm / v_new.clamp_min(1e-10))
+            scaled_lr = lr * max(1.0, rows / cols) ** 0.5
+            p.sub_(scaled_lr * x + scaled_lr * wd * p * ((x * p) >= 0))  # cautious weight decay
+    return params
+
+
+def test_x_variant_is_the_published_algorithm_step_by_step():
+    """Three steps of Muon(variant="x") on a tall, a wide, a square matrix, two of one shape (batched in
+    one call, as the [X] code batches them) and stacked experts, against the written-out reference: the
+    same arithmetic in another order (the tall formula, the batch), fp32 round-off amplified by five
+    Polar Express steps whose coefficients reach 22: rtol = atol = 1e-4 on O(0.5) weights."""
+    lr, momentum, wd, beta2 = 0.05, 0.9, 0.1, 0.95
+    g = torch.Generator().manual_seed(0)
+    shapes = [(6, 3), (6, 3), (3, 7), (4, 4), (2, 5, 3)]
+    params = [torch.randn(*shape, generator=g) / 2 for shape in shapes]
+    grads = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(3)]
+    expected = x_muon_reference(params, grads, lr, momentum, wd, beta2)
+    actual = [p.clone() for p in params]
+    opt = Muon(actual, lr=lr, momentum=momentum, weight_decay=wd, variant="x", beta2=beta2, ns_dtype=torch.float32)
+    for step_grads in grads:
+        for p, grad in zip(actual, step_grads):
+            p.grad = grad.clone()
+        opt.step()
+    for a, e, shape in zip(actual, expected, shapes):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, msg=lambda m: f"{shape}: {m}")
+    assert not torch.equal(actual[0], params[0])
+    assert opt.state[actual[2]]["second_momentum_buffer"].shape == (1, 7)  # wide: per column
+
+
+def test_orthogonalize_is_close_to_the_polar_factor():
+    """An independent reference: the SVD's polar factor U V^T. Both iterations leave singular values in
+    a band around 1 (not exactly 1), so the result is within that band's distance of U V^T; a wrong
+    coefficient or a missing transpose leaves the band."""
+    g = torch.Generator().manual_seed(1)
+    for shape in [(64, 32), (32, 64), (48, 48)]:
+        m = torch.randn(*shape, generator=g)
+        u, _, vh = torch.linalg.svd(m, full_matrices=False)
+        polar = u @ vh
+        for result in (orthogonalize(m), orthogonalize(m, 5, 1e-6, torch.float32, None, POLAR_EXPRESS, 1.02)):
+            s = torch.linalg.svdvals(result)
+            assert 0.6 < s.min() and s.max() < 1.25, (shape, s)
+            assert (result - polar).norm() / polar.norm() < 0.3, shape
+            assert torch.allclose(u.mT @ result @ vh.mT, torch.diag(torch.diagonal(u.mT @ result @ vh.mT)), atol=1e-3)
+
+
 # Muon under FSDP2: 2 gloo processes on CPU, each holding half of every parameter
 
 
@@ -112,14 +185,14 @@ class RecordingMuon(Muon):
         return super().orthogonalize(update, steps)
 
 
-def check_sharded_muon(rank, mesh, ns_dtype, checkpoint_dir):
+def check_sharded_muon(rank, mesh, ns_dtype, checkpoint_dir, variant="original"):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
-    settings = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1, ns_dtype=ns_dtype)
+    settings = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1, ns_dtype=ns_dtype, variant=variant)
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
@@ -148,7 +221,9 @@ def check_sharded_muon(rank, mesh, ns_dtype, checkpoint_dir):
     local_experts = [tuple(model.experts.to_local().shape), tuple(model.expert.to_local().shape)]
     assert local_experts == ([(2, 6, 4), (1, 4, 4)] if rank == 0 else [(1, 6, 4), (0, 4, 4)])
     held = [s for s in local_experts if s[0] > 0]  # rank 1 holds no expert of `expert`: nothing to do
-    assert sorted(s for s in opt.orthogonalised if len(s) == 3) == sorted(2 * held)
+    experts = [s[1:] for s in opt.orthogonalised if len(s) == 4] if variant == "x" else \
+        [s for s in opt.orthogonalised if len(s) == 3]  # the x variant stacks whole matrices of one shape
+    assert sorted(experts) == sorted(2 * held)
 
     # the sharded momentum survives a torch.distributed.checkpoint round trip into a fresh optimizer,
     # which takes the third step
@@ -160,6 +235,12 @@ def check_sharded_muon(rank, mesh, ns_dtype, checkpoint_dir):
     for p in model.parameters():
         loaded, saved = fresh.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"]
         assert loaded.placements == p.placements and torch.equal(loaded.to_local(), saved.to_local())
+        if variant == "x":  # the second moment: sharded by rows (tall, square) or replicated (wide)
+            loaded, saved = fresh.state[p]["second_momentum_buffer"], opt.state[p]["second_momentum_buffer"]
+            wide = p.shape[-2] < p.shape[-1]
+            if p.ndim == 2:
+                assert loaded.placements == saved.placements == ((Replicate(),) if wide else p.placements)
+            assert torch.equal(loaded.to_local(), saved.to_local())
     train_steps(model, fresh, range(2, 3))
 
     # the sharded run equals the single-process run on the same gradients. Both run the same Newton-
@@ -184,6 +265,7 @@ def fsdp_worker(rank, world, port, checkpoint_dir):
         mesh = init_device_mesh("cpu", (world,))
         for ns_dtype in (torch.float32, torch.bfloat16):  # bf16: as on CUDA, the shards travel in bf16
             check_sharded_muon(rank, mesh, ns_dtype, f"{checkpoint_dir}/{ns_dtype}")
+        check_sharded_muon(rank, mesh, torch.float32, f"{checkpoint_dir}/x", variant="x")  # [X] code's Muon
     finally:
         dist.destroy_process_group()
     # Every check passed. FSDP2 keeps gloo's worker threads alive past destroy_process_group (torch

@@ -101,8 +101,10 @@ def test_wsd_schedule_warmup_stable_decay_to_floor():
     lrs = [train.wsd_multiplier(s, 4, 10, 20, "cosine", 0.1) for s in range(20)]
     assert lrs[0] == 0.25 and lrs[3] == 1.0 and lrs[4:10] == [1.0] * 6
     assert all(a > b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(0.1)
+    # linear: the [X] code's warm-down, 1 at the decay's first step, the floor at the last, (it - start) / (n - 1)
     linear = [train.wsd_multiplier(s, 0, 10, 20, "linear", 0.0) for s in range(20)]
-    assert linear[14] == pytest.approx(0.5) and linear[-1] == 0.0
+    assert linear[10] == 1.0 and linear[14] == pytest.approx(1 - 4 / 9) and linear[-1] == 0.0
+    assert train.wsd_multiplier(10, 0, 10, 11, "linear", 0.2) == pytest.approx(0.2)  # a one-step decay
     assert train.lr_scaling(4e6, 1e6, -0.5) == pytest.approx(0.5)  # [X16]
 
 
@@ -488,3 +490,55 @@ def test_killed_during_a_checkpoint_write_then_resumed_ends_equal(tmp_path, data
     a, _ = load_model(straight["ckpt_path"])
     b, _ = load_model(resumed["ckpt_path"])
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+# ---- the papers' recipes: the schedule, [X]'s Muon, decay and attention, [S]'s global batch
+
+
+def test_schedule_rewarms_after_growth_and_warms_up_muon_momentum():
+    """The LR re-warm after growth is in the schedule a run steps by (0 at the growth step, linear back over
+    grow_rewarm_steps), and Muon's momentum rises from 0.85 over muon_momentum_warmup steps ([X] code)."""
+    config = train.TrainConfig(max_steps=100, warmup_steps=0, decay_fraction=0.0, grow_at=40.0, grow_to=4,
+                               grow_rewarm_steps=10, muon_momentum_warmup=300)
+    schedule = train.plan_schedule(config, train.TrainState(lr_scaling_params=1), tokens_per_step=1)
+    assert [schedule.lr_multiplier(s) for s in (39, 40, 45, 50, 99)] == [1.0, 0.0, 0.5, 1.0, 1.0]
+    assert [schedule.muon_momentum(s) for s in (0, 150, 300, 1000)] == pytest.approx([0.85, 0.9, 0.95, 0.95])
+    optimizers = train.build_optimizers(GPT(ModelConfig(n_layer=1, n_embd=32, n_head=2)), config)
+    assert train.set_schedule(optimizers, 0.5, 0.9) == pytest.approx(0.5 * config.matrix_lr)
+    assert [g["momentum"] for g in optimizers[-1].param_groups] == [0.9]
+
+
+def test_x_d8_recipe_trains_on_cpu_at_a_toy_width(tmp_path, data_dir):
+    """config/x_d8_vanilla.py as it is (the [X] code's Muon, weight decay on every matrix and on the
+    embedding and head, no clipping, attention across documents, the padded vocabulary cut before the
+    softmax) at a toy width on GPT-2 tokens of the test corpus."""
+    corpus = os.path.join(os.path.dirname(data_dir), "corpus.jsonl")
+    gpt2 = prep.prepare([corpus], str(tmp_path / "gpt2"), tokenizer="gpt2", val_fraction=0.34, seed=0, verbose=False)
+    overrides = train.SETTINGS.parse([os.path.join(REPO, "config", "x_d8_vanilla.py")])
+    overrides |= dict(n_embd=64, n_head=2, head_dim=32, block_size=64, batch_size=2, grad_accum=1, max_steps=4,
+                      warmup_steps=1, eval_interval=2, eval_tokens=256, data_dir=gpt2, out_dir=str(tmp_path),
+                      progress=False, sample=False)
+    summary = train.train(overrides)
+    assert all(np.isfinite(summary["train_losses"])) and summary["step"] == 4
+    model, ckpt = load_model(summary["ckpt_path"])
+    assert model.config.n_logits == 50257 and not model.config.document_mask
+    groups = {g["name"]: g for g in ckpt["optimizer"]["param_groups"]}
+    assert groups["embedding"]["weight_decay"] == groups["unembedding"]["weight_decay"] == \
+        groups["matrix"]["weight_decay"] == pytest.approx(0.0707106781187)
+    state = ckpt["optimizer"]["state"]["blocks.0.attn.q_proj.weight"]
+    assert set(state) == {"momentum_buffer", "second_momentum_buffer"}  # the x variant's
+    assert ckpt["train_config"]["grad_clip"] == 0.0 and ckpt["train_config"]["muon_variant"] == "x"
+
+
+def test_global_batch_gives_the_same_step_on_any_number_of_processes(tmp_path, data_dir):
+    """global_batch fixes the sequences per step: grad_accum follows from batch_size and the world size."""
+    from tooling import guards
+    config = train.TrainConfig(batch_size=4, global_batch=32)
+    guards.derive_grad_accum(config, 2)
+    assert config.grad_accum == 4
+    guards.derive_grad_accum(config, 8)
+    assert config.grad_accum == 1
+    with pytest.raises(ValueError, match="global_batch=32 is not a multiple of batch_size x processes = 4 x 3"):
+        guards.derive_grad_accum(config, 3)
+    summary = run(data_dir, tmp_path, max_steps=2, global_batch=8, batch_size=2)
+    assert summary["tokens"] == 2 * 8 * 32  # 2 steps of 8 sequences of 32 tokens, grad_accum 4

@@ -24,7 +24,8 @@ import errno
 import os
 import shutil
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -214,6 +215,32 @@ def find_resume_checkpoint(run_dir):
 # What a training checkpoint holds
 
 
+@dataclass
+class TrainState:
+    """What a checkpoint carries for an exact resume, besides weights, optimizer state and settings."""
+    step: int = 0
+    tokens_seen: int = 0
+    flops_seen: float = 0.0
+    flops_by_passes: dict = field(default_factory=dict)  # {passes: training FLOPs run at that many passes}
+    data_region: str = "stable"  # "stable" or "branch" (the held-back tail)
+    data_position: int = 0  # windows of the region consumed so far
+    branch_start_step: Optional[int] = None
+    grown: bool = False
+    last_eval: Optional[dict] = None  # the log record of the last eval
+    lr_scaling_params: int = 0  # [X16] N: stored parameters at initialisation, token embedding included
+
+    def advance(self, tokens, windows, flops, passes):
+        self.step, self.tokens_seen, self.data_position = self.step + 1, self.tokens_seen + tokens, \
+            self.data_position + windows
+        self.flops_seen += flops
+        self.flops_by_passes[passes] = self.flops_by_passes.get(passes, 0.0) + flops
+
+    def record(self, **values):
+        """A log line: where the run is, then the values."""
+        return dict(step=self.step, tokens=self.tokens_seen, flops=self.flops_seen,
+                    flops_by_passes={str(k): v for k, v in sorted(self.flops_by_passes.items())}, **values)
+
+
 def training_checkpoint(model, optimizers, config, state, **extra):
     """The dict train.py saves: the model's config and weights, optimizer state keyed by parameter name,
     the run's TrainState (serialised from its own fields), RNG state and the run's settings."""
@@ -240,30 +267,32 @@ def optimizer_state_by_name(optimizers):
 
 def load_optimizer_state(optimizers, state_by_name):
     """Put saved per-parameter state back by name (parameters without saved state start fresh). Whole
-    tensors of a parameter FSDP has sharded are sharded the same way (distribute_tensor)."""
+    tensors are placed like the optimizer's own state of that parameter: on its device, and under FSDP
+    sharded (or replicated) as that state is (distribute_tensor)."""
     for opt in optimizers:
         for group in opt.param_groups:
             for p, name in zip(group["params"], group["param_names"]):
                 if name in state_by_name:
-                    opt.state[p] = {k: like_param(v, p) for k, v in state_by_name[name].items()}
+                    template = empty_optimizer_state(opt, p)
+                    opt.state[p] = {k: placed_like(v, template.get(k, p)) for k, v in state_by_name[name].items()}
 
 
-def like_param(value, p):
-    """A saved state tensor placed like its parameter: on its device, and sharded like it under FSDP."""
+def placed_like(value, template):
+    """A saved state tensor placed like `template` (a tensor of the same role)."""
     if not torch.is_tensor(value) or value.dim() == 0:
         return value
-    if hasattr(p, "device_mesh") and not hasattr(value, "device_mesh"):
+    if hasattr(template, "device_mesh") and not hasattr(value, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor
-        return distribute_tensor(value.to(p.device), p.device_mesh, p.placements)
-    return value.to(p.device)
+        return distribute_tensor(value.to(template.device), template.device_mesh, template.placements)
+    return value.to(template.device)
 
 
 def empty_optimizer_state(opt, p):
     """A parameter's optimizer state before its first step, with the shapes (and shards) a sharded
-    checkpoint loads into: AdamW's step and two moments, or Muon's momentum buffer."""
+    checkpoint loads into: AdamW's step and two moments, or what Muon says (muon.Muon.empty_state)."""
     if isinstance(opt, torch.optim.AdamW):
         return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-    return {"momentum_buffer": torch.zeros_like(p)}
+    return opt.empty_state(p)
 
 
 def consolidated_weights(model):

@@ -16,7 +16,7 @@ def bad(config, name, why):
 
 def check_train_config(c):
     """The ranges and combinations of train.py's TrainConfig (called by its __post_init__)."""
-    choices = dict(optimizer=("muon", "adamw"), decay_shape=("cosine", "linear"),
+    choices = dict(optimizer=("muon", "adamw"), decay_shape=("cosine", "linear"), muon_variant=("original", "x"),
                    dtype=("auto", "float32", "bfloat16"), parallel=("ddp", "fsdp"))
     for name, allowed in choices.items():
         if getattr(c, name) not in allowed:
@@ -29,7 +29,8 @@ def check_train_config(c):
     if c.max_steps < 1 and c.max_tokens <= 0:
         bad(c, "max_steps", "must be >= 1 (or set max_tokens > 0)")
     for name in ("max_tokens", "stop_at_step", "warmup_steps", "grad_clip", "weight_decay", "decay_tokens",
-                 "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len", "lr_anchor_params"):
+                 "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len", "lr_anchor_params", "embedding_weight_decay",
+                 "unembedding_weight_decay", "muon_momentum_warmup", "global_batch"):
         if getattr(c, name) < 0:
             bad(c, name, "must be >= 0")
     for name in ("matrix_lr", "adamw_matrix_lr", "embedding_lr", "unembedding_lr", "router_lr", "scalar_lr",
@@ -38,8 +39,9 @@ def check_train_config(c):
             bad(c, name, "must be > 0 (a learning rate <= 0 does not descend)")
     if len(c.adam_betas) != 2 or not all(0 <= b < 1 for b in c.adam_betas):
         bad(c, "adam_betas", "must be two numbers in [0, 1)")
-    if not 0 <= c.muon_momentum < 1:
-        bad(c, "muon_momentum", "must be in [0, 1)")
+    for name in ("muon_momentum", "muon_beta2"):
+        if not 0 <= getattr(c, name) < 1:
+            bad(c, name, "must be in [0, 1)")
     for name in ("decay_fraction", "min_lr_fraction"):
         if not 0.0 <= getattr(c, name) <= 1.0:
             bad(c, name, "must be in [0, 1]")
@@ -57,6 +59,18 @@ def check_train_config(c):
         bad(c, "grow_at", "needs grow_to >= 1 (passes after growth)")
     if c.resume and c.init_from:
         bad(c, "resume", "use either resume=True (continue out_dir/run_name/ckpt.pt) or init_from, not both")
+
+
+def derive_grad_accum(config, world):
+    """global_batch > 0: grad_accum = global_batch / (batch_size x world), which must divide exactly, so
+    a run keeps its global batch on any number of processes (a resume onto fewer GPUs included)."""
+    if config.global_batch <= 0:
+        return
+    per_step = config.batch_size * world
+    if config.global_batch % per_step:
+        raise ValueError(f"global_batch={config.global_batch} is not a multiple of batch_size x processes = "
+                         f"{config.batch_size} x {world}; change batch_size or global_batch")
+    config.grad_accum = config.global_batch // per_step
 
 
 def check_passes(cfg, config, grown=False):

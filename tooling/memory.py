@@ -310,7 +310,8 @@ def main(argv=None):
     parser.add_argument("--gpu_gb", type=float, default=80, help="memory of one GPU in GiB (default 80)")
     parser.add_argument("--micro_batch", type=int, help="sequences per GPU (default: the config's batch_size, else 1)")
     parser.add_argument("--grad_accum", type=int, help="micro-batches per step (default: the config's, else 1)")
-    parser.add_argument("--optimizer", choices=("muon", "adamw"), default="muon", help="default muon (Muon + AdamW)")
+    parser.add_argument("--optimizer", choices=("muon", "adamw"),
+                        help="muon (Muon + AdamW) or adamw (default: the config's, else muon)")
     parser.add_argument("--activation_checkpointing", action="store_true", help="checkpoint every executed block")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="compute dtype (default bfloat16 autocast)")
@@ -321,8 +322,12 @@ def main(argv=None):
     try:
         models = match.models_of(args.config, args.preset, args.recipe, args.avg_doc_len, args.attended)
         micro_batch = args.micro_batch if args.micro_batch is not None else models["settings"].get("batch_size", 1)
-        grad_accum = args.grad_accum if args.grad_accum is not None else models["settings"].get("grad_accum", 1)
-        plans = {name: memory_plan(models[name], args.world_size, micro_batch, args.optimizer,
+        settings = models["settings"]
+        grad_accum = args.grad_accum if args.grad_accum is not None else settings.get("grad_accum", 1)
+        if args.grad_accum is None and settings.get("global_batch"):  # train.py derives it from the world size
+            grad_accum = max(1, settings["global_batch"] // (micro_batch * args.world_size))
+        optimizer = args.optimizer or models["settings"].get("optimizer", "muon")
+        plans = {name: memory_plan(models[name], args.world_size, micro_batch, optimizer,
                                    args.activation_checkpointing, args.gpu_gb, args.dtype == "bfloat16",
                                    kernels=args.triton, grad_accum=grad_accum)
                  for name in ("baseline", "matched") if models[name] is not None}
