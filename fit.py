@@ -7,12 +7,15 @@ the downstream prediction pipeline [X19]-[X21] and quadratic-vertex fits (numpy,
         --sparsity 0.85,0.95 [--bootstrap 2000] [--json] [--plot out.png]
     python fit.py chinchilla tests/data/chinchilla_fig4_epoch.csv --drop-highest 5 [--json]
     python fit.py power tests/data/power_example.csv --ref vanilla [--per-arch-E] [--json] [--plot out.png]
+    python fit.py power tests/data/fineweb_ladders.csv --ref vanilla --min-depth 8   # [X]'s own ladders
+        [--protocol x | huber-log]
 
 CSV columns: surface `arch,cell,F,S,D,loss`; chinchilla `N,D,loss` (or `N,C,loss`, D = C/(6N));
-power `arch,C,loss`. Extra columns are ignored; a UTF-8 byte-order mark is fine. A user mistake
-(missing file, malformed CSV, bad option) is one line on stderr and exit status 2. `python fit.py
-SUBCOMMAND --help` says what every flag means. This file holds the fits and, at its bottom, the command
-line; reading the runs CSV files is tooling/tables.py, the figures tooling/plots.py (matplotlib optional).
+power `arch,C,loss`, optionally `depth` (or [X]'s names `arm,depth,compute_flops,val_loss`). Extra
+columns are ignored; a UTF-8 byte-order mark is fine. A user mistake (missing file, malformed CSV, bad
+option) is one line on stderr and exit status 2. `python fit.py SUBCOMMAND --help` says what every flag
+means. This file holds the fits and, at its bottom, the command line; reading the runs CSV files is
+tooling/tables.py, the figures tooling/plots.py (matplotlib optional).
 
 How the six-coefficient fits are made reliable (the one deviation from "L-BFGS-B from a grid"):
 for fixed exponents the law is linear in its coefficients (E, A, K), so every point of a large
@@ -37,6 +40,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.optimize import brentq, least_squares, minimize
 from scipy.special import expit
+from scipy.stats import linregress
 from threadpoolctl import ThreadpoolController
 
 from tooling import plots, tables
@@ -439,15 +443,31 @@ def fit_chinchilla(N, D, loss, grid=CHINCHILLA_GRID, inits=(), reduce="sum", cen
 
 # -----------------------------------------------------------------------------
 # The [X] protocol: L(C) = E + A (C/C0)^-gamma [X5], shared E [X7], compute multipliers [X6]
+#
+# Two ways to fit E on the reference, the rest shared:
+#   "x" (the default): the [X] paper's own recipe (its public code, plotting_scripts/common.py, read for
+#       the facts; this is our code): C0 = C_ref = 1e18; a start from a 600-point grid over E in
+#       [0, 0.995 min L], each E giving (A, gamma) by a line through log(L - E) vs log(C/C0); bounded least
+#       squares on the raw loss residuals from the best start; then one robust pass (Huber, f_scale from
+#       the residuals' MAD). tests/test_fit.py reproduces the published exponents with it.
+#   "huber-log": ours before, the surfaces' protocol: summed Huber (delta 1e-3) on log-loss, L-BFGS-B
+#       from a variable-projection grid over gamma.
+# Then every architecture, the reference included, gets (A, gamma) with E held fixed: ordinary least
+# squares of log(L - E) on log(C/C0), gamma's standard error the slope's [X7].
+
+C_REF = 1e18  # [X]: L(C) = E + A (C / 1e18)^-gamma
+POWER_PROTOCOLS = ("x", "huber-log")
 
 
 @dataclass
 class PowerLawFit:
-    """[X5] L(C) = E + A (C / C0)^-gamma."""
+    """[X5] L(C) = E + A (C / C0)^-gamma; gamma_se: the standard error of gamma from the fixed-E
+    regression [X7] (nan for a free fit)."""
     E: float
     A: float
     gamma: float
-    C0: float = 1e18
+    C0: float = C_REF
+    gamma_se: float = float("nan")
 
     def loss(self, C):
         return self.E + self.A * (np.asarray(C, dtype=float) / self.C0) ** (-self.gamma)
@@ -462,13 +482,53 @@ class PowerLawFit:
         return asdict(self)
 
 
-def fit_power_law(C, loss, C0=1e18, delta=HUBER_DELTA, weights=None):
-    """Huber(delta) fit on log-loss of L(C) = E + A (C/C0)^-gamma, all three free (L-BFGS-B from a
-    variable-projection grid over gamma). Used for E on the reference [X7] and for [X19]."""
+def _power_inputs(C, loss):
     C, loss = np.asarray(C, dtype=float).ravel(), np.asarray(loss, dtype=float).ravel()
-    if np.any(C <= 0) or np.any(loss <= 0):
-        raise ValueError("C and loss must be > 0")
+    if len(C) != len(loss):
+        raise ValueError(f"C and loss must have equal lengths, got {len(C)} and {len(loss)}")
+    if np.any(~np.isfinite(C)) or np.any(~np.isfinite(loss)) or np.any(C <= 0) or np.any(loss <= 0):
+        raise ValueError("C and loss must be finite and > 0")
     _check_points(len(loss), 3, "power-law fit")
+    return C, loss
+
+
+def fit_power_law_x(C, loss, C0=C_REF, n_grid=600):
+    """[X]'s free fit of L(C) = E + A (C/C0)^-gamma, all three coefficients:
+    1. start: for each of n_grid values of E in [0, 0.995 min L], the least-squares line through
+       (log(C/C0), log(L - E)) gives A = e^intercept, gamma = -slope (only falling lines, slope < 0);
+       the start with the smallest sum of squared loss residuals E + A x^-gamma - L wins;
+    2. least squares on those raw residuals, bounds A >= 0, gamma >= 0, 0 <= E < min L;
+    3. from there a robust pass, Huber with f_scale = 1.345 MAD / 0.67449 of step 2's residuals (the
+       normal-consistent MAD, floored at 1e-6): the returned fit."""
+    C, loss = _power_inputs(C, loss)
+    u = np.log(C / C0)
+    E_grid = np.linspace(0.0, 0.995 * float(loss.min()), n_grid)
+    y = np.log(loss[None, :] - E_grid[:, None])  # one row per E
+    du = u - u.mean()
+    slope = (y - y.mean(axis=1, keepdims=True)) @ du / float(du @ du)  # the line of each row, closed form
+    intercept = y.mean(axis=1) - slope * u.mean()
+    with np.errstate(over="ignore", invalid="ignore"):
+        sse = np.sum((E_grid[:, None] + np.exp(intercept[:, None] + slope[:, None] * u[None, :]) - loss) ** 2, axis=1)
+    sse[~(slope < 0) | ~np.isfinite(sse)] = np.inf
+    if not np.isfinite(sse).any():
+        raise ValueError("loss does not fall with compute for any E of the start grid; no power law to fit")
+    best = int(np.argmin(sse))
+    start = np.array([math.exp(intercept[best]), -slope[best], E_grid[best]])  # (A, gamma, E)
+    bounds = ([0.0, 0.0, 0.0], [np.inf, np.inf, np.nextafter(float(loss.min()), 0.0)])
+    residuals = lambda p: p[2] + p[0] * np.exp(-p[1] * u) - loss  # noqa: E731
+    ordinary = least_squares(residuals, start, bounds=bounds)
+    r = ordinary.fun
+    mad = float(np.median(np.abs(r - np.median(r))))
+    f_scale = max(1.345 * mad / 0.67448975, 1e-6)  # 0.67449 = the standard normal's MAD
+    robust = least_squares(residuals, ordinary.x, bounds=bounds, loss="huber", f_scale=f_scale)
+    A, gamma, E = (float(v) for v in robust.x)
+    return PowerLawFit(E=E, A=A, gamma=gamma, C0=C0)
+
+
+def fit_power_law_huber_log(C, loss, C0=C_REF, delta=HUBER_DELTA, weights=None):
+    """Huber(delta) fit on log-loss of L(C) = E + A (C/C0)^-gamma, all three free (L-BFGS-B from a
+    variable-projection grid over gamma): the surfaces' protocol, `fit.py power --protocol huber-log`."""
+    C, loss = _power_inputs(C, loss)
     weights = np.ones_like(loss) if weights is None else np.asarray(weights, dtype=float)
     x = np.log(C / C0)
     zeros = np.zeros_like(x)
@@ -477,59 +537,68 @@ def fit_power_law(C, loss, C0=1e18, delta=HUBER_DELTA, weights=None):
     return PowerLawFit(E=math.exp(theta[0]), A=math.exp(theta[1]), gamma=float(theta[2]), C0=C0)
 
 
-def fit_power_law_fixed_E(C, loss, E, C0=1e18, name="arch"):
-    """[X7] log(L - E) = -gamma log(C/C0) + log A, ordinary least squares with E held fixed."""
+def fit_power_law(C, loss, C0=C_REF, protocol="x"):
+    """Free fit of L(C) = E + A (C/C0)^-gamma by `protocol`: "x" ([X]'s, fit_power_law_x) or
+    "huber-log" (fit_power_law_huber_log)."""
+    if protocol == "x":
+        return fit_power_law_x(C, loss, C0=C0)
+    if protocol == "huber-log":
+        return fit_power_law_huber_log(C, loss, C0=C0)
+    raise ValueError(f"unknown power-law protocol {protocol!r}; choose from {', '.join(POWER_PROTOCOLS)}")
+
+
+def fit_power_law_fixed_E(C, loss, E, C0=C_REF, name="arch"):
+    """[X7] log(L - E) = -gamma log(C/C0) + log A by ordinary least squares with E held fixed; gamma_se
+    is the slope's standard error (scipy.stats.linregress)."""
     C, loss = np.asarray(C, dtype=float), np.asarray(loss, dtype=float)
     if np.any(loss <= E):
         raise ValueError(f"{name}: loss {float(loss.min()):.4g} <= shared E {E:.4g}; "
                          "use per-architecture E (shared_E=False)")
     _check_points(len(loss), 2, f"{name} affine fit")
-    slope, intercept = np.polyfit(np.log(C / C0), np.log(loss - E), 1)
-    return PowerLawFit(E=float(E), A=float(math.exp(intercept)), gamma=float(-slope), C0=C0)
+    line = linregress(np.log(C / C0), np.log(loss - E))
+    return PowerLawFit(E=float(E), A=float(math.exp(line.intercept)), gamma=float(-line.slope), C0=C0,
+                       gamma_se=float(line.stderr))
 
 
-def fit_power_laws(runs, ref, C0=1e18, shared_E=True):
-    """The [X] protocol. runs: {arch: (C array, loss array)}. Huber fit of E on `ref`, then per-arch
-    affine regression in log-log with that shared E [X7]; shared_E=False refits E per arch
-    (the sensitivity option). Returns {arch: PowerLawFit}."""
+def fit_power_laws(runs, ref, C0=C_REF, shared_E=True, protocol="x"):
+    """The [X] protocol. runs: {arch: (C array, loss array)}. E from the free fit (`protocol`) of `ref`,
+    then every architecture, `ref` included, by the fixed-E regression with that E [X7], on all of its
+    points. shared_E=False (the sensitivity option): each architecture's own free-fit E, then the same
+    regression with it. Returns {arch: PowerLawFit}."""
     if ref not in runs:
         raise ValueError(f"reference architecture '{ref}' not found; have {sorted(runs)}")
-    try:
-        ref_fit = fit_power_law(*runs[ref], C0=C0)
-    except ValueError as e:
-        raise ValueError(f"{ref}: {e}") from None
-    out = {}
-    for arch, (C, loss) in runs.items():
-        if shared_E:
-            out[arch] = fit_power_law_fixed_E(C, loss, ref_fit.E, C0, arch)  # its errors name the arch
-        else:
-            try:
-                out[arch] = fit_power_law(C, loss, C0=C0)
-            except ValueError as e:
-                raise ValueError(f"{arch}: {e}") from None
-    return out
+
+    def free_E(arch):
+        try:
+            return fit_power_law(*runs[arch], C0=C0, protocol=protocol).E
+        except ValueError as e:
+            raise ValueError(f"{arch}: {e}") from None
+
+    E = {a: free_E(a) for a in ([ref] if shared_E else runs)}
+    return {a: fit_power_law_fixed_E(C, loss, E[ref if shared_E else a], C0, a)  # its errors name the arch
+            for a, (C, loss) in runs.items()}
 
 
 def compute_multiplier(ref_C, ref_loss, arm_C, arm_loss):
-    """[X6] pi = C_ref / C_arm(L_ref): for each measured reference point, the compute the arm needs to
-    reach the same loss, by linear interpolation in (log loss, log compute) between the arm's two
-    bracketing measured points. NaN outside the arm's measured range (no extrapolation)."""
+    """[X6] pi = C_ref / C_arm(L_ref), [X]'s rule: for each reference point (budget C_ref, loss L_ref),
+    the arm's points in order of compute, and every consecutive pair (lower, upper) whose loss falls
+    (L_upper < L_lower) and brackets L_ref (L_upper <= L_ref <= L_lower) gives a compute by
+    interpolating log C linearly in L; the smallest of them is C_arm(L_ref). NaN where no pair brackets
+    L_ref: never extrapolated."""
     ref_C, ref_loss = np.atleast_1d(np.asarray(ref_C, dtype=float)), np.atleast_1d(np.asarray(ref_loss, dtype=float))
-    order = np.argsort(arm_C)
+    order = np.argsort(arm_C, kind="stable")
     log_c = np.log(np.asarray(arm_C, dtype=float)[order])
-    log_l = np.log(np.asarray(arm_loss, dtype=float)[order])
+    L = np.asarray(arm_loss, dtype=float)[order]
     out = np.full(len(ref_C), np.nan)
-    for i, (c, l) in enumerate(zip(np.log(ref_C), np.log(ref_loss))):
-        exact = np.flatnonzero(log_l == l)
-        if len(exact):
-            out[i] = math.exp(c - log_c[exact[0]])
-            continue
-        for j in range(len(log_l) - 1):  # first bracketing pair along increasing compute
-            lo, hi = log_l[j], log_l[j + 1]
-            if min(lo, hi) < l < max(lo, hi):
-                t = (l - lo) / (hi - lo)
-                out[i] = math.exp(c - (log_c[j] + t * (log_c[j + 1] - log_c[j])))
-                break
+    for i, (c, target) in enumerate(zip(np.log(ref_C), ref_loss)):
+        reach = []  # log compute of every bracketing falling pair
+        for j in range(len(L) - 1):
+            lower, upper = L[j], L[j + 1]
+            if upper < lower and upper <= target <= lower:
+                t = (lower - target) / (lower - upper)  # 0 at the lower-compute point, 1 at the upper
+                reach.append((1 - t) * log_c[j] + t * log_c[j + 1])  # exact at both ends
+        if reach:
+            out[i] = math.exp(c - min(reach))
     return out
 
 
@@ -738,10 +807,10 @@ def calibration_residuals(calibration, tgt_loss, tgt_score, sign=+1):
 # Downstream prediction pipeline [X19]-[X21]
 
 
-def fit_task_nll(C, task_nll, C0=1e18):
-    """[X19] B(C) = E + A (C/1e18)^-alpha per (sequence, task), Huber fit. Returns PowerLawFit
-    (its `gamma` is the paper's alpha)."""
-    return fit_power_law(C, task_nll, C0=C0)
+def fit_task_nll(C, task_nll, C0=C_REF):
+    """[X19] B(C) = E + A (C/1e18)^-alpha per (sequence, task), Huber fit on log-loss
+    (fit_power_law_huber_log). Returns PowerLawFit (its `gamma` is the paper's alpha)."""
+    return fit_power_law_huber_log(C, task_nll, C0=C0)
 
 
 def fit_task_sigmoid(task_nll, centred_accuracy):
@@ -808,8 +877,8 @@ def optimal_growth_fraction(rho, loss):
 # Command line: fit.py surface | chinchilla | power. Everything above is the fits and needs nothing below;
 # here a runs CSV is read (tooling.tables), fitted, printed, and drawn with --plot (tooling.plots).
 
-SURFACE_COLUMNS = ["arch", "cell", "F", "S", "D", "loss"]  # the columns each subcommand reads
-POWER_COLUMNS = ["arch", "C", "loss"]  # (chinchilla: tooling.tables.read_chinchilla_csv)
+SURFACE_COLUMNS = ["arch", "cell", "F", "S", "D", "loss"]  # the columns `surface` reads
+# (power: tooling.tables.read_power_csv, arch/C/loss[/depth]; chinchilla: tooling.tables.read_chinchilla_csv)
 
 
 class _UsageError(Exception):
@@ -948,7 +1017,7 @@ def run_chinchilla(args):
 
 
 def run_power(args):
-    rows = tables.read_runs_csv(args.csv, POWER_COLUMNS, positive=["C", "loss"])
+    rows = tables.read_power_csv(args.csv)
     archs = list(dict.fromkeys(rows["arch"].astype(str).tolist()))
     if args.ref not in archs:
         raise ValueError(f"{args.csv}: architecture '{args.ref}' not found in column 'arch'; have {archs}")
@@ -957,27 +1026,41 @@ def run_power(args):
         m = rows["arch"].astype(str) == a
         runs[a] = (rows["C"][m], rows["loss"][m])
     try:
-        fits = fit_power_laws(runs, args.ref, C0=args.C0, shared_E=not args.per_arch_E)
+        fits = fit_power_laws(runs, args.ref, C0=args.C0, shared_E=not args.per_arch_E, protocol=args.protocol)
     except ValueError as e:
         raise ValueError(f"{args.csv}: {e}") from None
-    mult = {a: compute_multiplier(*runs[args.ref], *runs[a]) for a in archs}
-    out = {"E": fits[args.ref].E, "C0": args.C0, "shared_E": not args.per_arch_E,
-           "fits": {a: {"E": f.E, "A": f.A, "gamma": f.gamma} for a, f in fits.items()},
-           "multipliers": {a: [{"C": float(c), "value": _json_safe(v)} for c, v in zip(runs[args.ref][0], mult[a])]
+    budget = rows["arch"].astype(str) == args.ref  # [X6] budgets: the reference's points (or its deeper ones)
+    if args.min_depth is not None:
+        if "depth" not in rows:
+            raise ValueError(f"{args.csv}: --min-depth needs a column 'depth'")
+        budget &= rows["depth"] >= args.min_depth
+        if not budget.any():
+            raise ValueError(f"{args.csv}: --min-depth {args.min_depth:g} leaves none of {args.ref}'s points")
+    ref_C, ref_L = rows["C"][budget], rows["loss"][budget]
+    mult = {a: compute_multiplier(ref_C, ref_L, *runs[a]) for a in archs}
+    out = {"protocol": args.protocol, "E": fits[args.ref].E, "C0": args.C0, "shared_E": not args.per_arch_E,
+           "min_depth": args.min_depth,
+           "fits": {a: {"E": f.E, "A": f.A, "gamma": f.gamma, "gamma_se": _json_safe(f.gamma_se)} for a, f in fits.items()},
+           "multipliers": {a: [{"C": float(c), "value": _json_safe(v)} for c, v in zip(ref_C, mult[a])]
                            for a in archs if a != args.ref}}
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"[X7] E = {out['E']:.4f} ({'shared, from ' + args.ref if out['shared_E'] else 'per architecture'}), C0 = {args.C0:g}")
+        how = {"x": "[X]'s free fit", "huber-log": "Huber on log-loss"}[args.protocol]
+        source = f"fitted on {args.ref} ({how}) and shared" if out["shared_E"] else f"per architecture ({how})"
+        print(f"[X7] E = {out['E']:.4f}, {source}; C0 = {args.C0:g}; (A, gamma +- its standard error) with E fixed")
+        w = max(len(a) for a in archs)
         for a, f in fits.items():
-            print(f"  {a:>14}: E={f.E:.4f} A={f.A:.4f} gamma={f.gamma:.4f}")
-        print(f"[X6] compute multipliers vs {args.ref} at its measured budgets (nan = outside measured range)")
+            print(f"  {a:>{w}}: E={f.E:.4f} A={f.A:.4f} gamma={f.gamma:.5f} +- {f.gamma_se:.5f}")
+        which = f"depth >= {args.min_depth:g}" if args.min_depth is not None else "every measured budget"
+        print(f"[X6] compute multipliers vs {args.ref} at its budgets ({which}): interpolated, never extrapolated "
+              "(nan = outside the arch's measured range)")
         for a in out["multipliers"]:
             vals = " ".join(f"{m['C']:.3g}:{m['value']:.3f}" if m["value"] is not None else f"{m['C']:.3g}:nan"
                             for m in out["multipliers"][a])
-            print(f"  {a:>14}: {vals}")
+            print(f"  {a:>{w}}: {vals}")
     if args.plot:
-        plots.plot_power_laws(runs, fits, mult, args.ref, args.plot)
+        plots.plot_power_laws(runs, fits, mult, args.ref, args.plot, budgets=ref_C)
 
 
 SUBCOMMANDS = {  # name: (one line for `fit.py --help`, the input it reads for `fit.py NAME --help`)
@@ -992,10 +1075,21 @@ SUBCOMMANDS = {  # name: (one line for `fit.py --help`, the input it reads for `
                    "Input: a CSV with columns N (parameters; or params), D (training tokens; or C or train_flops,\n"
                    "the training FLOPs, then D = C / 6N) and loss, all > 0. Other columns are ignored."),
     "power": ("[X] protocol: shared-E power laws and compute multipliers",
-              "Fits L(C) = E + A (C/C0)^-gamma [X5] per architecture, E fitted on --ref and shared [X7], and\n"
-              "prints the compute multipliers [X6] against --ref at its measured budgets.\n\n"
-              "Input: a CSV with columns arch, C (training FLOPs, > 0) and loss (> 0); repeated seeds are rows\n"
-              "with the same arch and C. Other columns are ignored."),
+              "Fits L(C) = E + A (C/C0)^-gamma [X5]: E by a free fit of --ref, then every architecture (--ref\n"
+              "included) with that E fixed [X7], by least squares of log(L - E) on log(C/C0) on all of its\n"
+              "points; prints each gamma with its standard error, and the compute multipliers [X6] against\n"
+              "--ref at its budgets.\n\n"
+              "--protocol x (the default) is the [X] paper's own fit of E: a 600-point grid over E in\n"
+              "[0, 0.995 min L] for the start, bounded least squares on the raw loss, then a Huber pass with\n"
+              "f_scale = 1.345 MAD / 0.6745 of its residuals. --protocol huber-log is the surfaces' protocol\n"
+              "(summed Huber, delta 1e-3, on log-loss). Multipliers: the arch's consecutive points whose loss\n"
+              "falls and brackets --ref's loss, log compute interpolated linearly in loss, the smallest such\n"
+              "compute; nan where none brackets (never extrapolated).\n\n"
+              "Input: a CSV with columns arch, C (training FLOPs, > 0) and loss (> 0), optionally depth; the\n"
+              "[X] paper's released ladders' names arm, compute_flops, val_loss are read as arch, C, loss\n"
+              "(tests/data/fineweb_ladders.csv). Repeated seeds are rows with the same arch and C. Other\n"
+              "columns are ignored.\n\n"
+              "The paper's ladder figure: fit.py power tests/data/fineweb_ladders.csv --ref vanilla --min-depth 8"),
 }
 
 
@@ -1031,11 +1125,18 @@ def build_parser():
                    help="drop the K highest-loss points before fitting (Epoch AI's replication: 5; default 0)")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of a line of text")
     w = add("power")
-    w.add_argument("csv", help="the runs CSV (columns arch, C, loss)")
+    w.add_argument("csv", help="the runs CSV (columns arch, C, loss, optionally depth; or arm, compute_flops, "
+                               "val_loss)")
     w.add_argument("--ref", required=True, help="reference architecture, a value of column arch (e.g. vanilla): E "
                                                 "is fitted on it and shared [X7], multipliers are against it [X6]")
-    w.add_argument("--C0", type=_positive, default=1e18, help="compute scale C0 in FLOPs of L = E + A (C/C0)^-gamma "
-                                                              "(default 1e18): it changes A, not E or gamma")
+    w.add_argument("--protocol", choices=POWER_PROTOCOLS, default="x",
+                   help="how E is fitted on --ref: x = the [X] paper's fit (default), huber-log = Huber on "
+                        "log-loss (the surfaces' protocol)")
+    w.add_argument("--C0", type=_positive, default=C_REF, help="compute scale C0 in FLOPs of L = E + A (C/C0)^-gamma "
+                                                               "(default 1e18, [X]'s): it changes A, not E or gamma")
+    w.add_argument("--min-depth", type=_positive, metavar="D",
+                   help="multiplier budgets: only --ref's points with depth >= D (needs a depth column; [X]'s "
+                        "figure uses 8). Default: every point of --ref")
     w.add_argument("--per-arch-E", action="store_true", help="sensitivity option: fit E per architecture instead "
                                                              "of sharing the reference's")
     w.add_argument("--json", action="store_true", help=json_help)

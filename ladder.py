@@ -6,6 +6,7 @@ Both papers' experiments in miniature, end to end: grid -> match -> LR sweep -> 
     python ladder.py --preset x-cpu-mini [--plot]
     python ladder.py --preset smelt-micro            # seconds: the whole pipeline, numbers meaningless
     python ladder.py --preset x-cpu-mini --fit-only --plot   # refit / re-report / re-plot finished runs
+    python ladder.py --preset x-cpu-mini --from-csv docs/ladder/x-cpu-mini-runs.csv --plot   # from runs.csv alone
     # GPU presets (documented, not run here); every rank runs the same ladder, rank 0 writes results
     torchrun --standalone --nproc_per_node=8 ladder.py --preset x-gpu-1node
 
@@ -45,10 +46,12 @@ operator), Loop-2 (tied core, K = 2), Untied-2 (K = 2 independent cores), Loop-G
 (K = 2 -> 4) at nominal depths d with width = width_per_depth x d; [X] Table 1 settings (no norm gains,
 QK-norm, embedding norm, the "x" init, Muon). As in [X], every architecture trains at its own
 budget (its TPP times its own N), so the ladders cover different compute: fit.py fits E on Vanilla
-(Huber, all seeds), shared-E power laws per architecture [X7], and compute multipliers at Vanilla's
-budgets [X6], measured (interpolated between an architecture's own points) and from the fitted laws,
-with 95% bands from a seed bootstrap (resample Vanilla's seeds, perturb the other points by the
-measured seed spread, refit).
+([X]'s own free fit, all seeds), shared-E power laws per architecture [X7], and compute multipliers at
+Vanilla's budgets [X6], interpolated between an architecture's own points ([X]'s rule, what [X] quotes;
+never extrapolated) and from the fitted laws (marked where they extrapolate), with 95% bands from a
+seed bootstrap (resample Vanilla's seeds, perturb the other points by the measured seed spread, refit).
+The loss table compares equal depth, not equal compute: the report prints each architecture's tokens and
+FLOPs relative to Vanilla's at every depth.
 
 Presets (python ladder.py --list prints each with its runs and planned compute):
   smelt-micro / x-micro     seconds; tests/test_ladder.py runs them end to end. Numbers mean nothing.
@@ -61,8 +64,10 @@ printed output) and is finished when OUT/runs/<run_id>/result.json exists, writt
 training. A finished run is never redone (a result from different settings is an error, not a silent
 mix; a setting added to model.py / train.py since, left at its default, is not a difference); an
 unfinished run is restarted from scratch. So killing the ladder at any moment and running the same
-command again continues where it stopped. OUT/runs.csv, OUT/report.txt and OUT/report.json (and with
---plot the figures) are rebuilt from the result files at the end of every invocation. Decay branches
+command again continues where it stopped. OUT/runs.csv, OUT/lr_sweep.csv (every swept value; runs.csv
+holds the runs carried up), OUT/report.txt and OUT/report.json (and with --plot the figures) are rebuilt
+from the result files at the end of every invocation; --from-csv rebuilds the report from runs.csv and
+lr_sweep.csv alone (the committed docs/ladder/ reports are made that way). Decay branches
 delete their own ckpt.pt when finished unless --keep-checkpoints (stable checkpoints are kept).
 """
 
@@ -496,23 +501,50 @@ def bracketed_sweep(preset, data, run, world=None):
 
 
 def sweep_table(preset, results, sweep_specs, chosen):
+    """The sweep's report lines and {arch: {value: loss}} (sweep_lines) from its results."""
     key, _ = sweep_values(preset)
-    values = sorted({s.settings[key] for s in sweep_specs})
+    losses = {}
+    for s in sweep_specs:
+        r = results.get(s.run_id)
+        losses.setdefault(s.arch, {})[s.settings[key]] = r["val_loss"] if r else None
+    return sweep_lines(key, losses, chosen)
+
+
+def sweep_lines(key, losses, chosen):
+    """losses: {arch: {swept value: validation loss or None}}; chosen: {arch: the value carried up} ->
+    (report lines, {arch: {str(value): loss}} for report.json)."""
+    values = sorted({v for by in losses.values() for v in by})
     lines = [f"LR sweep ({key}) at the first ladder point, validation loss (* = carried up the ladder; "
              f"- = not tried: a value beyond the grid runs only while the best is at its edge)"]
     lines.append(f"  {'':>12} " + " ".join(f"{v:>10g}" for v in values))
-    by = {(s.arch, s.settings[key]): results.get(s.run_id) for s in sweep_specs}
-    archs = list(dict.fromkeys(s.arch for s in sweep_specs))
     table = {}
-    for a in archs:
+    for a, by in losses.items():
         cells = []
         for v in values:
-            r = by.get((a, v))
-            loss = r["val_loss"] if r else None
+            loss = by.get(v)
             table.setdefault(a, {})[str(v)] = loss
             cells.append(f"{loss:9.4f}{'*' if chosen.get(a) == v else ' '}" if loss is not None else f"{'-':>10}")
         lines.append(f"  {a:>12} " + " ".join(cells))
     return lines, table
+
+
+def sweep_rows(key, table, chosen):
+    """lr_sweep.csv's rows (arch, key, value, val_loss, carried) of a sweep table (sweep_lines)."""
+    return [dict(arch=a, key=key, value=float(v), val_loss=loss, carried=chosen.get(a) == float(v))
+            for a, by in table.items() for v, loss in by.items() if loss is not None]
+
+
+def sweep_from_rows(rows):
+    """(key, {arch: {value: loss}}, {arch: carried value}) back from lr_sweep.csv's rows."""
+    keys = {r["key"] for r in rows}
+    if len(keys) != 1:
+        raise ValueError(f"lr_sweep.csv: expected one swept key, found {sorted(keys)}")
+    losses, chosen = {}, {}
+    for r in rows:
+        losses.setdefault(r["arch"], {})[float(r["value"])] = r["val_loss"]
+        if r["carried"]:
+            chosen[r["arch"]] = float(r["value"])
+    return keys.pop(), losses, chosen
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -659,10 +691,16 @@ def surface_bootstrap(runs, ref, target, budgets, sparsities, n_draws, seed=0, f
     return out
 
 
-def match_table(cells):
-    """[S] Table 10 style: per cell the baseline and its SMELT twin, F / N / KV ratios, sparsities."""
+def match_table(cells, search=None):
+    """[S] Table 10 style: per cell the baseline and its SMELT twin, F / N / KV ratios, sparsities.
+    search: the match.MatchSearch the twins were found with, for the line saying its tolerances."""
     lines, records = [], []
     lines.append("matching ([S] Table 10 ratios: SMELT / baseline)")
+    if search is not None:
+        (f_lo, f_hi), n_tol, kv_tol = search.flops_tol, search.params_tol, search.kv_tol
+        lines.append(f"  by construction: match.match accepts only a twin with F in [{1 - f_lo:.3f}, {1 + f_hi:.3f}] x, "
+                     f"N within {100 * n_tol:.1f}% and KV within {100 * kv_tol:.1f}% of its baseline's, so these "
+                     "ratios meet [S]'s by the matcher's tolerance, not as a finding")
     lines.append(f"  {'cell':<12} {'baseline H/E/kv':>16} {'SMELT H/E/kv':>14} {'F':>7} {'N':>7} {'KV':>7} {'S_base':>7} {'S_smelt':>7}")
     for name, b, t, rep in cells:
         r = rep["ratios"]
@@ -719,13 +757,14 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None)
     if sweep:
         lines += sweep[0]
         out["lr_sweep"] = sweep[1]
-    table, out["match"] = match_table(cells)
+    table, out["match"] = match_table(cells, match_search(preset))
     lines += table
     if not rows:
         lines.append("no finished decay branches yet")
         return "\n".join(lines), out, None
     lines += smelt_noise_lines(rows, out)
     runs = columns_to_arrays(rows)
+    lines += grid_lines(rows, runs, out)
     fits = smelt_surfaces(runs, lines, out)
     if len(fits) < 2:
         lines.append("CE Gain and TPP need both surfaces; train more cells/branches")
@@ -743,11 +782,45 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None)
     lines += surface_lines(fits, boot, out)
     CC, SS = np.meshgrid(budgets, sparsities, indexing="ij")
     gain = fit.ce_gain(fits["baseline"], fits["smelt"], CC, SS)
-    lines += ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out)
+    flat = [a for a, f in fits.items() if degenerate(f)]
+    if flat:  # [S5] needs both frontiers: no gain, whatever the arithmetic gives (1 - C / inf = +1)
+        gain = np.full_like(gain, np.nan)
+    lines += ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out,
+                           why=f"the {' and '.join(flat)} surface is degenerate, see above" if flat else None)
     lines += tpp_lines(fits, CC, SS, budgets, sparsities, boot, out)
     figures = dict(fits=fits, sparsities=sparsities, budgets=budgets, gain=gain, boot=boot,
                    C_range=(float(measured_C.min()), float(measured_C.max())))
     return "\n".join(lines), out, figures
+
+
+def match_search(preset):
+    """The match.MatchSearch of a preset's twins (its match_kwargs over the defaults)."""
+    return match.MatchSearch(**{k: tuple(v) if isinstance(v, list) else v
+                                for k, v in preset.get("match_kwargs", {}).items()})
+
+
+def grid_lines(rows, runs, out):
+    """What the grid can resolve: the span of F, S and D the [S2] surface is fitted on -> report lines;
+    a surface of six coefficients on F spanning less than a decade is not identifiable by design."""
+    F, S, D = (np.asarray(runs[k], dtype=float) for k in ("F", "S", "D"))
+    cells = len(set(runs["cell"].tolist()))
+    layers = sorted({r["n_layer"] for r in rows if r.get("n_layer") is not None})
+    span = float(F.max() / F.min())
+    out["grid"] = dict(F_span=span, cells=cells, S=[float(S.min()), float(S.max())], D=[float(D.min()), float(D.max())],
+                       n_layer=layers)
+    line = (f"grid: F spans {span:.1f}x ({F.min():.3g}..{F.max():.3g} FLOPs per token) over {cells} cells, S "
+            f"{S.min():.3f}..{S.max():.3f}, D {D.min():.3g}..{D.max():.3g} tokens"
+            + (f", {layers[0]} layers in every cell" if len(layers) == 1 else ""))
+    if span < 10:
+        line += ("; on F spanning less than a decade the six-coefficient [S2] surface is not identifiable by "
+                 "design: its coefficients, CE Gain and TPP describe these points, not [S]'s law")
+    return [line]
+
+
+def degenerate(f):
+    """A surface whose loss does not fall with F or with D on its grid (a or c ~ 0): no compute-optimal
+    frontier [S3]-[S4], so no CE Gain or TPP from it."""
+    return f.a < 1e-3 or f.c < 1e-3
 
 
 def smelt_noise_lines(rows, out):
@@ -805,7 +878,7 @@ def surface_lines(fits, boot, out):
                 excludes = lo > 0
                 lines.append(f"      {coef} = {getattr(f, coef):.4f} [{lo:.4f}, {hi:.4f}]"
                              + ("" if excludes else "  <- interval reaches 0: this exponent is not resolved"))
-        if f.a < 1e-3 or f.c < 1e-3:  # [S3]-[S4] need a, c > 0: no compute-optimal frontier otherwise
+        if degenerate(f):  # [S3]-[S4] need a, c > 0: no compute-optimal frontier otherwise
             which = "F" if f.a < 1e-3 else "D"
             lines.append(f"  note: the {arch} surface is degenerate: on this grid its loss does not fall with "
                          f"{which}, so its frontier, and every CE Gain / TPP that uses it, is undefined")
@@ -813,9 +886,11 @@ def surface_lines(fits, boot, out):
     return lines
 
 
-def ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out):
-    """[S5] CE Gain of SMELT at every budget x sparsity (gain: that grid), with its cell-bootstrap
-    interval and whether that interval excludes 0 -> report lines; records into out["ce_gain"]."""
+def ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out, why=None):
+    """[S5] CE Gain of SMELT at every budget x sparsity (gain: that grid, nan where undefined), with its
+    cell-bootstrap interval and whether that interval excludes 0 -> report lines; records into
+    out["ce_gain"]. An undefined gain is printed as such, with no interval; undefined everywhere, one
+    line saying why."""
     note = ""
     if boot:
         note = f" ({boot['n_draws']} cell-bootstrap draws, 95%"
@@ -823,10 +898,16 @@ def ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out):
     lines = [f"[S5] CE Gain of SMELT over the baseline{note}; > 0: SMELT needs less compute; '~' = the "
              f"interval does not exclude 0 (within noise). Budgets C inside the measured "
              f"{measured_C.min():.3g}..{measured_C.max():.3g} FLOPs"]
+    nowhere = not np.isfinite(gain).any()
+    if nowhere:
+        lines.append(f"  undefined at every budget and sparsity ({why or 'no finite value'}): no gain and no interval")
     for i, C in enumerate(budgets):
         for j, S in enumerate(sparsities):
             lo = hi = None
-            if boot and "ce_gain" in boot["lo"]:
+            if nowhere:
+                out["ce_gain"].append(dict(C=C, S=S, value=None, lo=None, hi=None, within_noise=None))
+                continue
+            if boot and "ce_gain" in boot["lo"] and _finite(gain[i, j]) is not None:
                 lo, hi = float(boot["lo"]["ce_gain"][i, j]), float(boot["hi"]["ce_gain"][i, j])
             noise = within_noise(lo, hi, 0.0)
             ci = f"  [{_fmt(lo, '+.3f')}, {_fmt(hi, '+.3f')}]{' ~' if noise else ''}" if lo is not None else ""
@@ -838,14 +919,20 @@ def ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out):
 
 def tpp_lines(fits, CC, SS, budgets, sparsities, boot, out):
     """TPP = D*/(F*/6) of both surfaces on the budget x sparsity grid (CC, SS), with cell-bootstrap
-    intervals -> report lines; records into out["tpp"]."""
+    intervals -> report lines; records into out["tpp"]. A degenerate surface has no TPP: printed as
+    undefined, with no interval."""
     lines = ["TPP = D*/(F*/6) at the same budgets"]
     for role, arch in (("ref", "baseline"), ("target", "smelt")):
-        values = fit.tpp(fits[arch], CC, SS)
+        values, flat = fit.tpp(fits[arch], CC, SS), degenerate(fits[arch])
+        if flat:
+            lines.append(f"  {arch:>9}: undefined at every budget and sparsity (its surface is degenerate)")
         for i, C in enumerate(budgets):
             for j, S in enumerate(sparsities):
                 lo = hi = None
-                if boot and f"{role}.tpp" in boot["lo"]:
+                if flat:
+                    out["tpp"].append(dict(arch=arch, C=C, S=S, value=None, lo=None, hi=None))
+                    continue
+                if boot and f"{role}.tpp" in boot["lo"] and _finite(values[i, j]) is not None:
                     lo, hi = float(boot["lo"][f"{role}.tpp"][i, j]), float(boot["hi"][f"{role}.tpp"][i, j])
                 ci = f"  [{_fmt(lo, '.3g')}, {_fmt(hi, '.3g')}]" if lo is not None else ""
                 lines.append(f"  {arch:>9} C={C:.3g} S={S:.3f}: {_fmt(values[i, j], '.4g')}{ci}")
@@ -973,25 +1060,26 @@ def x_rows(results):
 
 
 def power_fits(runs, ref):
-    """Shared-E power laws [X7]: E from the reference (Huber), then (A, gamma) per architecture."""
-    C0 = float(np.exp(np.mean(np.log(runs[ref][0]))))  # [X] C0 = where Vanilla is tuned; here its mid budget
-    ref_fit = fit.fit_power_law(*runs[ref], C0=C0)
-    fits = {a: fit.fit_power_law_fixed_E(C, L, ref_fit.E, C0, a) for a, (C, L) in runs.items()}
-    return fits
+    """Shared-E power laws by [X]'s protocol (fit.fit_power_laws): E from the free fit of the reference
+    (every seed), then (A, gamma +- its standard error) per architecture with that E fixed [X7]."""
+    C0 = float(np.exp(np.mean(np.log(runs[ref][0]))))  # [X]: C0 = 1e18; here the reference's mid budget (A only)
+    return fit.fit_power_laws(runs, ref, C0=C0)
 
 
 def multipliers(runs, fits, ref, ref_C, ref_L):
-    """[X6] per architecture: (measured, by interpolating its own points; fitted, from the laws) at the
-    reference's budgets ref_C (losses ref_L)."""
+    """[X6] per architecture at the reference's budgets ref_C (losses ref_L): (interpolated, [X]'s rule
+    on the arch's own points, nan outside them; fitted, from the laws; extrapolated, True where the
+    fitted one reads the arch's law outside the compute it was measured at)."""
     out = {}
     for a, (C, L) in runs.items():
         if a == ref:
             continue
-        order = np.argsort(C)
-        measured = fit.compute_multiplier(ref_C, ref_L, C[order], L[order])
+        measured = fit.compute_multiplier(ref_C, ref_L, C, L)
         target = fits[ref].loss(ref_C)
-        fitted = fits[ref].compute(target) / fits[a].compute(target)
-        out[a] = (np.asarray(measured, dtype=float), np.asarray(fitted, dtype=float))
+        reach = fits[a].compute(target)
+        fitted = fits[ref].compute(target) / reach
+        out[a] = (np.asarray(measured, dtype=float), np.asarray(fitted, dtype=float),
+                  (reach < np.min(C)) | (reach > np.max(C)))
     return out
 
 
@@ -1020,7 +1108,7 @@ def multiplier_bootstrap(points, ref, sigma, n_draws=400, seed=0):
         except ValueError:
             continue
         ref_L = np.array([np.mean([l for _, l in chosen[d]]) for d in depths])
-        for a, (measured, fitted) in multipliers(runs, fits, ref, ref_C, ref_L).items():
+        for a, (measured, fitted, _) in multipliers(runs, fits, ref, ref_C, ref_L).items():
             draws[a][0].append(measured)
             draws[a][1].append(fitted)
     bands = {}
@@ -1032,17 +1120,19 @@ def multiplier_bootstrap(points, ref, sigma, n_draws=400, seed=0):
     return ref_C, bands
 
 
-def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400):
-    """LR sweep, final losses, seed spread, shared-E power laws [X5]-[X7] and compute multipliers [X6]
-    with seed-bootstrap bands -> (text, dict, figure data)."""
+def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400, lrs=None):
+    """LR sweep, final losses at equal depth with the compute each architecture spent there, seed spread,
+    shared-E power laws [X5]-[X7] and compute multipliers [X6] with seed-bootstrap bands -> (text, dict,
+    figure data). lrs: {arch: the swept value carried up}, for the line on what carrying it up confounds."""
     lines = [f"== {preset['name']}: [X] ladders at width {preset['width_per_depth']} x depth, TPP {preset['tpp']:g} "
              "per compute-active non-embedding parameter for every architecture"]
     out = {"preset": preset["name"], "fits": {}, "multipliers": {}, "seed_spread": {}, "points": rows}
+    archs = list(dict.fromkeys(r["arch"] for r in rows))
+    depths = sorted({r["depth"] for r in rows})
     if sweep:
         lines += sweep[0]
         out["lr_sweep"] = sweep[1]
-    archs = list(dict.fromkeys(r["arch"] for r in rows))
-    depths = sorted({r["depth"] for r in rows})
+        lines += lr_confound_lines(preset, archs, lrs or {}, ref)
     per, pooled = seed_spread(rows, ("depth",), ref)
     out["seed_spread"] = dict(pooled_std=pooled, per_depth={str(k[0]): dict(mean=m, std=s, n=n)
                                                               for k, (m, s, n) in per.items()})
@@ -1058,6 +1148,7 @@ def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400):
              for d in depths]
     lines.append(f"  training FLOPs range {np.nanmin(C_row):.3g}..{np.nanmax(C_row):.3g}; epochs read "
                  f"{min(r['epochs'] or 0 for r in rows):.2f}..{max(r['epochs'] or 0 for r in rows):.2f}")
+    lines += equal_depth_lines(rows, archs, depths, ref)
     if pooled is not None:
         stds = ", ".join(f"d{k[0]} {s:.4f}" for k, (_, s, _) in sorted(per.items()) if s is not None)
         lines.append(f"seed spread of {ref} ({max(n for *_, n in per.values())} seeds): std {stds}; pooled "
@@ -1072,35 +1163,90 @@ def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400):
     except ValueError as e:
         lines.append(f"[X7] power laws cannot be fitted: {e}")
         return "\n".join(lines), out, None
-    lines.append(f"[X7] E = {fits[ref].E:.4f} (Huber fit on {ref}, every seed), C0 = {fits[ref].C0:.3g}; "
-                 "L = E + A (C/C0)^-gamma per arch")
+    lines.append(f"[X7] E = {fits[ref].E:.4f} ([X]'s free fit on {ref}, every seed), C0 = {fits[ref].C0:.3g}; "
+                 "L = E + A (C/C0)^-gamma per arch with E fixed, gamma +- its standard error")
     for a, f in fits.items():
-        lines.append(f"  {a:>12}: A={f.A:.4f} gamma={f.gamma:.4f}")
+        lines.append(f"  {a:>12}: A={f.A:.4f} gamma={f.gamma:.4f} +- {f.gamma_se:.4f}")
         out["fits"][a] = f.to_dict()
     ref_C, bands = multiplier_bootstrap(points, ref, pooled or 0.0, n_draws=n_boot if pooled else 0,
                                         seed=preset.get("seed", 0))
     ref_L = np.array([np.mean([l for c, l, d in points[ref] if d == dep]) for dep in depths])
     mult = multipliers(runs, fits, ref, ref_C, ref_L)
-    lines.append(f"[X6] compute multipliers vs {ref} at its budgets: measured (interpolated between the arch's own "
-                 "points, nan outside them) / fitted (from the laws) [95% seed-bootstrap band of the fitted one]; "
-                 "'~' = the band includes 1 (within noise)")
-    lines.append(f"  {'':>12} " + " ".join(f"{c:>26.3g}" for c in ref_C))
-    for a, (measured, fitted) in mult.items():
-        band = (bands.get(a) or {}).get("fitted")
-        cells, records = [], []
-        for i, c in enumerate(ref_C):
-            lo, hi = (float(band[0][i]), float(band[1][i])) if band is not None else (None, None)
-            noise = within_noise(lo, hi, 1.0)
-            mband = (bands.get(a) or {}).get("measured")
-            mlo, mhi = (float(mband[0][i]), float(mband[1][i])) if mband is not None else (None, None)
-            cells.append(f"{measured[i]:6.3f}/{fitted[i]:5.3f} [{_fmt(lo, '.2f')},{_fmt(hi, '.2f')}]{'~' if noise else ' '}")
-            records.append(dict(C=float(c), measured=_finite(measured[i]), fitted=_finite(fitted[i]),
-                                fitted_lo=_finite(lo), fitted_hi=_finite(hi), measured_lo=_finite(mlo),
-                                measured_hi=_finite(mhi), within_noise=noise))
-        lines.append(f"  {a:>12} " + " ".join(f"{c:>26}" for c in cells))
-        out["multipliers"][a] = records
+    lines += multiplier_lines(mult, bands, ref, ref_C, out)
     figures = dict(runs=runs, fits=fits, ref_C=ref_C, mult=mult, bands=bands)
     return "\n".join(lines), out, figures
+
+
+def lr_confound_lines(preset, archs, lrs, ref):
+    """What carrying each architecture's swept LR up the ladder confounds -> report lines."""
+    key = (preset.get("lr_sweep") or {}).get("key")
+    if not key or not lrs:
+        return []
+    others = [a for a in archs if a != ref]
+    return [f"  every LR is tuned at d{preset['depths'][0]} only and carried up unchanged (no [X16] rule): "
+            + ", ".join(f"{a} {lrs[a]:g}" for a in archs if a in lrs)
+            + f"; above d{preset['depths'][0]} a difference from {ref} includes how well that LR transfers, for all "
+            f"{len(others)} other architectures"]
+
+
+def equal_depth_lines(rows, archs, depths, ref):
+    """The loss table compares equal depth, not equal compute: each architecture's training tokens and
+    FLOPs at a depth relative to the reference's there -> report lines."""
+    def mean(a, d, key):
+        values = [r[key] for r in rows if r["arch"] == a and r["depth"] == d]
+        return float(np.mean(values)) if values else float("nan")
+    lines = [f"equal depth (the same stored blocks) is not equal compute: training tokens / FLOPs relative to {ref} "
+             "at the same depth",
+             f"  {'':>12} " + " ".join(f"{f'd{d}':>9}" for d in depths)]
+    for a in archs:
+        if a == ref:
+            continue
+        cells = []
+        for d in depths:
+            tokens, flops = mean(a, d, "D") / mean(ref, d, "D"), mean(a, d, "C") / mean(ref, d, "C")
+            cells.append(f"{tokens:.2f}/{flops:.2f}" if np.isfinite(tokens) and np.isfinite(flops) else "-")
+        lines.append(f"  {a:>12} " + " ".join(f"{c:>9}" for c in cells))
+    return lines
+
+
+def multiplier_lines(mult, bands, ref, ref_C, out):
+    """[X6] interpolated (what [X] quotes) and fitted multipliers with their seed-bootstrap bands, the
+    fitted ones marked where extrapolated -> report lines; records into out["multipliers"]."""
+    lines = [f"[X6] compute multipliers vs {ref} at its budgets (its mean loss at each depth) [95% seed-bootstrap "
+             "band]; '~' = the band includes 1 (within noise)",
+             "  interpolated ([X]'s rule and the numbers [X] quotes): the arch's own points, log compute linear in "
+             f"loss; '-' = {ref}'s loss there is outside the arch's measured losses (never extrapolated)",
+             "  fitted: from the shared-E laws; 'x' = extrapolated (the arch's law read outside the compute it was "
+             "measured at)",
+             f"  {'':>12} {'':>12} " + " ".join(f"{c:>19.3g}" for c in ref_C)]
+    for a, (measured, fitted, extrapolated) in mult.items():
+        band = bands.get(a) or {}
+        records = []
+        for i, c in enumerate(ref_C):
+            (mlo, mhi), (lo, hi) = (_band(band.get(name), i) for name in ("measured", "fitted"))
+            records.append(dict(C=float(c), measured=_finite(measured[i]), fitted=_finite(fitted[i]),
+                                fitted_lo=_finite(lo), fitted_hi=_finite(hi), measured_lo=_finite(mlo),
+                                measured_hi=_finite(mhi), within_noise=within_noise(lo, hi, 1.0),
+                                measured_within_noise=within_noise(mlo, mhi, 1.0) if _finite(measured[i]) else None,
+                                extrapolated=bool(extrapolated[i])))
+        for name, key, mark in (("interpolated", "measured", None), ("fitted", "fitted", extrapolated)):
+            cells = []
+            for i, r in enumerate(records):
+                value, lo, hi = r[key], r[f"{key}_lo"], r[f"{key}_hi"]
+                if value is None:
+                    cells.append("-")
+                    continue
+                noise = within_noise(lo, hi, 1.0)
+                cells.append(f"{value:.3f}{'x' if mark is not None and mark[i] else ' '} "
+                             f"[{_fmt(lo, '.2f')},{_fmt(hi, '.2f')}]{'~' if noise else ' '}")
+            lines.append(f"  {a if name == 'interpolated' else '':>12} {name:>12} " + " ".join(f"{c:>19}" for c in cells))
+        out["multipliers"][a] = records
+    return lines
+
+
+def _band(band, i):
+    """(lo, hi) of a bootstrap band at budget i, (None, None) without one."""
+    return (float(band[0][i]), float(band[1][i])) if band is not None else (None, None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1223,19 +1369,19 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
     if not _is_master():
         return None
     finished = [results[s.run_id] for s in specs if results.get(s.run_id)]
-    n_boot = preset.get("bootstrap", 0) if bootstrap is None else bootstrap
     if preset["kind"] == "smelt":
         rows = smelt_rows(finished)
-        text, report, figures = smelt_report(preset, cells, rows, n_boot, seed=preset["seed"], progress=progress,
-                                             sweep=sweep)
     else:
         rows = x_rows([r for r in finished if r["role"] in ("run", "sweep")])
-        text, report, figures = x_report(preset, rows, sweep, n_boot=min(n_boot or 400, 400))
+    text, report, figures = report_from_rows(preset, rows, cells, sweep, lrs, bootstrap, progress)
     report.update(runs_finished=len(finished), runs_total=len(specs), lrs=lrs,
                   train_seconds=sum(r.get("seconds") or 0.0 for r in finished))
     if len(finished) < len(specs):
         text += f"\n(partial: {len(finished)}/{len(specs)} runs finished)"
     tables.write_rows_csv(os.path.join(out_dir, "runs.csv"), rows)
+    if sweep:  # runs.csv holds the runs carried up the ladder; this, every sweep value (for --from-csv)
+        tables.write_rows_csv(os.path.join(out_dir, "lr_sweep.csv"),
+                              sweep_rows(preset["lr_sweep"]["key"], sweep[1], lrs))
     write_json_atomic(os.path.join(out_dir, "report.json"), report)
     write_atomic(os.path.abspath(os.path.join(out_dir, "report.txt")), lambda f: f.write((text + "\n").encode()))
     log(text)
@@ -1248,24 +1394,69 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
     return report
 
 
-def make_plots(preset, out_dir, figures, specs, results):
-    """The preset's figures as PNGs in out_dir (tooling/plots.py draws them); one line and nothing written
-    when matplotlib is missing."""
+def report_from_rows(preset, rows, cells, sweep, lrs, bootstrap=None, progress=True):
+    """The report of a preset's finished runs (rows as runs.csv holds them) -> (text, dict, figure data)."""
+    n_boot = preset.get("bootstrap", 0) if bootstrap is None else bootstrap
+    if preset["kind"] == "smelt":
+        return smelt_report(preset, cells, rows, n_boot, seed=preset["seed"], progress=progress, sweep=sweep)
+    return x_report(preset, rows, sweep, n_boot=min(n_boot or 400, 400), lrs=lrs)
+
+
+def rereport(preset_name, runs_csv, bootstrap=None, plot=False, log=print, progress=True, **overrides):
+    """`ladder.py --from-csv`: the report (and with plot the figures) of a finished ladder rebuilt from its
+    runs.csv alone, without its run folders, e.g. the committed docs/ladder/x-cpu-mini-runs.csv. The LR
+    sweep table comes from the lr_sweep.csv beside it when there is one. Outputs are written beside the
+    CSV with its prefix: docs/ladder/x-cpu-mini-runs.csv -> docs/ladder/x-cpu-mini-report.txt (and
+    x-cpu-mini-<figure>.png). The figures that need the runs' logs (decay branches) are not drawn."""
+    preset = get_preset(preset_name, **overrides)
+    folder, name = os.path.split(runs_csv)
+    if not name.endswith("runs.csv"):
+        raise ValueError(f"--from-csv {runs_csv}: expected a file named runs.csv or NAME-runs.csv (the report is "
+                         "written beside it, named alike)")
+    prefix = name[: -len("runs.csv")]
+    rows = tables.read_rows_csv(runs_csv)
+    sweep_csv = os.path.join(folder, prefix + "lr_sweep.csv")
+    sweep, lrs = None, {}
+    if os.path.exists(sweep_csv):
+        key, losses, lrs = sweep_from_rows(tables.read_rows_csv(sweep_csv))
+        sweep = sweep_lines(key, losses, lrs)
+    else:
+        log(f"no {sweep_csv}: the report has no LR sweep table")
+    cells = smelt_cells(preset) if preset["kind"] == "smelt" else None
+    try:
+        text, report, figures = report_from_rows(preset, rows, cells, sweep, lrs, bootstrap, progress)
+    except KeyError as e:
+        raise ValueError(f"{runs_csv}: no column {e} (is it the runs.csv of a {preset['kind']} ladder?)") from None
+    report_path = os.path.join(folder, prefix + "report.txt")
+    write_atomic(os.path.abspath(report_path), lambda f: f.write((text + "\n").encode()))
+    log(text)
+    written = make_plots(preset, folder, figures, [], {}, prefix=prefix) if plot and figures else []
+    for path in written:
+        log(f"wrote {path}")
+    log(f"wrote {report_path}")
+    return report
+
+
+def make_plots(preset, out_dir, figures, specs, results, prefix=""):
+    """The preset's figures as PNGs in out_dir, each named prefix + its name (tooling/plots.py draws
+    them); one line and nothing written when matplotlib is missing."""
     written = []
     if plots.pyplot(out_dir) is None:
         return written
 
     def path(name):
-        return os.path.join(out_dir, name)
+        return os.path.join(out_dir, prefix + name)
     if preset["kind"] == "x":
         f = figures
         if plots.plot_loss_vs_compute(f["runs"], f["fits"], path("loss_vs_compute.png"),
                                       title=f"[X7] {preset['name']}: loss vs training FLOPs, shared-E laws"):
             written.append(path("loss_vs_compute.png"))
-        fitted = {a: m[1] for a, m in f["mult"].items()}
-        bands = {a: b["fitted"] for a, b in f["bands"].items() if b.get("fitted") is not None}
-        if plots.plot_multipliers(f["ref_C"], fitted, path("multipliers.png"), bands=bands, ref="vanilla",
-                                  title=f"[X6] {preset['name']}: compute multipliers vs Vanilla (95% seed bootstrap)"):
+        interpolated = {a: m[0] for a, m in f["mult"].items()}  # what [X] quotes; never extrapolated
+        bands = {a: tuple(np.where(np.isfinite(interpolated[a]), side, np.nan) for side in b["measured"])
+                 for a, b in f["bands"].items() if b.get("measured") is not None}  # no band without a value
+        if plots.plot_multipliers(f["ref_C"], interpolated, path("multipliers.png"), bands=bands, ref="vanilla",
+                                  title=f"[X6] {preset['name']}: interpolated compute multipliers vs Vanilla "
+                                        "(95% seed bootstrap; none extrapolated)"):
             written.append(path("multipliers.png"))
         return written
     f = figures
@@ -1273,8 +1464,9 @@ def make_plots(preset, out_dir, figures, specs, results):
                                     C_range=f["C_range"]):
         written.append(path("frontiers.png"))
     boot = f["boot"] or {"lo": {}, "hi": {}}
-    if plots.plot_ce_gain(f["budgets"], f["sparsities"], f["gain"], path("ce_gain.png"), lo=boot["lo"].get("ce_gain"),
-                          hi=boot["hi"].get("ce_gain"), title=f"[S5] {preset['name']}: CE Gain of SMELT (95% cell bootstrap)"):
+    if np.isfinite(f["gain"]).any() and plots.plot_ce_gain(  # no figure of an undefined CE Gain
+            f["budgets"], f["sparsities"], f["gain"], path("ce_gain.png"), lo=boot["lo"].get("ce_gain"),
+            hi=boot["hi"].get("ce_gain"), title=f"[S5] {preset['name']}: CE Gain of SMELT (95% cell bootstrap)"):
         written.append(path("ce_gain.png"))
     curves = decay_curves(specs, results)
     if curves and plots.plot_loss_curves(curves, path("decay_branches.png"),
@@ -1311,6 +1503,11 @@ def main(argv=None):
     p.add_argument("--out", help="output folder (default out/ladder-<preset>)")
     p.add_argument("--bootstrap", type=int, help="bootstrap draws (SMELT cell bootstrap; preset default)")
     p.add_argument("--fit-only", action="store_true", help="train nothing; fit and report the finished runs")
+    p.add_argument("--from-csv", metavar="RUNS.csv",
+                   help="train nothing, read no run folders: rebuild the report (and with --plot the figures "
+                        "that do not need the runs' logs) from a finished ladder's runs.csv and the lr_sweep.csv "
+                        "beside it, written beside it with its prefix (e.g. docs/ladder/x-cpu-mini-runs.csv -> "
+                        "docs/ladder/x-cpu-mini-report.txt)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the decay branches' final ckpt.pt")
     p.add_argument("--plot", action="store_true", help="write the preset's figures into OUT (needs matplotlib: "
                                                        "pip install -r requirements-plot.txt)")
@@ -1326,6 +1523,10 @@ def main(argv=None):
             return 0
         if not args.preset:
             raise ValueError("give --preset (or --list)")
+        if args.from_csv:
+            rereport(args.preset, args.from_csv, bootstrap=args.bootstrap, plot=args.plot,
+                     progress=not args.no_progress)
+            return 0
         ladder(args.preset, out_dir=args.out, bootstrap=args.bootstrap, progress=not args.no_progress,
                fit_only=args.fit_only, keep_checkpoints=args.keep_checkpoints, plot=args.plot, threads=args.threads,
                workers=args.workers)

@@ -6,6 +6,8 @@ noise bookkeeping marks what is within the measured seed spread."""
 import csv
 import json
 import os
+import re
+import shutil
 import sys
 
 import numpy as np
@@ -163,6 +165,80 @@ def test_x_micro_budgets_growth_fits_and_noise(x_micro):
         for m in records:
             assert m["fitted_lo"] <= m["fitted"] <= m["fitted_hi"] or m["fitted"] is None
             assert m["within_noise"] == (m["fitted_lo"] <= 1.0 <= m["fitted_hi"])
+
+
+def test_x_report_says_what_it_compares_and_rebuilds_from_csv(x_micro, tmp_path):
+    out, archs, report = x_micro
+    text = open(os.path.join(out, "report.txt")).read()
+    # the loss table compares equal depth; the report prints what each architecture spent there
+    assert "equal depth (the same stored blocks) is not equal compute" in text
+    rows = read_csv(os.path.join(out, "runs.csv"))
+    by = {(r["arch"], r["depth"]): r for r in rows}
+    d = rows[0]["depth"]
+    tokens = float(by[("loop-2", d)]["D"]) / float(by[("vanilla", d)]["D"])
+    assert f"{tokens:.2f}/" in text and tokens > 1
+    # the LR carried up is a confound for every architecture but the reference, named with its value
+    lr_line = next(line for line in text.splitlines() if "carried up unchanged" in line)
+    assert all(f"{a} {report['lrs'][a]:g}" in lr_line for a in archs) and f"all {len(archs) - 1} other" in lr_line
+    # multipliers: the interpolated ones ([X]'s) first, the fitted ones marked where they extrapolate
+    assert "interpolated" in text and "'x' = extrapolated" in text
+    for a in archs[1:]:
+        for m in report["multipliers"][a]:
+            assert m["extrapolated"] in (True, False)
+            if m["measured"] is None:  # vanilla's loss outside the arch's losses: the law is read outside its range
+                assert m["extrapolated"]
+    # lr_sweep.csv holds every swept value; runs.csv and it rebuild the same report without the run folders
+    sweep = read_csv(os.path.join(out, "lr_sweep.csv"))
+    assert {r["arch"] for r in sweep} == set(archs) and sum(r["carried"] == "True" for r in sweep) == len(archs)
+    for name in ("runs.csv", "lr_sweep.csv"):
+        shutil.copy(os.path.join(out, name), tmp_path / f"x-micro-{name}")
+    again = ladder.rereport("x-micro", str(tmp_path / "x-micro-runs.csv"), log=quiet, archs=archs)
+    assert (tmp_path / "x-micro-report.txt").read_text() == text
+    assert again["multipliers"] == json.load(open(os.path.join(out, "report.json")))["multipliers"]
+    with pytest.raises(ValueError, match="expected a file named runs.csv"):
+        ladder.rereport("x-micro", os.path.join(out, "report.json"), log=quiet)
+
+
+def committed(name):
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ladder", name)
+
+
+def mask_bands(text):
+    """A report without its bootstrap bands (the seed bootstrap's last digits may move on another CPU)."""
+    return [re.sub(r"\[[-+0-9.,e ]*(undefined)?[-+0-9.,e ]*\]", "[]", line) for line in text.splitlines()]
+
+
+def test_committed_x_report_rebuilds_from_its_csv(tmp_path):
+    """docs/ladder/x-cpu-mini-report.txt is what `ladder.py --from-csv docs/ladder/x-cpu-mini-runs.csv`
+    writes (bands masked: their last digit is the CPU's)."""
+    for name in ("runs.csv", "lr_sweep.csv"):
+        shutil.copy(committed(f"x-cpu-mini-{name}"), tmp_path / f"x-cpu-mini-{name}")
+    assert ladder.main(["--preset", "x-cpu-mini", "--from-csv", str(tmp_path / "x-cpu-mini-runs.csv"),
+                        "--no-progress"]) == 0
+    text = (tmp_path / "x-cpu-mini-report.txt").read_text()
+    assert mask_bands(text) == mask_bands(open(committed("x-cpu-mini-report.txt")).read())
+    assert "loop-2 1.33/1.72 1.50/2.19 1.40/1.93 1.33/1.76" in text  # tokens / FLOPs vs vanilla at d3..d6
+
+
+def test_committed_smelt_report_prints_no_undefined_number(tmp_path):
+    """The smelt-cpu-mini baseline surface is degenerate: no CE Gain and no baseline TPP, neither a value
+    nor an interval; the matching is the matcher's tolerance; the grid cannot identify the surface."""
+    for name in ("runs.csv", "lr_sweep.csv"):
+        shutil.copy(committed(f"smelt-cpu-mini-{name}"), tmp_path / f"smelt-cpu-mini-{name}")
+    report = ladder.rereport("smelt-cpu-mini", str(tmp_path / "smelt-cpu-mini-runs.csv"), bootstrap=20, log=quiet,
+                             progress=False)
+    text = (tmp_path / "smelt-cpu-mini-report.txt").read_text()
+    assert "+1.0000" not in text and "[undefined" not in text and "undefined]" not in text
+    assert "undefined at every budget and sparsity (the baseline surface is degenerate" in text
+    assert all(g["value"] is None and g["lo"] is None for g in report["ce_gain"])
+    assert all(t["value"] is None for t in report["tpp"] if t["arch"] == "baseline")
+    assert all(t["value"] is not None for t in report["tpp"] if t["arch"] == "smelt")
+    assert "by construction: match.match accepts only a twin with F in [1.000, 1.050]" in text
+    assert "F spans 2.3x" in text and "not identifiable by design" in text and "4 layers in every cell" in text
+    assert report["grid"]["cells"] == 6 and 2.3 < report["grid"]["F_span"] < 2.4
+    committed_text = open(committed("smelt-cpu-mini-report.txt")).read()
+    for line in ("  undefined at every budget and sparsity", "by construction", "not identifiable by design"):
+        assert line in committed_text
 
 
 def test_plot_writes_figures_or_says_how_to_get_matplotlib(x_micro, tmp_path, monkeypatch, capsys):

@@ -1,6 +1,8 @@
 # tooling/tables.py: runs CSV files read with errors naming the file, the line and the column (a byte-order
 # mark accepted), Chinchilla column aliases, and the atomic writers. fit.py's CLI on top: tests/test_fit.py.
+import hashlib
 import os
+import re
 
 import numpy as np
 import pytest
@@ -10,6 +12,8 @@ from tooling import tables
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "chinchilla_fig4_epoch.csv")
 POWER_EXAMPLE = os.path.join(os.path.dirname(__file__), "data", "power_example.csv")  # fit.synthetic_power_runs()
+X_LADDERS = os.path.join(os.path.dirname(__file__), "data", "fineweb_ladders.csv")  # [X]'s released ladders
+X_LADDERS_SHA256 = "94e787a140c3094981d82779d9c75c971f40a541970bcfbbdee0e8292d730e2c"  # tests/data/README_fineweb.md
 POWER_COLUMNS = dict(required=["arch", "C", "loss"], positive=["C", "loss"])
 
 
@@ -141,3 +145,43 @@ def test_write_rows_csv_unions_the_keys_and_leaves_none_empty(tmp_path):
     tables.write_rows_csv(path, rows)
     assert open(path, newline="").read() == "arch,loss,seed,extra\r\na,2.5,1,\r\nb,,,0.30000000000000004\r\n"
     assert os.listdir(tmp_path) == ["runs.csv"]
+
+
+def test_read_rows_csv_gives_back_what_write_rows_csv_wrote(tmp_path):
+    rows = [dict(arch="vanilla", depth=3, C=1.9778627e11, loss=2.08075990755043, grow_step=None, carried=True),
+            dict(arch="loop-2", depth=4, C=0.1 + 0.2, loss=1.5, grow_step=12, carried=False, extra="d4")]
+    path = str(tmp_path / "runs.csv")
+    tables.write_rows_csv(path, rows)
+    back = tables.read_rows_csv(path)
+    assert back == [dict(r, extra=r.get("extra")) for r in rows]  # a key missing from a row reads as None
+    assert [type(v) for v in back[1].values()] == [str, int, float, float, int, bool, str]
+    with pytest.raises(ValueError, match="line 3: 2 fields, the header has 3"):
+        tables.read_rows_csv(write(tmp_path, "bad.csv", "a,b,c\n1,2,3\n1,2\n"))
+
+
+# ----------------------------------------------------------------------------- fit.py power's columns
+
+def test_read_power_csv_reads_the_x_ladders_under_our_names():
+    raw = open(X_LADDERS, "rb").read()
+    assert hashlib.sha256(raw).hexdigest() == X_LADDERS_SHA256  # byte for byte the released file (CRLF lines)
+    assert raw.count(b"\r\n") == 59 and raw.startswith(b"arm,depth,compute_flops,val_loss\r\n")
+    runs = tables.read_power_csv(X_LADDERS)
+    assert list(runs) == ["arch", "C", "loss", "depth"] and len(runs["C"]) == 58
+    assert (runs["arch"][0], runs["depth"][0], runs["C"][0], runs["loss"][0]) == ("vanilla", 6.0, 3.252671e17, 3.560862)
+    assert runs["arch"][-1] == "untied_grow" and len(set(runs["arch"])) == 8
+
+
+def test_read_power_csv_depth_is_optional_and_names_are_unambiguous(tmp_path):
+    assert list(tables.read_power_csv(POWER_EXAMPLE)) == ["arch", "C", "loss"]
+    mixed = write(tmp_path, "mixed.csv", "arm,C,val_loss,depth\n" + POWER_OK.replace("\n", ",8\n"))
+    runs = tables.read_power_csv(mixed)  # our names and [X]'s may be mixed, each column once
+    assert list(runs) == ["arch", "C", "loss", "depth"] and np.all(runs["depth"] == 8)
+    for text, message in [
+        ("arch,arm,C,loss\n" + POWER_OK.replace("v,", "v,v,"), "columns 'arch' and 'arm' both given for 'arch'"),
+        ("arch,compute,loss\n" + POWER_OK, "missing column 'C' (or 'compute_flops')"),
+        ("arch,C,loss,depth\n" + POWER_OK.replace("\n", ",deep\n"), "line 2, column 'depth': 'deep' is not a number"),
+        ("arm,depth,compute_flops,val_loss\nv,6,-1e18,3.5\n", "line 2, column 'compute_flops': must be > 0"),
+    ]:
+        path = write(tmp_path, "bad.csv", text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            tables.read_power_csv(path)

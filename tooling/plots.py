@@ -180,14 +180,16 @@ def plot_multipliers(ref_C, multipliers, path, bands=None, ref="vanilla", title=
     return _figure(path, draw)
 
 
-def plot_power_laws(runs, fits, multipliers, ref, path, title=None):
+def plot_power_laws(runs, fits, multipliers, ref, path, title=None, budgets=None):
     """`fit.py power --plot`: plot_loss_vs_compute (left) and plot_multipliers at the reference's
-    measured budgets (right) side by side, an architecture in one colour in both. Returns True when
-    written, False without matplotlib."""
+    budgets (right; default: every measured compute of the reference, runs[ref][0]) side by side, an
+    architecture in one colour in both. Returns True when written, False without matplotlib."""
+    budgets = runs[ref][0] if budgets is None else budgets
+
     def draw(fig, axes):
         colours = _colours([ref, *runs, *multipliers])
         _draw_loss_vs_compute(axes[0], runs, fits, colours)
-        _draw_multipliers(axes[1], runs[ref][0], multipliers, None, ref, colours)
+        _draw_multipliers(axes[1], budgets, multipliers, None, ref, colours)
         if title:
             fig.suptitle(title, fontsize=11)
     return _figure(path, draw, ncols=2, figsize=(10, 4))

@@ -11,7 +11,9 @@ the line and the column; a spreadsheet's UTF-8 byte-order mark is accepted. File
     runs = read_runs_csv("runs.csv", ["arch", "C", "loss"], positive=["C", "loss"])  # {column: array}
     write_runs_csv(runs, "copy.csv")               # {column: array} -> CSV
     write_rows_csv("out/runs.csv", [dict(arch="vanilla", C=1e18, loss=3.1), ...])   # list of dicts -> CSV
+    read_rows_csv("out/runs.csv")                  # and back: the same list of dicts
     read_chinchilla_csv("tests/data/chinchilla_fig4_epoch.csv")    # N, D, loss (from N,C / params,train_flops)
+    read_power_csv("tests/data/fineweb_ladders.csv")   # arch, C, loss[, depth] (from arm, compute_flops, val_loss)
 """
 
 import codecs
@@ -24,16 +26,20 @@ import numpy as np
 from tooling.common import write_atomic
 
 
-def read_runs_csv(path, required, numeric=(), positive=(), fraction=(), alternatives=None):
+def read_runs_csv(path, required, numeric=(), positive=(), fraction=(), alternatives=None, optional=()):
     """Read a CSV with a header row into {column: np.ndarray}. `required` columns must be present
-    (or one of `alternatives[col]`), `numeric` ones parse as finite floats, `positive` ones are > 0,
-    `fraction` ones lie in [0, 1); other columns are ignored. A file that cannot be opened raises
-    OSError; anything wrong inside it raises ValueError naming the file, the line and the column."""
+    (or one of `alternatives[col]`), `optional` ones (or an alternative) are read when present,
+    `numeric` ones parse as finite floats, `positive` ones are > 0, `fraction` ones lie in [0, 1); other
+    columns are ignored. A column is returned under the name the file gives it. A file that cannot be
+    opened raises OSError; anything wrong inside it raises ValueError naming the file, the line and the
+    column."""
     with open(path, "rb") as f:
         raw = f.read()
     lines = _csv_lines(path, _decode_utf8(path, raw))
     header = _header(path, lines, required)
-    columns = _required_columns(path, header, required, alternatives or {})
+    alternatives = alternatives or {}
+    present = [name for name in optional if any(o in header for o in [name, *alternatives.get(name, ())])]
+    columns = _required_columns(path, header, [*required, *present], alternatives)
     numbers = set(numeric) | set(positive) | set(fraction)
     data = {name: [] for name in columns}
     for lineno, row in lines[1:]:
@@ -149,6 +155,22 @@ def read_chinchilla_csv(path):
     return runs
 
 
+POWER_ALTERNATIVES = {"arch": ["arm"], "C": ["compute_flops"], "loss": ["val_loss"]}  # [X]'s released ladders
+
+
+def read_power_csv(path):
+    """arch, C, loss and, when the file has it, depth: the columns `fit.py power` reads. The [X] paper's
+    released ladders (tests/data/fineweb_ladders.csv: arm, depth, compute_flops, val_loss) are read under
+    those names. Returns {"arch": array, "C": array, "loss": array[, "depth": array]}."""
+    runs = read_runs_csv(path, ["arch", "C", "loss"], positive=["C", "loss", "depth", "compute_flops", "val_loss"],
+                         alternatives=POWER_ALTERNATIVES, optional=["depth"])
+    for name, others in POWER_ALTERNATIVES.items():
+        for other in others:
+            if other in runs:
+                runs[name] = runs.pop(other)
+    return {k: runs[k] for k in ("arch", "C", "loss", "depth") if k in runs}
+
+
 def write_runs_csv(runs, path):
     """Write {column: array} (e.g. fit.synthetic_surface_runs()) as a CSV with a header, atomically.
     Floats are written with 10 significant digits."""
@@ -171,3 +193,35 @@ def write_rows_csv(path, rows):
     for r in rows:
         w.writerow({k: ("" if r.get(k) is None else r[k]) for k in columns})
     write_atomic(path, lambda f: f.write(buffer.getvalue().encode()))
+
+
+def read_rows_csv(path):
+    """What write_rows_csv wrote, back as a list of dicts: an empty cell is None, True / False are bools,
+    a number is an int when it is written as one and a float otherwise, anything else a string. Errors
+    (bytes, quoting, a row with the wrong number of fields) name the file and the line."""
+    with open(path, "rb") as f:
+        lines = _csv_lines(path, _decode_utf8(path, f.read()))
+    if not lines:
+        raise ValueError(f"{path}: empty file, expected a header row")
+    header = _header(path, lines, [])
+    rows = []
+    for lineno, row in lines[1:]:
+        if not any(cell.strip() for cell in row):
+            continue
+        if len(row) != len(header):
+            raise ValueError(f"{path} line {lineno}: {len(row)} fields, the header has {len(header)}")
+        rows.append({name: _typed(cell) for name, cell in zip(header, row)})
+    return rows
+
+
+def _typed(cell):
+    if cell == "":
+        return None
+    if cell in ("True", "False"):
+        return cell == "True"
+    for kind in (int, float):
+        try:
+            return kind(cell)
+        except ValueError:
+            pass
+    return cell
