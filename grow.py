@@ -31,15 +31,15 @@ source is the original; `copied_names(param_map)` lists the rest. Tied growth gi
 import argparse
 import copy
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 
-import torch
 import torch.nn as nn
 
 import match
 from model import core_split, execution_plan
+from tooling import checkpoint
 from tooling.checkpoint import load_model
-from tooling.common import cli_error, write_atomic
+from tooling.common import cli_error
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -387,14 +387,14 @@ def grow_checkpoint(ckpt_path, n_passes, out_path, untie=False, copies="fresh", 
         except ValueError as e:
             log(f"dropping optimizer state ({e}); the optimizer starts fresh on resume")
             ckpt["optimizer"] = None
-    ckpt["model_config"] = asdict(model.config)
+    ckpt["model_config"] = checkpoint.plain_config(model.config)
     ckpt["model"] = model.state_dict()
     if "state" in ckpt:  # train.py's flag: a resumed run with grow_at set does not grow a second time
         ckpt["state"]["grown"] = True
     ckpt.setdefault("growth", []).append(dict(step=ckpt.get("state", {}).get("step"), from_passes=k0, to_passes=n_passes,
                                               from_layout=layout, from_tied=tied, untie=untie,
                                               copies=copies, param_map=param_map))
-    write_atomic(out_path, lambda f: torch.save(ckpt, f))
+    checkpoint.save_file(out_path, ckpt)
     n_copies = len(copied_names(param_map))
     log(f"grew {ckpt_path}: {layout} {'tied' if tied else 'untied'} K={k0} -> "
         f"{'tied' if model.config.tie_core else 'untied'} K={n_passes}, {len(model.blocks)} stored blocks, "

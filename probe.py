@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tooling.common import cli_error, write_atomic
-from model import GPT, scaled
+from model import scaled
 from tooling.checkpoint import load_model
 
 ATTENTION_QUANTITIES = (("X", "attn_in"), ("Q", "q"), ("K", "k"), ("V", "v"), ("PV", "attn_context"),
@@ -577,7 +577,7 @@ def main(argv=None):
                             progress=not args.json)
     except (ValueError, OSError) as e:
         return cli_error("probe.py", e)
-    result.update(ckpt=args.ckpt, data_dir=data_dir, step=ckpt.get("step"))
+    result.update(ckpt=args.ckpt, data_dir=data_dir, step=(ckpt.get("state") or {}).get("step"))
     if args.plot:
         result["plots"] = plot_probes(result, args.plot)
     if args.json:

@@ -29,7 +29,6 @@ import torch
 
 from tooling.common import cli_error, resolve_device
 from data.tokenizer import get_tokenizer
-from model import GPT
 from tooling.checkpoint import load_model
 
 SEPARATOR = "---------------"

@@ -616,7 +616,8 @@ def test_cli_end_to_end_with_checkpoint(tmp_path, capsys):
     prepare = pytest.importorskip("data.prepare")
     model, cfg = _tiny_gpt(vocab=4096, eot=4095, block_size=128)
     ckpt = tmp_path / "ckpt.pt"
-    torch.save({"model_config": dict(cfg.__dict__), "model": model.state_dict(), "tokenizer": "gpt2-4096"}, ckpt)
+    from tooling.checkpoint import plain_config, save_file
+    save_file(str(ckpt), {"model_config": plain_config(cfg), "model": model.state_dict(), "tokenizer": "gpt2-4096"})
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": ("word " * n).strip()}) + "\n" for n in (3, 20, 50, 90, 7, 30)))
     prepare.prepare([str(corpus)], str(tmp_path / "prep"), val_fraction=0.5, verbose=False)
@@ -637,7 +638,8 @@ def _cli_cases(tmp_path):
     model, cfg = _tiny_gpt()
     state = model.state_dict()
     state.pop(next(iter(state)))
-    torch.save({"model_config": dict(cfg.__dict__), "model": state}, tmp_path / "mismatch.pt")
+    from tooling.checkpoint import plain_config, save_file
+    save_file(str(tmp_path / "mismatch.pt"), {"model_config": plain_config(cfg), "model": state})
     bundles = {}
     for missing in ("core.yaml", "eval_meta_data.csv", "eval_data"):
         b = tmp_path / f"no_{missing}"

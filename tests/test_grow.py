@@ -11,7 +11,7 @@ import torch
 import grow
 import match
 from model import GPT, ModelConfig, execution_plan
-from tooling.checkpoint import load_model
+from tooling.checkpoint import load_model, plain_config, save_file
 from tooling.settings import read_config_file
 
 
@@ -313,10 +313,10 @@ def test_cli_grows_a_checkpoint_and_remaps_optimizer_state(tmp_path, capsys):
     model = random_model(cfg)
     state = {n: {"step": torch.tensor(3.0), "exp_avg": torch.ones_like(p)} for n, p in model.named_parameters()}
     names = list(state)
-    ckpt = {"model_config": asdict(cfg), "model": model.state_dict(), "state": {"step": 7, "tokens_seen": 123},
+    ckpt = {"model_config": plain_config(cfg), "model": model.state_dict(), "state": {"step": 7, "tokens_seen": 123},
             "optimizer": {"adamw": {"state": state, "param_groups": [{"lr": 0.1, "params": names}]}}}
     src, dst = str(tmp_path / "in.pt"), str(tmp_path / "out.pt")
-    torch.save(ckpt, src)
+    save_file(src, ckpt)
     assert grow.main(["--ckpt", src, "--passes", "4", "--out", dst]) == 0
     grown, out = load_model(dst)
     assert grown.config.n_passes == 4 and len(grown.blocks) == 1 + 4 * 2 + 1
@@ -332,7 +332,7 @@ def test_cli_grows_a_checkpoint_and_remaps_optimizer_state(tmp_path, capsys):
         assert torch.equal(grown(idx)[0], model(idx)[0])
     # no optimizer state: dropped with a message; growing to fewer passes: exit code 1, clear message
     del ckpt["optimizer"]
-    torch.save(ckpt, src)
+    save_file(src, ckpt)
     assert grow.main(["--ckpt", src, "--passes", "3", "--untie", "--out", dst]) == 2
     assert "already untied" in capsys.readouterr().err
     assert grow.main(["--ckpt", src, "--passes", "3", "--out", dst]) == 0

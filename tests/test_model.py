@@ -424,10 +424,10 @@ def test_x_init_zeroes_outputs():
 
 
 def test_checkpoint_round_trip(tmp_path):
-    from dataclasses import asdict
+    from tooling.checkpoint import plain_config, save_file
     model = build(layout="smelt", n_loops=2)
     path = tmp_path / "ckpt.pt"
-    torch.save({"model_config": asdict(model.config), "model": model.state_dict()}, str(path))
+    save_file(str(path), {"model_config": plain_config(model.config), "model": model.state_dict()})
     loaded, _ = load_model(str(path))
     idx = tokens()
     assert torch.equal(loaded(idx)[0], model(idx)[0])

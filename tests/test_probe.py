@@ -1,6 +1,5 @@
 """probe.py: every statistic on constructed inputs with a known answer, run_probes on tiny models, and the
 CLI end to end on a tiny looped MoE checkpoint and a non-looped one."""
-import dataclasses
 import json
 import math
 import os
@@ -274,8 +273,9 @@ def write_checkpoint(tmp_path, data_dir, name, **overrides):
     torch.manual_seed(0)
     model = GPT(tiny_config(**overrides))
     path = str(tmp_path / f"{name}.pt")
-    torch.save(dict(model_config=dataclasses.asdict(model.config), model=model.state_dict(), step=0,
-                    data_dir=data_dir, tokenizer="gpt2-512"), path)
+    from tooling.checkpoint import plain_config, save_file
+    save_file(path, dict(model_config=plain_config(model.config), model=model.state_dict(), state=dict(step=0),
+                         data_dir=data_dir, tokenizer="gpt2-512"))
     return path
 
 

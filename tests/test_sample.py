@@ -1,5 +1,4 @@
 """Tests for sample.py: seeded sampling, greedy = argmax, windows past block_size, test-time passes, CLI."""
-import dataclasses
 import re
 
 import pytest
@@ -26,10 +25,11 @@ def make_model(**overrides):
 
 
 def save_checkpoint(model, path, tokenizer="gpt2-4096"):
-    ckpt = {"model_config": dataclasses.asdict(model.config), "model": model.state_dict()}
+    from tooling.checkpoint import plain_config, save_file
+    ckpt = {"model_config": plain_config(model.config), "model": model.state_dict()}
     if tokenizer is not None:
         ckpt["tokenizer"] = tokenizer
-    torch.save(ckpt, path)
+    save_file(str(path), ckpt)
     return str(path)
 
 

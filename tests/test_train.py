@@ -204,7 +204,7 @@ def test_growth_flops_by_phase_and_resume_across_growth(tmp_path, data_dir, unti
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, monkeypatch):
     run(data_dir, tmp_path, run_name="nan", max_steps=2, eval_interval=1)
     path = os.path.join(tmp_path, "nan", "ckpt.pt")
-    before = torch.load(path, weights_only=False)
+    before = torch.load(path, weights_only=True)
     original = GPT.forward
 
     def poisoned(self, idx, targets=None, **kw):
@@ -214,7 +214,7 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, mon
     monkeypatch.setattr(GPT, "forward", poisoned)
     with pytest.raises(train.NonFiniteLoss, match="non-finite loss .* at step 2.*last good checkpoint is kept"):
         train.train(dict(out_dir=str(tmp_path), run_name="nan", resume=True, max_steps=4, progress=False))
-    after = torch.load(path, weights_only=False)
+    after = torch.load(path, weights_only=True)
     assert after["state"]["step"] == before["state"]["step"] == 2
     assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
 

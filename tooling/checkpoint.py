@@ -18,12 +18,23 @@ checkpoint (or does not fit its own config) failing deep inside torch.
 Both are written under a temporary name and renamed into place: a crash at any moment leaves the
 previous checkpoint intact, and a checkpoint is never written from non-finite weights. A directory is
 swapped in two renames (old -> .old, new -> final); find_resume_checkpoint recovers the moment between.
+
+Trust: a checkpoint holds only tensors and plain data (dicts, lists, numbers, strings) and is read with
+torch.load(weights_only=True), so loading one runs no code. Every tensor of a ckpt.pt has a CRC-32
+recorded when it is written and checked when it is read (a flipped byte is named with its tensor); every
+file of a ckpt.dcp/ has one too. A ckpt.dcp/ is resume state for your own runs, not a format to share:
+DCP itself unpickles its .metadata, which is checked first against the classes DCP writes there. An
+older checkpoint (Python objects inside) is refused; python -m tooling.convert_checkpoint converts it,
+reading it the unsafe way, for files you trust.
 """
 
 import errno
+import io
 import os
+import pickle
 import shutil
 import warnings
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -35,6 +46,7 @@ from tooling import distributed
 from tooling.common import TEMP_MARK, write_atomic
 
 SHARDED_META = "meta.pt"  # inside a ckpt.dcp/ directory: the checkpoint minus its tensor shards
+FORMAT = "loopstudy-checkpoint-2"  # plain data + tensors, per-tensor CRC-32s; 1: Python objects inside
 
 
 class NonFiniteLoss(RuntimeError):
@@ -65,19 +77,71 @@ def disk_error(path, error):
 # ckpt.pt: one file
 
 
+def plain_config(config):
+    """A config dataclass as plain data (derived sizes as the ints they are): what a checkpoint stores."""
+    return {k: int(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in asdict(config).items()}
+
+
+def crc(t):
+    """CRC-32 of a tensor's bytes."""
+    t = t.detach().reshape(-1)
+    return zlib.crc32(t.cpu().contiguous().view(torch.uint8).numpy()) if t.numel() else 0
+
+
+def tensor_checksums(ckpt):
+    """{"model.<name>" / "optimizer.<param>.<key>": CRC-32} of every tensor a checkpoint dict holds."""
+    out = {f"model.{k}": crc(v) for k, v in ckpt["model"].items()}
+    for name, state in ((ckpt.get("optimizer") or {}).get("state") or {}).items():
+        out.update({f"optimizer.{name}.{k}": crc(v) for k, v in state.items() if torch.is_tensor(v)})
+    return out
+
+
+def verify_checksums(ckpt, path):
+    """Refuse a checkpoint whose tensors do not have the bytes they were written with."""
+    recorded, now = ckpt.get("checksums") or {}, tensor_checksums(ckpt)
+    for name in sorted(set(recorded) | set(now)):
+        if recorded.get(name) != now.get(name):
+            what = "is missing" if name not in now else "was not recorded" if name not in recorded else \
+                "does not have the bytes it was written with (the file is corrupt)"
+            raise ValueError(f"{path}: tensor {name} {what}; use another checkpoint")
+
+
+def refused_objects(error):
+    """True when torch.load(weights_only=True) failed because the file names Python objects (its
+    "Unsupported global" refusal), not because the bytes are not a torch file."""
+    return isinstance(error, pickle.UnpicklingError) and "unsupported global" in str(error).lower()
+
+
+def first_line(error):
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 def load_checkpoint(path, map_location="cpu"):
-    """A checkpoint file -> its dict ({"model_config", "model", ...}), with a clear error when it is
-    missing, unreadable or not a loopstudy checkpoint."""
+    """A checkpoint file -> its dict ({"model_config", "model", ...}), read without running code
+    (weights_only=True) and with its checksums verified; one clear error when it is missing, unreadable,
+    corrupt, of an older format or not a loopstudy checkpoint."""
     if os.path.isdir(path):
-        raise ValueError(f"{path} is a directory, not a checkpoint file")
+        hint = " (a sharded checkpoint: resume state for train.py; the shareable weights are ckpt.pt)" \
+            if os.path.exists(os.path.join(path, SHARDED_META)) else ""
+        raise ValueError(f"{path} is a directory, not a checkpoint file{hint}")
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as e:  # truncated or not a torch file
-        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        if refused_objects(e):
+            raise ValueError(f"{path} holds Python objects a weights-only load refuses (an older loopstudy "
+                             "checkpoint, or not one: loading it could run code). Only if you trust it: python -m "
+                             f"tooling.convert_checkpoint {path} NEW.pt") from None
+        raise ValueError(f"cannot read checkpoint {path} (truncated, or not a torch file): "
+                         f"{first_line(e)}") from None
     if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model" not in ckpt:
         raise ValueError(f"{path} is not a loopstudy checkpoint (needs 'model_config' and 'model')")
+    if ckpt.get("format") != FORMAT:
+        raise ValueError(f"{path} is a loopstudy checkpoint of an older format; convert it: python -m "
+                         f"tooling.convert_checkpoint {path} NEW.pt")
+    verify_checksums(ckpt, path)
     return ckpt
 
 
@@ -94,8 +158,13 @@ def load_model(path, map_location="cpu"):
 
 
 def save_file(path, ckpt):
-    """Write ckpt (a dict of whole tensors and values) atomically, after checking its weights."""
-    check_finite(ckpt["model"].values(), ckpt["state"]["step"], path)
+    """Write ckpt (a dict of whole tensors and plain data) atomically, after checking its weights, with
+    the format mark and every tensor's checksum."""
+    check_finite(ckpt["model"].values(), (ckpt.get("state") or {}).get("step"), path)
+    ckpt = dict(ckpt, format=FORMAT)
+    ckpt["checksums"] = tensor_checksums(ckpt)
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write checkpoint {path}: it is a directory; give a file name")
     try:
         write_atomic(path, lambda f: torch.save(ckpt, f))
     except (OSError, RuntimeError) as e:
@@ -132,7 +201,9 @@ def save_sharded(path, ckpt):
             os.makedirs(tmp)
         dist.barrier()
         dcp.save(tensors, checkpoint_id=tmp)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0:  # every file DCP wrote, with its checksum; then the rest of the checkpoint
+            checksums = {f: file_crc(os.path.join(tmp, f)) for f in os.listdir(tmp)}
+            meta = dict(meta, format=FORMAT, file_checksums=checksums)
             torch.save(meta, os.path.join(tmp, SHARDED_META))
             if os.path.exists(path):
                 shutil.rmtree(old, ignore_errors=True)
@@ -145,11 +216,63 @@ def save_sharded(path, ckpt):
         dist.barrier()
 
 
+def file_crc(path):
+    value = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            value = zlib.crc32(block, value)
+    return value
+
+
+class DCPMetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's .metadata allowing only what DCP writes there (its metadata classes, torch.Size,
+    dtypes, layouts, paths): a pickled call to anything else is refused, so nothing can run."""
+    METADATA = "torch.distributed.checkpoint.metadata"
+    ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "set"),
+               ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+
+    def find_class(self, module, name):
+        if "." not in name:  # no dotted names: they reach through a module to anything it imported
+            if (module, name) in self.ALLOWED:
+                return super().find_class(module, name)
+            obj = getattr(torch, name, None) if module == "torch" else None
+            if isinstance(obj, torch.dtype):
+                return obj
+            if module == self.METADATA:
+                obj = super().find_class(module, name)
+                if isinstance(obj, type) and obj.__module__ == module:  # a class DCP defines there
+                    return obj
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
 def load_sharded_meta(path):
+    """A ckpt.dcp/ directory's meta.pt (read without running code), after checking every file's checksum
+    and that DCP's own .metadata holds only DCP's classes (DCP unpickles it)."""
     meta_path = os.path.join(path, SHARDED_META)
     if not os.path.exists(meta_path):
         raise ValueError(f"{path} is not a sharded loopstudy checkpoint (no {SHARDED_META})")
-    meta = torch.load(meta_path, weights_only=False)
+    try:
+        meta = torch.load(meta_path, weights_only=True)
+    except Exception as e:
+        if refused_objects(e):
+            raise ValueError(f"{meta_path} holds Python objects a weights-only load refuses (an older loopstudy "
+                             "checkpoint, or not one: loading it could run code); resume from a ckpt.pt") from None
+        raise ValueError(f"cannot read {meta_path} (truncated, or not a torch file): {first_line(e)}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is a sharded checkpoint of an older format (or not one); resume from a ckpt.pt")
+    for name, value in meta["file_checksums"].items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise ValueError(f"{path}: file {name} of the sharded checkpoint is missing")
+        if file_crc(file) != value:
+            raise ValueError(f"{path}: file {name} does not have the bytes it was written with (corrupt); use "
+                             "another checkpoint")
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            DCPMetadataUnpickler(io.BytesIO(f.read())).load()
+    except (pickle.UnpicklingError, OSError, EOFError) as e:
+        raise ValueError(f"{path}/.metadata is not DCP metadata ({e}): refused, loading it could run code") from None
     meta["path"] = path
     return meta
 
@@ -168,7 +291,11 @@ def load_sharded_tensors(meta, model, optimizers):
     model_state = model.state_dict()
     with warnings.catch_warnings():  # one process resuming a sharded run is intended: DCP's warning is noise
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model_state, "optimizer": state}, checkpoint_id=meta["path"])
+        try:
+            dcp.load({"model": model_state, "optimizer": state}, checkpoint_id=meta["path"])
+        except Exception as e:  # DCP wraps every rank's failure; its first line says enough
+            raise ValueError(f"cannot load the sharded checkpoint {meta['path']}: "
+                             f"{str(e).strip().splitlines()[0][:300]}") from None
     model.load_state_dict(model_state)
 
 
@@ -247,9 +374,9 @@ def training_checkpoint(model, optimizers, config, state, **extra):
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    return dict(model_config=asdict(model.config), model=model.state_dict(),
+    return dict(model_config=plain_config(model.config), model=model.state_dict(),
                 optimizer=optimizer_state_by_name(optimizers), state=asdict(state), rng=rng,
-                train_config=asdict(config), **extra)
+                train_config=plain_config(config), **extra)
 
 
 def optimizer_state_by_name(optimizers):
