@@ -71,7 +71,6 @@ Differences from nanochat (deliberate; each is tested):
   the empty string is rejected, since its answer NLL would be undefined.
 """
 
-import argparse
 import collections.abc
 import csv
 import hashlib
@@ -87,7 +86,8 @@ import torch.nn.functional as F
 import yaml
 from tqdm import tqdm
 
-from tooling.common import cli_error, read_jsonl, resolve_device
+from tooling import common
+from tooling.common import cli_error, number, read_jsonl, resolve_device
 
 PROG = "eval_core.py"  # the name CLI errors start with
 
@@ -277,7 +277,12 @@ def load_bundle(bundle_dir):
         if task["label"] not in baselines:
             raise ValueError(f"{yaml_path}:{task['line']}: task {task['label']!r} has no row in {csv_path}")
         task["random_baseline"] = baselines[task["label"]]
-        data_path = os.path.normpath(os.path.join(bundle_dir, "eval_data", task["dataset_uri"]))
+        eval_data = os.path.realpath(os.path.join(bundle_dir, "eval_data"))
+        data_path = os.path.realpath(os.path.join(eval_data, task["dataset_uri"]))
+        if os.path.isabs(task["dataset_uri"]) or os.path.commonpath([eval_data, data_path]) != eval_data:
+            raise ValueError(f"{yaml_path}:{task['line']}: dataset_uri of {task['label']!r} is "
+                             f"{task['dataset_uri']!r}, outside the bundle's eval_data/: refused (a bundle reads "
+                             "only its own files)")
         if not os.path.isfile(data_path):
             raise FileNotFoundError(f"{yaml_path}:{task['line']}: dataset_uri of {task['label']!r} "
                                     f"points to a missing file {data_path}")
@@ -705,7 +710,7 @@ def kshot_sweep(model, tokenizer, bundle, ks=KSHOT_SWEEP, labels=None, max_per_t
 def load_token_split(data_dir, split="val"):
     """(tokens, meta, doc_spans) of a data/prepare.py folder: tokens a 1-D array, doc_spans [(start, end)]
     of each document's own tokens (the sidecar's spans minus their leading eot). Without data.prepare,
-    reads {split}.bin with meta.json's dtype and finds documents between eot tokens."""
+    reads the split's shards listed in meta.json and finds documents between eot tokens."""
     try:
         from data.prepare import load_meta, load_sources, load_split
     except ImportError:
@@ -716,12 +721,12 @@ def load_token_split(data_dir, split="val"):
         spans = load_sources(data_dir, split)
         return tokens, meta, [(int(s) + 1, int(e)) for s, e in spans[:, :2] if e - s > 1]
     meta_path = os.path.join(data_dir, "meta.json")
-    bin_path = os.path.join(data_dir, f"{split}.bin")
-    if not os.path.isfile(meta_path) or not os.path.isfile(bin_path):
-        raise FileNotFoundError(f"{data_dir} needs meta.json and {split}.bin (run data/prepare.py first)")
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{meta_path} not found (run data/prepare.py first)")
     with open(meta_path, "r", encoding="utf-8") as f:
         meta = json.load(f)
-    tokens = np.memmap(bin_path, dtype=np.dtype(meta.get("dtype", "uint16")), mode="r")
+    paths = [os.path.join(data_dir, shard["file"]) for shard in meta["shards"][split]]  # its shards, in order
+    tokens = np.concatenate([np.fromfile(p, dtype=np.dtype(meta["dtype"])) for p in paths])
     return tokens, meta, split_documents(tokens, int(meta["eot_token"]))
 
 
@@ -963,10 +968,10 @@ def run(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog=PROG, description="DCLM CORE evaluation (nanochat-compatible), answer NLL, sweeps")
+    p = common.parser(PROG, description="DCLM CORE evaluation (nanochat-compatible), answer NLL, sweeps")
     p.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
     p.add_argument("--bundle", help="eval bundle dir (core.yaml, eval_data/, eval_meta_data.csv)")
-    p.add_argument("--max_per_task", type=int, default=-1, help="items per task after the 1337 shuffle (-1 all)")
+    p.add_argument("--max_per_task", type=number(int, -1), default=-1, help="items per task after the 1337 shuffle (-1 all)")
     p.add_argument("--fewshot_seeds", default=str(FEWSHOT_SEED),
                    help="comma list; item idx draws with random.Random(seed + idx); '0,1,2' = [X] seeds")
     p.add_argument("--tasks", default=None, help="comma list of task labels (default: all in the bundle)")
@@ -976,12 +981,12 @@ def main(argv=None):
                    help="per-document-length-bucket val loss on a data/prepare.py output dir")
     p.add_argument("--length_split", default="val", choices=["train", "val"],
                    help="the split of --length_buckets' data to measure (default: val)")
-    p.add_argument("--length_max_tokens", type=int, default=1 << 20, help="token budget for --length_buckets")
+    p.add_argument("--length_max_tokens", type=number(int, 1), default=1 << 20, help="token budget for --length_buckets")
     p.add_argument("--baselines", choices=["bundle", "v1", "2025-09-05"], default="bundle",
                    help="random baselines: the bundle's csv as is, or one published version for the 3 rows that changed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device to evaluate on, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
-    p.add_argument("--batch_tokens", type=int, default=16384, help="padded tokens per forward")
+    p.add_argument("--batch_tokens", type=number(int, 1), default=16384, help="padded tokens per forward")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="autocast on CUDA")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--no_progress", action="store_true", help="no tqdm progress bars")

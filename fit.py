@@ -12,8 +12,9 @@ the downstream prediction pipeline [X19]-[X21] and quadratic-vertex fits (numpy,
 
 CSV columns: surface `arch,cell,F,S,D,loss`; chinchilla `N,D,loss` (or `N,C,loss`, D = C/(6N));
 power `arch,C,loss`, optionally `depth` (or [X]'s names `arm,depth,compute_flops,val_loss`). Extra
-columns are ignored; a UTF-8 byte-order mark is fine. A user mistake (missing file, malformed CSV, bad
-option) is one line on stderr and exit status 2. `python fit.py SUBCOMMAND --help` says what every flag
+columns are ignored; a UTF-8 byte-order mark is fine. A user mistake (missing file, malformed CSV, a row
+given twice, a nan, bad option) is one line on stderr and exit status 2 (docs/fit.md says what counts as
+a duplicate row). `python fit.py SUBCOMMAND --help` says what every flag
 means. This file holds the fits and, at its bottom, the command line; reading the runs CSV files is
 tooling/tables.py, the figures tooling/plots.py (matplotlib optional).
 
@@ -31,6 +32,7 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -43,7 +45,7 @@ from scipy.special import expit
 from scipy.stats import linregress
 from threadpoolctl import ThreadpoolController
 
-from tooling import plots, tables
+from tooling import common, plots, tables
 from tooling.common import cli_error
 
 HUBER_DELTA = 1e-3  # [S2] / Chinchilla: Huber on log-loss with delta = 1e-3
@@ -721,21 +723,41 @@ def cell_bootstrap(runs, ref, target, budgets, sparsities, n_draws=2000, seed=0,
 
 def _bootstrap_pool(payload, chunks, n_workers, results, bar):
     """Run chunks on `n_workers` spawned processes (spawn: safe when the parent has torch / OpenMP
-    threads alive), each with single-threaded BLAS."""
+    threads alive), each with single-threaded BLAS. Ctrl-C: the workers ignore it and are ended by
+    this process (stop_workers), so an interrupt is one KeyboardInterrupt here, not one per worker."""
     saved = {k: os.environ.get(k) for k in _SINGLE_THREAD_ENV}
     os.environ.update(_SINGLE_THREAD_ENV)
     try:
-        with ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_bootstrap_chunk, payload, ch): len(ch) for ch in chunks}
-            for fut in as_completed(futures):
-                results.update(fut.result())
-                bar.update(futures[fut])
+        with ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=ignore_sigint) as pool:
+            try:
+                futures = {pool.submit(_bootstrap_chunk, payload, ch): len(ch) for ch in chunks}
+                for fut in as_completed(futures):
+                    results.update(fut.result())
+                    bar.update(futures[fut])
+            except BaseException:
+                stop_workers(pool)
+                raise
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def ignore_sigint():
+    """A pool worker's initializer: Ctrl-C in a terminal signals every process of the group; the parent
+    alone handles it (and ends its workers with stop_workers), so no worker prints a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def stop_workers(pool):
+    """End a ProcessPoolExecutor's workers now (Ctrl-C, an error): queued work is cancelled and running
+    work killed, instead of waiting for it as leaving the `with` block would. (ladder.py uses it too.)"""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public API before 3.14
+        process.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _progress(total, desc, enabled):
@@ -890,7 +912,11 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a mistake goes back to main(), which reports it like every other: one line."""
+    """argparse, but a mistake goes back to main(), which reports it like every other: one line. No
+    abbreviations: `--boot 5` is an error, not a silent --bootstrap 5."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         raise _UsageError(self.prog, message)
@@ -913,27 +939,6 @@ def _budgets(text):
 
 def _sparsities(text):
     return _numbers(text, lambda v: 0 <= v < 1, "in [0, 1)")
-
-
-def _positive(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got '{text}'")
-    return value
-
-
-def _count(text):
-    """argparse type: an integer >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got '{text}'")
-    return n
 
 
 def _json_safe(v):
@@ -1111,17 +1116,17 @@ def build_parser():
     s.add_argument("--sparsity", type=_sparsities, default="0.85,0.95", metavar="S,S,...",
                    help="comma-separated sparsities S in [0, 1) at which CE Gain and TPP are reported "
                         "(default: 0.85,0.95)")
-    s.add_argument("--bootstrap", type=_count, default=0, metavar="N",
+    s.add_argument("--bootstrap", type=common.number(int, 0), default=0, metavar="N",
                    help="cell-bootstrap draws for 95%% intervals of every number (paper: 2000; default 0: no "
                         "intervals)")
-    s.add_argument("--seed", type=_count, default=0, help="seed of the cell bootstrap: the same seed gives the same "
+    s.add_argument("--seed", type=common.number(int, 0), default=0, help="seed of the cell bootstrap: the same seed gives the same "
                                                           "intervals (default 0)")
     s.add_argument("--json", action="store_true", help=json_help)
     s.add_argument("--plot", metavar="FILE", help="also draw the [S4] iso-sparsity frontiers of --ref and --target "
                                                   "into FILE (.png, .pdf or .svg; needs matplotlib)")
     c = add("chinchilla")
     c.add_argument("csv", help="the runs CSV (columns N, D, loss; or N, C, loss; or params, train_flops, loss)")
-    c.add_argument("--drop-highest", type=_count, default=0, metavar="K",
+    c.add_argument("--drop-highest", type=common.number(int, 0), default=0, metavar="K",
                    help="drop the K highest-loss points before fitting (Epoch AI's replication: 5; default 0)")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of a line of text")
     w = add("power")
@@ -1132,9 +1137,9 @@ def build_parser():
     w.add_argument("--protocol", choices=POWER_PROTOCOLS, default="x",
                    help="how E is fitted on --ref: x = the [X] paper's fit (default), huber-log = Huber on "
                         "log-loss (the surfaces' protocol)")
-    w.add_argument("--C0", type=_positive, default=C_REF, help="compute scale C0 in FLOPs of L = E + A (C/C0)^-gamma "
+    w.add_argument("--C0", type=common.number(float, 0, open_low=True), default=C_REF, help="compute scale C0 in FLOPs of L = E + A (C/C0)^-gamma "
                                                                "(default 1e18, [X]'s): it changes A, not E or gamma")
-    w.add_argument("--min-depth", type=_positive, metavar="D",
+    w.add_argument("--min-depth", type=common.number(float, 0, open_low=True), metavar="D",
                    help="multiplier budgets: only --ref's points with depth >= D (needs a depth column; [X]'s "
                         "figure uses 8). Default: every point of --ref")
     w.add_argument("--per-arch-E", action="store_true", help="sensitivity option: fit E per architecture instead "
@@ -1153,6 +1158,9 @@ def main(argv=None):
         return cli_error(e.prog, e)
     except (OSError, ValueError) as e:  # missing file, malformed CSV (file, line, column), data that cannot be fitted
         return cli_error("fit.py", e)
+    except KeyboardInterrupt:  # Ctrl-C (a long --bootstrap): one line, the shell's status for SIGINT
+        print("fit.py: interrupted (a fit keeps nothing partial: rerun the same command)", file=sys.stderr)
+        return 130
     return 0
 
 

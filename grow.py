@@ -28,8 +28,8 @@ blocks.14, and the new blocks.8 is a copy of blocks.2. Originals come before the
 source is the original; `copied_names(param_map)` lists the rest. Tied growth gives the identity map.
 """
 
-import argparse
 import copy
+import os
 import sys
 from dataclasses import replace
 
@@ -39,7 +39,8 @@ import match
 from model import core_split, execution_plan
 from tooling import checkpoint
 from tooling.checkpoint import load_model
-from tooling.common import cli_error
+from tooling import common
+from tooling.common import cli_error, number
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -406,9 +407,14 @@ def schedule_table(cfg, kf=4, law=None, tpps=(5, 6, 7, 8, 10, 20), tokens_per_st
     """The growth schedule of a config (K0 = cfg.n_passes -> kf) as printable lines: parameter counts
     [X10], the expansion ratio, and per reference TPP: rho* [X15], mean passes [X13], the grown run's
     TPP [X14], tokens and steps (the Table 9 recipe, grown_run_tokens)."""
+    if cfg.layout != "pcc":
+        raise ValueError(f"layout {cfg.layout!r}: the growth schedule is [X]'s, for prelude-core-coda models "
+                         "(layout 'pcc')")
     law = law or ("loop_grow" if cfg.tie_core else "untied_grow")
     a, b = AFFINE_LAW[law]
     k0 = cfg.n_passes
+    if kf <= k0:
+        raise ValueError(f"--passes {kf}: growth goes to more than the config's K0={k0} core passes")
     n_s, n_c0, n_cf = stored_params(cfg), compute_active_params(cfg), compute_active_params(cfg, kf)
     e_ratio = n_cf / n_c0
     lines = [f"{cfg.layout} {'tied' if cfg.tie_core else 'untied'} K0={k0} -> Kf={kf}, "
@@ -426,11 +432,11 @@ def schedule_table(cfg, kf=4, law=None, tpps=(5, 6, 7, 8, 10, 20), tokens_per_st
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description="Grow a loopstudy checkpoint to more core passes ([X] Algorithm 1), or print the growth "
+    parser = common.parser(
+        "grow.py", description="Grow a loopstudy checkpoint to more core passes ([X] Algorithm 1), or print the growth "
                     "schedule of a config ([X9]-[X15]).")
     parser.add_argument("--ckpt", help="input checkpoint (train.py / grow.py)")
-    parser.add_argument("--passes", type=int, default=4, help="target number of core passes Kf (default 4)")
+    parser.add_argument("--passes", type=number(int, 1), default=4, help="target number of core passes Kf (default 4)")
     parser.add_argument("--untie", action="store_true", help="untie a tied core into K copies first (then grow)")
     parser.add_argument("--copies", choices=("fresh", "source"), default="fresh",
                         help="optimizer state of new copies: fresh (default, as the [X] code) or the source's")
@@ -445,6 +451,9 @@ def main(argv=None):
             return 0
         if not args.ckpt:
             parser.error("--ckpt is required (or --schedule CONFIG)")
+        if args.out and os.path.isdir(args.out):
+            raise ValueError(f"--out {args.out} is a directory; give the checkpoint file to write, e.g. "
+                             f"{os.path.join(args.out, 'ckpt.pt')}")
         grow_checkpoint(args.ckpt, args.passes, args.out or args.ckpt, untie=args.untie, copies=args.copies)
     except (ValueError, OSError) as e:
         return cli_error("grow.py", e)

@@ -7,6 +7,7 @@ Both papers' experiments in miniature, end to end: grid -> match -> LR sweep -> 
     python ladder.py --preset smelt-micro            # seconds: the whole pipeline, numbers meaningless
     python ladder.py --preset x-cpu-mini --fit-only --plot   # refit / re-report / re-plot finished runs
     python ladder.py --preset x-cpu-mini --from-csv docs/ladder/x-cpu-mini-runs.csv --plot   # from runs.csv alone
+    python ladder.py --plan config/smelt_200m_s95.py [--gpus 8] [--json]   # a config's recipe: runs, tokens, FLOPs
     # GPU presets (documented, not run here); every rank runs the same ladder, rank 0 writes results
     torchrun --standalone --nproc_per_node=8 ladder.py --preset x-gpu-1node
 
@@ -57,14 +58,15 @@ Presets (python ladder.py --list prints each with its runs and planned compute):
   smelt-micro / x-micro     seconds; tests/test_ladder.py runs them end to end. Numbers mean nothing.
   smelt-cpu-mini, x-cpu-mini   the miniatures above, two CPU workers (1 thread each), about an hour each.
   smelt-gpu-1node/2node,    sized for one / two 8-GPU nodes (documented, not run here); they read
-  x-gpu-1node/2node         data/cache/fineweb (prepare it with data/prepare.py), see GPU_DATA.
+  x-gpu-1node/2node         data/cache/fineweb_gpt2 (prepare it with data/prepare.py), see GPU_DATA.
 
 Resumable: every run lives in OUT/runs/<run_id>/ (train.py's checkpoints, log.jsonl, train.out = its
 printed output) and is finished when OUT/runs/<run_id>/result.json exists, written atomically after
 training. A finished run is never redone (a result from different settings is an error, not a silent
 mix; a setting added to model.py / train.py since, left at its default, is not a difference); an
 unfinished run is restarted from scratch. So killing the ladder at any moment and running the same
-command again continues where it stopped. OUT/runs.csv, OUT/lr_sweep.csv (every swept value; runs.csv
+command again continues where it stopped; Ctrl-C (or SIGTERM) says so in one line (exit status 130 /
+143), ending the worker processes with it. OUT/runs.csv, OUT/lr_sweep.csv (every swept value; runs.csv
 holds the runs carried up), OUT/report.txt and OUT/report.json (and with --plot the figures) are rebuilt
 from the result files at the end of every invocation; --from-csv rebuilds the report from runs.csv and
 lr_sweep.csv alone (the committed docs/ladder/ reports are made that way). Decay branches
@@ -72,15 +74,21 @@ delete their own ckpt.pt when finished unless --keep-checkpoints (stable checkpo
 """
 
 import argparse
+import collections
 import contextlib
+import glob
 import json
 import math
 import multiprocessing
 import os
+import shlex
 import shutil
+import signal
 import sys
+import threading
 import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -91,7 +99,8 @@ import grow
 import match
 import train
 from model import ModelConfig
-from tooling import distributed, plots, tables
+from tooling import common, distributed, guards, plots, rundir, tables
+from tooling.checkpoint import TrainState
 from tooling.common import cli_error, write_atomic
 
 # ----------------------------------------------------------------------------------------------------
@@ -108,8 +117,9 @@ SMELT_MATCH = dict(width_multiple=(16, 8, 4), hidden_multiple=4, expert_multiple
 # [X] Table 1
 X_MODEL = dict(norm_gain=False, qk_norm=True, embed_norm=True, init="x")
 # GPU presets need far more tokens than the embedded corpus: prepare e.g. FineWeb shards with
-#   python data/prepare.py /path/to/fineweb/*.jsonl --tokenizer gpt2 --out data/cache/fineweb
-GPU_DATA = "data/cache/fineweb"
+#   python data/prepare.py --hf HuggingFaceFW/fineweb-edu --hf_config sample-10BT --tokenizer gpt2 \
+#       --val_tokens 10000000 --workers 16 --out data/cache/fineweb_gpt2   (docs/data.md; the x_d8 configs' folder)
+GPU_DATA = "data/cache/fineweb_gpt2"
 X_ARCHS = ("vanilla", "operator-1", "loop-2", "untied-2", "loop-grow", "untied-grow")
 SEEDS = [1337, 1338, 1339]  # the reference architecture runs all; the others the first
 
@@ -355,6 +365,15 @@ def train_in_run_dir(settings, directory, threads=None, train_fn=None):
     return {k: summary.get(k) for k in RESULT_KEYS} | {"train_losses": summary.get("train_losses")}
 
 
+def _worker_init():
+    """A ladder worker process: Ctrl-C is the parent's to handle (fit.ignore_sigint), and tqdm's lock a
+    thread lock: each worker writes only its own train.out, and tqdm's default multiprocessing lock is a
+    named semaphore that the resource tracker reports as leaked (a warning on stderr) once the parent
+    ends the worker after Ctrl-C."""
+    fit.ignore_sigint()
+    tqdm.set_lock(threading.RLock())
+
+
 RESULT_KEYS = ("val_loss", "val_loss_by_source", "tokens", "flops", "step", "max_steps", "seconds", "unigram_entropy",
                "data_region", "data_read", "data_split", "ckpt_path", "log_path")
 
@@ -380,7 +399,7 @@ def run_ladder(specs, out_dir, train_fn=None, progress=True, keep_checkpoints=Fa
             shutil.rmtree(directory, ignore_errors=True)
         _barrier()
         settings = dict(spec.settings, out_dir=os.path.join(out_dir, "runs"), run_name=spec.run_id,
-                        progress=progress and workers == 1, sample=False)
+                        progress=progress and workers == 1, sample=False, overwrite=True)  # a run starts over
         if data_dir:
             settings["data_dir"] = data_dir
         if spec.needs:
@@ -415,19 +434,30 @@ def run_ladder(specs, out_dir, train_fn=None, progress=True, keep_checkpoints=Fa
     else:  # a pool of worker processes; a run starts once the run it branches from has finished
         pending, running = list(todo), {}
         context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
-        with ProcessPoolExecutor(workers, mp_context=context) as pool:
-            while pending or running:
-                for spec in [s for s in pending if not s.needs or results.get(s.needs)]:
-                    if len(running) >= workers:
-                        break
-                    pending.remove(spec)
-                    running[pool.submit(train_in_run_dir, settings_of(spec), run_dir(out_dir, spec.run_id),
-                                        threads)] = spec
-                if not running:
-                    raise ValueError(f"runs {[s.run_id for s in pending]} wait for runs that are not in the ladder")
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    finish(running.pop(future), future.result())
+        # Ctrl-C: the workers ignore it; this process ends them (an unfinished run restarts from scratch on
+        # the next invocation, so killing one mid-run loses only that run's progress)
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init) as pool:
+            try:
+                while pending or running:
+                    for spec in [s for s in pending if not s.needs or results.get(s.needs)]:
+                        if len(running) >= workers:
+                            break
+                        pending.remove(spec)
+                        running[pool.submit(train_in_run_dir, settings_of(spec), run_dir(out_dir, spec.run_id),
+                                            threads)] = spec
+                    if not running:
+                        raise ValueError(f"runs {[s.run_id for s in pending]} wait for runs that are not in the ladder")
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        finish(running.pop(future), future.result())
+            except BrokenProcessPool:  # a worker died (killed, out of memory): its run restarts next time
+                fit.stop_workers(pool)
+                raise ValueError(f"a worker process died while training {sorted(s.run_id for s in running.values())} "
+                                 "(killed? out of memory?); rerun the same command to continue (finished runs are "
+                                 "kept), or use fewer --workers") from None
+            except BaseException:
+                fit.stop_workers(pool)
+                raise
     bar.close()
     return results
 
@@ -1133,6 +1163,9 @@ def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400, lrs=None):
         lines += sweep[0]
         out["lr_sweep"] = sweep[1]
         lines += lr_confound_lines(preset, archs, lrs or {}, ref)
+    if not rows:
+        lines.append("no finished runs yet")
+        return "\n".join(lines), out, None
     per, pooled = seed_spread(rows, ("depth",), ref)
     out["seed_spread"] = dict(pooled_std=pooled, per_depth={str(k[0]): dict(mean=m, std=s, n=n)
                                                               for k, (m, s, n) in per.items()})
@@ -1339,6 +1372,14 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
     """Run (or continue) a preset end to end; returns the report dict (also OUT/report.json)."""
     preset = get_preset(preset_name, **overrides)
     out_dir = out_dir or os.path.join("out", f"ladder-{preset_name}")
+    if fit_only and not any(os.path.exists(os.path.join(d, "result.json"))
+                            for d in glob.glob(os.path.join(glob.escape(out_dir), "runs", "*"))):
+        committed = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "ladder", f"{preset_name}-runs.csv")
+        csvs = [c for c in (os.path.relpath(committed), os.path.join(out_dir, "runs.csv")) if os.path.exists(c)]
+        raise ValueError(f"--fit-only: {out_dir} holds no finished runs (runs/*/result.json) to refit; "
+                         + (f"rebuild the report from a runs.csv instead: python ladder.py --preset {preset_name} "
+                            f"--from-csv {csvs[0]}{' --plot' if plot else ''}" if csvs else
+                            "train them first (the same command without --fit-only)"))
     if "RANK" in os.environ:  # under torchrun: join the process group now, so only rank 0 writes
         distributed.setup(preset["train"].get("device", "auto"))
         if not _is_master():
@@ -1414,11 +1455,11 @@ def rereport(preset_name, runs_csv, bootstrap=None, plot=False, log=print, progr
         raise ValueError(f"--from-csv {runs_csv}: expected a file named runs.csv or NAME-runs.csv (the report is "
                          "written beside it, named alike)")
     prefix = name[: -len("runs.csv")]
-    rows = tables.read_rows_csv(runs_csv)
+    rows = tables.read_rows_csv(runs_csv, unique=["run_id"])  # a run twice would be fitted twice
     sweep_csv = os.path.join(folder, prefix + "lr_sweep.csv")
     sweep, lrs = None, {}
     if os.path.exists(sweep_csv):
-        key, losses, lrs = sweep_from_rows(tables.read_rows_csv(sweep_csv))
+        key, losses, lrs = sweep_from_rows(tables.read_rows_csv(sweep_csv, unique=["arch", "key", "value"]))
         sweep = sweep_lines(key, losses, lrs)
     else:
         log(f"no {sweep_csv}: the report has no LR sweep table")
@@ -1496,12 +1537,230 @@ def decay_curves(specs, results):
     return curves
 
 
+# ----------------------------------------------------------------------------------------------------
+# --plan CONFIG: every run one config file's recipe trains, what each reads and costs, before training
+
+
+def recipe_plan(config_path, gpus=8):
+    """The runs a config file's recipe trains on `gpus` processes, each number derived from the file and
+    train.py's defaults, read as train.py reads them (train.SETTINGS). The run itself (with its growth
+    step [X13] if it grows); with decay_tokens > 0 (the [S] recipe) that run is the stable phase and
+    one decay branch [S] forks from each of its save_steps and from its end, named as
+    rundir.resolve_run names a branch. Per run: its train.py command (torchrun for gpus > 1), steps,
+    tokens and training FLOPs as train.py counts them (plan_flops); then the train tokens the data must
+    hold (data_needs). A recipe that cannot run is a ValueError naming the setting. Returns the dict
+    --plan --json prints."""
+    given = train.SETTINGS.parse([config_path])  # what the file sets, over train.py's defaults
+    values = train.SETTINGS.resolve(given)
+    config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(ModelConfig, values)
+    for name in ("init_from", "resume", "decay_branch"):
+        if values[name]:
+            raise ValueError(f"{config_path}: {name}={values[name]!r}: --plan plans a recipe from its first step; "
+                             "this config continues another run")
+    guards.derive_grad_accum(config, gpus)  # global_batch: the same step on any number of processes
+    seqs = config.batch_size * config.grad_accum * gpus
+    step_tokens = seqs * cfg.block_size
+    schedule = train.plan_schedule(config, TrainState(), step_tokens)  # max_steps, decay start, growth step
+    grown = None if schedule.grow_step is None else grow.grown_config(cfg, config.grow_to, config.grow_untie)
+    points = branch_points(config_path, config, schedule)
+    prefix = ["python"] if gpus == 1 else ["torchrun", "--standalone", f"--nproc_per_node={gpus}"]
+    stable = rundir.RunDir(os.path.join(config.out_dir, config.run_name), sharded=config.parallel == "fsdp")
+    runs = [dict(run_name=config.run_name, role="stable" if points else "run", argv=[config_path],
+                 steps=schedule.max_steps, tokens=schedule.max_steps * step_tokens, windows=schedule.max_steps * seqs,
+                 flops=plan_flops(cfg, grown, config, 0, schedule.max_steps, schedule.grow_step, step_tokens),
+                 grow_step=schedule.grow_step, grow_to=config.grow_to if grown else None, run_dir=stable.path,
+                 checkpoints=[stable.step_path(s) for s in sorted(set(config.save_steps))] + [stable.resume_path])]
+    for step in points:
+        source = stable.step_path(step) if step < schedule.max_steps else stable.resume_path
+        argv = [f"--init_from={source}", "--decay_branch=True", f"--decay_tokens={config.decay_tokens}"]
+        argv += [f"--{k}={values[k]}" for k in ("out_dir", "data_dir")  # paths never come from a checkpoint
+                 if k in rundir.NOT_INHERITED_FORK and values[k] != train.DEFAULTS[k]]
+        branch = train.SETTINGS.build(train.TrainConfig, train.SETTINGS.resolve(  # what the branch runs with
+            train.SETTINGS.parse(argv), base=values, not_inherited=rundir.NOT_INHERITED_FORK))
+        # a branch keeps the stable run's sequences per step (rundir: the checkpoint's global batch)
+        steps = train.plan_schedule(branch, TrainState(step=step, branch_start_step=step), step_tokens).max_steps - step
+        at_fork = grown if schedule.grow_step is not None and step > schedule.grow_step else cfg
+        name = rundir.branch_run_name(config.run_name, step)
+        runs.append(dict(run_name=name, role="branch", argv=argv, from_step=step, init_from=source,
+                         decay_tokens=config.decay_tokens, steps=steps, tokens=steps * step_tokens,
+                         windows=steps * seqs, flops=plan_flops(at_fork, None, branch, step, step + steps, None,
+                                                                step_tokens),
+                         run_dir=os.path.join(branch.out_dir, name)))
+    for r in runs:
+        r["command"] = shlex.join(prefix + ["train.py"] + r["argv"])
+        r["flops_per_token"] = r["flops"] / r["tokens"]
+    branch_windows = max((r["windows"] for r in runs if r["role"] == "branch"), default=0)
+    return dict(config=config_path, processes=gpus, sequences_per_step=seqs, grad_accum=config.grad_accum,
+                block_size=cfg.block_size, tokens_per_step=step_tokens, avg_doc_len=config.avg_doc_len or None,
+                model=dict(layout=cfg.layout, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_expert=cfg.n_expert,
+                           passes=cfg.passes, executed_layers=cfg.executed_layers()),
+                runs=runs, total=dict(runs=len(runs), tokens=sum(r["tokens"] for r in runs),
+                                      flops=sum(r["flops"] for r in runs)),
+                data=data_needs(config, cfg, runs[0]["windows"], branch_windows, "branch_data_fraction" in given))
+
+
+def branch_points(config_path, config, schedule):
+    """[S] the steps decay branches fork from: every save step and the end of the stable run ([] without
+    decay_tokens). Refused: a save step after the last step (never written), branches without held-back
+    data, and a branch from a step the stable run's LR already decays at (guards.check_branch_source
+    refuses it at training time)."""
+    late = sorted(s for s in set(config.save_steps) if s > schedule.max_steps)
+    if late:
+        raise ValueError(f"{config_path}: save_steps {late} are after the last step (max_steps={schedule.max_steps}): "
+                         "those checkpoints are never written")
+    if config.decay_tokens <= 0:
+        return []
+    if config.branch_data_fraction == 0:
+        raise ValueError(f"{config_path}: branch_data_fraction=0.0 holds no data back, but decay_tokens="
+                         f"{config.decay_tokens} plans decay branches, which read only the held-back tail")
+    points = sorted(s for s in set(config.save_steps) if s < schedule.max_steps) + [schedule.max_steps]
+    decayed = [s for s in points if s > schedule.decay_start]
+    if decayed:
+        raise ValueError(f"{config_path}: decay_fraction={config.decay_fraction}: the stable run's LR decays from step "
+                         f"{schedule.decay_start}, so a branch from step {decayed[0]} would raise it again; set "
+                         "decay_fraction=0.0 (the decays are the branches [S])")
+    return points
+
+
+def plan_flops(cfg, grown, config, first, last, grow_step, step_tokens):
+    """Training FLOPs of steps [first, last) as train.py logs them: each step's tokens x the FLOPs per
+    token of the model that runs it (train.flops_per_token: every block execution, the config's
+    avg_doc_len), the grown model from grow_step on [X13], each step at its drawn passes when
+    n_passes_choices is set (train.passes_of_step: seeded by the step)."""
+    if config.n_passes_choices:
+        steps = collections.Counter((grow_step is not None and step >= grow_step, train.passes_of_step(config, step))
+                                    for step in range(first, last))
+    else:
+        cut = last if grow_step is None else min(max(first, grow_step), last)
+        steps = {(False, None): cut - first, (True, None): last - cut}
+    return sum(n * step_tokens * train.flops_per_token(grown if after else cfg, k, config.avg_doc_len)
+               for (after, k), n in steps.items() if n)
+
+
+def smallest_train_split(stable_tokens, branch_tokens, fraction):
+    """The fewest train tokens n whose regions, cut as data.loader.Data.stream cuts them (the last
+    int(n x fraction) held back), hold stable_tokens before the cut and branch_tokens after it."""
+    def holds(n):
+        held = int(n * fraction)
+        return n - held >= stable_tokens and held >= branch_tokens
+    n = stable_tokens + branch_tokens
+    if branch_tokens:  # both regions grow with n: start just below where each first fits, then step up
+        n = max(n, math.floor(branch_tokens / fraction))
+    n = max(0, max(n, math.floor((stable_tokens - 1) / (1 - fraction))) - 2)
+    while not holds(n):
+        n += 1
+    return n
+
+
+def data_needs(config, cfg, stable_windows, branch_windows, fraction_set):
+    """What the train split must hold for the plan to read no token twice ([S]). A run reads windows of
+    block_size + 1 tokens, block_size apart (data.loader.TokenStream): W windows need W x block_size + 1
+    tokens. The stable run reads the region before the cut; every decay branch reads the held-back tail
+    from its start (a fork onto another region starts at its beginning), so the tail must hold one
+    branch. With the prepared data_dir present here, its regions are checked as well. Returns a dict:
+    the token counts, notes (lines) and problems (lines: the plan would reread data, or a branch be
+    refused)."""
+    T, f = cfg.block_size, config.branch_data_fraction
+    stable_need = stable_windows * T + 1
+    branch_need = branch_windows * T + 1 if branch_windows else 0
+    plain = stable_need + branch_need
+    smallest = smallest_train_split(stable_need, branch_need, f)
+    out = dict(stable_tokens=stable_need, branch_tokens=branch_need, read_tokens=plain, branch_data_fraction=f,
+               exact_fraction=branch_need / plain, smallest_train_split=smallest, notes=[], problems=[],
+               data_dir=config.data_dir, prepared_train_tokens=None)
+    if branch_need:
+        out["notes"].append(f"the stable region must hold {stable_need:,} tokens ({stable_windows:,} windows of "
+                            f"block_size + 1), the held-back tail {branch_need:,} (one branch's {branch_windows:,} "
+                            f"windows: every branch reads the same tail from its start); {plain:,} in all")
+        held = int(plain * f)  # a split of exactly what the runs read, cut at f: what the tail gains, the stable lacks
+        out["holds_one_branch"] = held >= branch_need
+        out["notes"].append(
+            f"branch_data_fraction {f:g} " + (f"holds one branch: of exactly {plain:,} train tokens it holds back "
+                                              f"{held:,}, {held - branch_need:,} more than a branch reads, which the "
+                                              "stable region then lacks" if held >= branch_need else
+                                              f"does not hold one branch: of exactly {plain:,} train tokens it holds "
+                                              f"back {held:,}, {branch_need - held:,} fewer than a branch reads "
+                                              "(train.py would refuse the branches)")
+            + f"; the fraction that fits exactly is {branch_need / plain:.6f}")
+    else:
+        out["notes"].append(f"the run reads {stable_windows:,} windows of block_size + 1 tokens: its region must hold "
+                            f"{stable_need:,} tokens")
+        if f > 0:
+            out["notes"].append(f"branch_data_fraction {f:g}{'' if fraction_set else ' (train.py default)'} holds "
+                                f"back the last {f:.1%} of the train split, which no run of this plan reads")
+    extra = smallest - plain
+    out["notes"].append(f"the train split must hold at least {smallest:,} tokens at branch_data_fraction {f:g}"
+                        + (f" ({extra:,} = {extra / plain:.4%} more than the runs read)" if extra else ""))
+    if extra > 0.01 * plain and branch_need:
+        out["problems"].append(f"branch_data_fraction {f:g} leaves {extra / plain:.1%} of the data unread; "
+                               f"{branch_need / plain:.6f} fits these runs exactly")
+    from data import prepare as prep
+    try:
+        n = int(prep.load_meta(config.data_dir or prep.DEFAULT_OUT)["splits"]["train"]["tokens"])
+    except (FileNotFoundError, ValueError, KeyError):
+        out["notes"].append(f"data_dir {config.data_dir or '(the embedded corpus)'} is not prepared here: "
+                            f"prepare at least {smallest:,} train tokens (data/prepare.py)")
+        return out
+    out["prepared_train_tokens"] = n
+    cut = n - int(n * f)
+    have = ((cut - 1) // T, (n - cut - 1) // T)  # windows in the stable region and in the tail
+    if have[0] < stable_windows:
+        out["problems"].append(f"{config.data_dir or 'the embedded corpus'} holds {n:,} train tokens: its stable region "
+                               f"has {max(have[0], 0):,} windows, the stable run reads {stable_windows:,} "
+                               f"({stable_windows / max(have[0], 1):.2f} epochs: data repeats)")
+    if branch_windows and have[1] < branch_windows:
+        out["problems"].append(f"{config.data_dir or 'the embedded corpus'} holds {n:,} train tokens: its held-back tail "
+                               f"has {max(have[1], 0):,} windows, a branch reads {branch_windows:,}: train.py refuses "
+                               "the branches (they would reread data)")
+    return out
+
+
+def plan_text(plan):
+    """--plan's printout of recipe_plan(...)."""
+    lines = [f"{plan['config']}: {len(plan['runs'])} run{'s' if len(plan['runs']) > 1 else ''} on "
+             f"{plan['processes']} process{'es' if plan['processes'] > 1 else ''}; a step is {plan['sequences_per_step']} "
+             f"sequences x {plan['block_size']} tokens = {plan['tokens_per_step']:,} tokens (grad_accum "
+             f"{plan['grad_accum']}); FLOPs: train.py's count, match.flops_per_token at avg_doc_len "
+             f"{plan['avg_doc_len'] or 'block_size'}"]
+    for r in plan["runs"]:
+        what = {"stable": "the WSD stable phase [S]", "run": "the run", "branch": f"decay branch [S] from step "
+                f"{r.get('from_step')}: decay_tokens {r.get('decay_tokens', 0):,}"}[r["role"]]
+        lines.append(f"  {r['run_name']} ({what}): {r['steps']:,} steps, {r['tokens']:,} tokens, {r['flops']:.4g} FLOPs "
+                     f"({r['flops_per_token']:.4g} per token)")
+        if r.get("grow_step") is not None:
+            lines.append(f"    grows to {r['grow_to']} passes at step {r['grow_step']:,} [X13]")
+        lines.append(f"    {r['command']}")
+    t = plan["total"]
+    if t["runs"] > 1:
+        lines.append(f"  total: {t['runs']} runs, {t['tokens']:,} tokens trained, {t['flops']:.4g} FLOPs")
+    d = plan["data"]
+    lines.append(f"data ({d['data_dir'] or 'the embedded corpus'}):")
+    lines += [f"  {n}" for n in d["notes"]] + [f"  PROBLEM: {p}" for p in d["problems"]]
+    return "\n".join(lines)
+
+
+# what each mode reads of the command line: a flag it would ignore is refused, not dropped in silence
+MODE_FLAGS = {"list": {"json"}, "plan": {"json", "gpus"}, "from_csv": {"preset", "bootstrap", "plot", "no_progress"},
+              "train": {"preset", "out", "bootstrap", "fit_only", "keep_checkpoints", "plot", "no_progress", "workers",
+                        "threads"}}
+INTERRUPTED = "rerun the same ladder.py command to continue (finished runs are kept)"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler ending the job) while the ladder runs: it ends like Ctrl-C, workers included."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = common.parser("ladder.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--preset", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--out", help="output folder (default out/ladder-<preset>)")
-    p.add_argument("--bootstrap", type=int, help="bootstrap draws (SMELT cell bootstrap; preset default)")
+    p.add_argument("--bootstrap", type=common.number(int, 0), help="bootstrap draws, >= 0 (SMELT cell bootstrap; "
+                                                                  "preset default)")
     p.add_argument("--fit-only", action="store_true", help="train nothing; fit and report the finished runs")
     p.add_argument("--from-csv", metavar="RUNS.csv",
                    help="train nothing, read no run folders: rebuild the report (and with --plot the figures "
@@ -1512,17 +1771,37 @@ def main(argv=None):
     p.add_argument("--plot", action="store_true", help="write the preset's figures into OUT (needs matplotlib: "
                                                        "pip install -r requirements-plot.txt)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    p.add_argument("--workers", type=int, help="runs trained at once in separate processes (preset default)")
-    p.add_argument("--threads", type=int, help="torch CPU threads per run (preset default; CPU presets use 1)")
+    p.add_argument("--workers", type=common.number(int, 1),
+                   help="runs trained at once in separate processes, >= 1 (preset default)")
+    p.add_argument("--threads", type=common.number(int, 1),
+                   help="torch CPU threads per run, >= 1 (preset default; CPU presets use 1)")
     p.add_argument("--list", action="store_true", help="list the presets with their size")
-    p.add_argument("--json", action="store_true", help="with --list: every run's budget as JSON")
+    p.add_argument("--plan", metavar="CONFIG", help="print every run of a config file's recipe (config/*.py): its "
+                                                    "train.py commands, steps, tokens and FLOPs, and the train tokens "
+                                                    "the data must hold; trains nothing")
+    p.add_argument("--gpus", type=common.number(int, 1), help="with --plan: processes the commands start (default 8, "
+                                                             "one node; 1: python train.py)")
+    p.add_argument("--json", action="store_true", help="with --list: every run's budget as JSON; with --plan: the "
+                                                       "plan as JSON")
+    args = p.parse_args(argv)
+    given = {k for k, v in vars(args).items() if v is not None and v is not False}  # (--bootstrap 0 is given)
+    mode = next((m for m in ("list", "plan", "from_csv") if m in given), "train")
+    ignored = sorted(given - {mode} - MODE_FLAGS[mode])
+    if ignored:
+        flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+        p.error(f"{flag(ignored[0])}: not used {f'with {flag(mode)}' if mode != 'train' else 'when training a ladder'}")
+    in_main = threading.current_thread() is threading.main_thread()  # only the main thread takes signals
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
     try:
-        args = p.parse_args(argv)
         if args.list:
             print(describe_presets(as_json=args.json))
             return 0
+        if args.plan:
+            plan = recipe_plan(args.plan, gpus=args.gpus or 8)
+            print(json.dumps(plan) if args.json else plan_text(plan))
+            return 0
         if not args.preset:
-            raise ValueError("give --preset (or --list)")
+            raise ValueError("give --preset (or --list, or --plan CONFIG)")
         if args.from_csv:
             rereport(args.preset, args.from_csv, bootstrap=args.bootstrap, plot=args.plot,
                      progress=not args.no_progress)
@@ -1532,7 +1811,14 @@ def main(argv=None):
                workers=args.workers)
     except (ValueError, OSError, train.NonFiniteLoss) as e:
         return cli_error("ladder.py", e)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, train.py's TrainingInterrupted (its advice is for one run)
+        sigterm = isinstance(e, Terminated) or getattr(e, "exit_status", 130) == 128 + signal.SIGTERM
+        print(f"{'' if args.no_progress else chr(10)}ladder.py: {'terminated' if sigterm else 'interrupted'}: "
+              f"{INTERRUPTED}", file=sys.stderr)  # (a newline first: off a tqdm bar)
+        return 128 + (signal.SIGTERM if sigterm else signal.SIGINT)  # 143 / 130, as shells report them
     finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
         distributed.teardown()
     return 0
 

@@ -49,7 +49,9 @@ from typing import NamedTuple
 from model import ModelConfig, execution_plan
 from tooling import common
 from tooling.common import cli_error
-from tooling.settings import read_config_file
+from tooling.settings import declared_fields, read_config_file
+
+TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")  # its TrainConfig's keys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -68,12 +70,12 @@ def resolve_attended(cfg, attended=None, avg_doc_len=None):
     if attended is not None and avg_doc_len is not None:
         raise ValueError("give either attended or avg_doc_len, not both")
     if attended is not None:
-        if attended <= 0:
-            raise ValueError(f"attended must be > 0, got {attended}")
+        if not (math.isfinite(attended) and attended > 0):  # nan passes `<= 0` and gives a table of nan
+            raise ValueError(f"attended must be a finite number > 0, got {attended}")
         return float(attended)
     doc_len = cfg.block_size if avg_doc_len is None else avg_doc_len
-    if doc_len < 1:
-        raise ValueError(f"avg_doc_len must be >= 1, got {doc_len}")
+    if not (math.isfinite(doc_len) and doc_len >= 1):
+        raise ValueError(f"avg_doc_len must be a finite number >= 1, got {doc_len}")
     return causal_attended(doc_len)
 
 
@@ -307,6 +309,46 @@ class MatchSearch:
             object.__setattr__(self, "flops_tol", (self.flops_tol, self.flops_tol))
         for name in ("width_multiple", "expert_multiple"):
             object.__setattr__(self, name, _as_tuple(getattr(self, name)))
+        check_search(self)
+
+
+def check_search(search):
+    """The ranges of a MatchSearch, each refused naming its field: tolerances are fractions of the
+    baseline's budget in [0, 1) (0: exact; a negative one inverts the window, 1 or more accepts a
+    twin with none of that budget), grids are integers >= 1, head_dim_range (lo, hi) with 2 <= lo <= hi."""
+    def bad(name, why):
+        raise ValueError(f"match option {name}={getattr(search, name)!r}: {why}")
+    finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    if len(search.flops_tol) != 2 or not all(finite(t) and 0 <= t < 1 for t in search.flops_tol):
+        bad("flops_tol", "must be (below, above), two fractions of the baseline's FLOPs in [0, 1)")
+    for name in ("params_tol", "kv_tol"):
+        if not (finite(getattr(search, name)) and 0 <= getattr(search, name) < 1):
+            bad(name, "must be a fraction of the baseline's budget in [0, 1)")
+    for name in ("width_multiple", "expert_multiple"):
+        if not getattr(search, name) or not all(isinstance(m, int) and m >= 1 for m in getattr(search, name)):
+            bad(name, "must be integers >= 1 (a grid, or a tuple of grids coarsest first)")
+    for name in ("hidden_multiple", "head_multiple"):
+        if not (isinstance(getattr(search, name), int) and getattr(search, name) >= 1):
+            bad(name, "must be an integer >= 1")
+    lo_hi = tuple(search.head_dim_range)
+    if len(lo_hi) != 2 or not all(isinstance(v, int) for v in lo_hi) or not 2 <= lo_hi[0] <= lo_hi[1]:
+        bad("head_dim_range", "must be (lo, hi), integers with 2 <= lo <= hi")
+
+
+def check_recipe(baseline, template, overrides):
+    """The recipe must make a twin that loops, or there is nothing to match: its loop span (SMELT [S8],
+    layer-loop) or core ([X1]-[X2]) run >= 2 times, and more block executions than the baseline (a
+    baseline that already runs the recipe has no twin to find)."""
+    what = f"recipe {overrides}"  # a loop span of 0 layers: ModelConfig refuses it, or the last check names it
+    if template.passes < 2:
+        setting = {"pcc": "n_passes", "plain": "layout"}.get(template.layout, "n_loops")
+        raise ValueError(f"{what}: {setting}={getattr(template, setting)!r}: the twin runs every block once; a loop "
+                         "recipe needs a looped layout (smelt, layer_loop, pcc) run >= 2 times")
+    if template.executed_layers() <= baseline.executed_layers():
+        span = f" (loop_span={template.loop_span})" if template.layout in ("smelt", "layer_loop") else ""
+        raise ValueError(f"{what}: the twin executes {template.executed_layers()} blocks per token{span}, the baseline "
+                         f"{baseline.executed_layers()} (layout {baseline.layout!r}): the recipe adds no loop to it; "
+                         "match a plain baseline")
 
 
 class Candidate(NamedTuple):
@@ -357,11 +399,14 @@ def match(baseline, recipe="smelt", attended=None, avg_doc_len=None, budgets=("f
     unknown = sorted(set(budgets) - set(BUDGET_KEYS))
     if unknown:
         raise ValueError(f"unknown budgets {unknown}; choose from {sorted(BUDGET_KEYS)}")
+    if not budgets:
+        raise ValueError(f"budgets=(): give at least one of {sorted(BUDGET_KEYS)} to match")
     a_base = accounting(baseline, attended, avg_doc_len=avg_doc_len)
     try:
         template = replace(baseline, **overrides)
     except (TypeError, ValueError) as e:
         raise ValueError(f"recipe {overrides} does not apply to the baseline: {e}") from e
+    check_recipe(baseline, template, overrides)
     heads = _kv_head_shapes(baseline, template.executed_layers(), a_base["kv_per_token"], budgets, search)
 
     closest = found_in = None
@@ -520,6 +565,10 @@ def read_config(path):
     block_size) and the memory planner batch_size (tooling/memory.py: the per-GPU micro-batch)."""
     values = read_config_file(path)
     model_fields = {f.name for f in fields(ModelConfig)}
+    known = model_fields | set(declared_fields(TRAIN_PY, "TrainConfig"))
+    unknown = sorted(set(values) - known)
+    if unknown:  # a typo would otherwise leave its setting at the default, in silence
+        raise ValueError(f"{path}: unknown settings {unknown} (neither ModelConfig's nor train.py's TrainConfig's)")
     cfg = ModelConfig(**{k: v for k, v in values.items() if k in model_fields})
     settings = {k: v for k, v in values.items() if k not in model_fields}
     if not settings.get("avg_doc_len"):  # absent or 0: a full block_size document, as in train.py
@@ -638,13 +687,14 @@ def add_model_arguments(parser):
     parser.add_argument("config", nargs="?", help="config/NAME.py (nanoGPT style)")
     parser.add_argument("--preset", help="e.g. smelt-200m-s95: [S] baseline and matched SMELT side by side")
     parser.add_argument("--recipe", help=f"match the config to a loop recipe: {sorted(RECIPES)} or key=value,...")
-    parser.add_argument("--avg_doc_len", type=float,
-                        help="average document length (default: config's, else block_size)")
-    parser.add_argument("--attended", type=float, help="mean attended keys per query (overrides avg_doc_len)")
+    parser.add_argument("--avg_doc_len", type=common.number(float, 1),
+                        help="average document length, a number >= 1 (default: config's, else block_size)")
+    parser.add_argument("--attended", type=common.number(float, 0, open_low=True),
+                        help="mean attended keys per query, a number > 0 (overrides avg_doc_len)")
 
 
 def main(argv=None):
-    parser = common.parser(PROG, description=__doc__.split("\n\n")[0],
+    parser = common.parser(PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -653,6 +703,9 @@ def main(argv=None):
         models = models_of(args.config, args.preset, args.recipe, args.avg_doc_len, args.attended)
     except (ValueError, OSError) as e:
         return cli_error(PROG, e)
+    except KeyboardInterrupt:  # Ctrl-C during the search: one line, the shell's status for SIGINT
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
     base, matched, attended = models["baseline"], models["matched"], models["attended"]
     if matched is None:
         out = accounting(base, attended) | sparsity(base, attended)

@@ -14,7 +14,7 @@ One ModelConfig is the single source of truth for a model's shape; match.py read
 """
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 import torch
@@ -130,7 +130,7 @@ class Attention(nn.Module):
         if ctx.block_mask is not None:
             y = flex_document_attention(q, k, v, ctx.block_mask)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.mask is None,
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.sdpa_mask(q.dtype), is_causal=ctx.mask is None,
                                                enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.o_proj(y)
@@ -428,6 +428,10 @@ class ModelConfig:
             bad("loop_span", f"must be in [0, n_layer={self.n_layer}]")
         if self.n_passes < 1:
             bad("n_passes", "must be >= 1")
+        if self.n_passes != 1 and self.layout != "pcc":
+            bad("n_passes", f"is K of layout 'pcc'; layout {self.layout!r} runs n_loops passes (use n_loops)")
+        if self.layout in ("smelt", "layer_loop") and self.loop_span < 1:
+            bad("loop_span", f"layout {self.layout!r} needs a loop span of >= 1 layer (n_layer={self.n_layer})")
         if self.layout == "pcc":
             split = core_split(self.n_layer)
             self.n_prelude, self.n_core, self.n_coda = (derive(v, -1, part) for v, part in
@@ -503,6 +507,18 @@ class ForwardContext:
     block_mask: object = None  # FlexAttention BlockMask of the same document mask (attention="flex")
     cache: Optional["KVCache"] = None
     attention_calls: int = 0
+    additive_masks: dict = field(default_factory=dict)
+
+    def sdpa_mask(self, dtype):
+        """The boolean mask as SDPA's additive one (0 / -inf, the conversion SDPA makes itself), built once
+        per forward and shared by its blocks: SDPA would convert it on every call and keep each copy for
+        the backward (4 x B x T^2 bytes per executed block in fp32)."""
+        if self.mask is None or self.mask.dtype != torch.bool:
+            return self.mask
+        if dtype not in self.additive_masks:
+            self.additive_masks[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device
+                                                     ).masked_fill_(~self.mask, float("-inf"))
+        return self.additive_masks[dtype]
 
 
 class KVCache:

@@ -44,7 +44,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from tooling.common import cli_error, write_atomic
+from sample import check_n_passes
+from tooling import common
+from tooling.common import cli_error, number, write_atomic
 from model import scaled
 from tooling.checkpoint import load_model
 
@@ -542,27 +544,27 @@ def plot_kl_curves(ax, kl_by_label):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser("probe.py", description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
-    parser.add_argument("--tokens", type=int, default=16384, help="held-out tokens to probe")
+    parser.add_argument("--tokens", type=number(int, 1), default=16384, help="held-out tokens to probe")
     parser.add_argument("--data_dir", default=None, help="override the checkpoint's data_dir")
-    parser.add_argument("--seq_len", type=int, default=None, help="window length (default: block_size)")
-    parser.add_argument("--batch_size", type=int, default=8, help="windows per forward")
-    parser.add_argument("--visits", type=int, nargs=2, default=(1, 2), help="the two visits compared")
-    parser.add_argument("--n_passes", type=int, default=None, help="override r / K for the probe forward")
-    parser.add_argument("--attn_topk", type=int, default=8, help="attended keys compared per head")
-    parser.add_argument("--kl_threshold", type=float, default=2.0, help="nats, for the KL effective depth")
+    parser.add_argument("--seq_len", type=number(int, 1), default=None, help="window length (default: block_size)")
+    parser.add_argument("--batch_size", type=number(int, 1), default=8, help="windows per forward")
+    parser.add_argument("--visits", type=number(int, 1), nargs=2, default=(1, 2), help="the two visits compared")
+    parser.add_argument("--n_passes", type=number(int, 1), default=None, help="override r / K for the probe forward")
+    parser.add_argument("--attn_topk", type=number(int, 1), default=8, help="attended keys compared per head")
+    parser.add_argument("--kl_threshold", type=number(float, 0, open_low=True), default=2.0,
+                        help="nats, for the KL effective depth")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="torch device to probe on, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--plot", default=None, metavar="DIR", help="write sink heatmaps and the KL curve here")
     args = parser.parse_args(argv)
-    if args.tokens < 1 or args.batch_size < 1 or args.attn_topk < 1:
-        parser.error("--tokens, --batch_size and --attn_topk must be >= 1")
 
     try:
         model, ckpt = load_model(args.ckpt)
+        check_n_passes(model.config, args.n_passes)
         data_dir = resolve_data_dir(args.data_dir or ckpt.get("data_dir"))
         seq_len = args.seq_len or model.config.block_size
         if not 1 <= seq_len <= model.config.block_size:

@@ -22,12 +22,13 @@ From Python (an in-memory model, e.g. at the end of training):
     from sample import sample_text
     print(sample_text(model, get_tokenizer("gpt2-4096"), start="ROMEO:", max_new_tokens=100))
 """
-import argparse
+import os
 import sys
 
 import torch
 
-from tooling.common import cli_error, resolve_device
+from tooling import common
+from tooling.common import cli_error, number, resolve_device
 from data.tokenizer import get_tokenizer
 from tooling.checkpoint import load_model
 
@@ -85,6 +86,22 @@ def check_tokenizer(config, tokenizer):
                          f"eot_token is {config.eot_token}")
 
 
+def data_tokenizer(meta, data_dir, model_config):
+    """The tokenizer a prepared data folder's meta.json names (None if it names none), checked against the
+    data and the model: train.py calls it before training, not when its final sample needs it."""
+    name = meta.get("tokenizer")
+    if not name:
+        return None
+    try:
+        tokenizer = get_tokenizer(name)
+        if tokenizer.n_vocab != meta["n_vocab"]:
+            raise ValueError(f"it has {tokenizer.n_vocab} tokens, the data n_vocab={meta['n_vocab']}")
+        check_tokenizer(model_config, tokenizer)
+    except ValueError as e:
+        raise ValueError(f"{os.path.join(data_dir, 'meta.json')}: tokenizer {name!r}: {e}") from None
+    return tokenizer
+
+
 @torch.no_grad()
 def generate_windowed(model, idx, max_new_tokens, temperature=1.0, top_k=None, n_passes=None, generator=None):
     """model.generate for any length: idx (B, T) -> the max_new_tokens new ids (B, max_new_tokens).
@@ -138,21 +155,23 @@ def sample_text(model, tokenizer, start="", max_new_tokens=200, temperature=0.8,
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Sample text from a loopstudy checkpoint (see the module docstring).")
+    parser = common.parser("sample.py",
+                           description="Sample text from a loopstudy checkpoint (see the module docstring).")
     parser.add_argument("--ckpt", default="out/tiny/ckpt.pt", help="checkpoint written by train.py (default: %(default)s)")
     parser.add_argument("--start", default="", help="prompt text, or FILE:path to read it from a file "
                         "(default: '', <|endoftext|> alone, so a fresh document)")
-    parser.add_argument("--num_samples", type=int, default=3,
+    parser.add_argument("--num_samples", type=number(int, 1), default=3,
                         help="samples to print, each followed by a line of dashes (default: %(default)s)")
-    parser.add_argument("--max_new_tokens", type=int, default=200,
+    parser.add_argument("--max_new_tokens", type=number(int, 0), default=200,
                         help="new tokens per sample; any length, past block_size in windows (default: %(default)s)")
-    parser.add_argument("--temperature", type=float, default=0.8,
+    parser.add_argument("--temperature", type=number(float, 0), default=0.8,
                         help="softmax temperature; 0 is greedy decoding (default: %(default)s)")
-    parser.add_argument("--top_k", type=int, default=200,
+    parser.add_argument("--top_k", type=number(int, 1), default=200,
                         help="sample among the top_k most likely tokens (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=1337, help="random seed: the same seed gives the same text "
+    parser.add_argument("--seed", type=number(int, 0), default=1337,
+                        help="random seed: the same seed gives the same text "
                                                                "(default: %(default)s)")
-    parser.add_argument("--n_passes", type=int, default=None,
+    parser.add_argument("--n_passes", type=number(int, 1), default=None,
                         help="looped models: test-time passes (K for pcc, r for smelt / layer_loop) (default: as trained)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer name, e.g. gpt2-4096 (default: the checkpoint's)")
     parser.add_argument("--device", default="auto", help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', "

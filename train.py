@@ -34,14 +34,13 @@ import grow
 import kernels
 import match
 from data.loader import open_data, to_device, windows
-from data.tokenizer import get_tokenizer
 from model import GPT, ModelConfig
 from muon import Muon
-from sample import sample_text
+from sample import data_tokenizer, sample_text
 from tooling import checkpoint, distributed, guards, memory, rundir
 from tooling.checkpoint import NonFiniteLoss, TrainState
 from tooling.common import cli_error
-from tooling.rundir import RunDir, TrainingInterrupted
+from tooling.rundir import PeerFailure, RunDir, TrainingInterrupted
 from tooling.settings import Settings
 
 # ----------------------------------------------------------------------------------------------------
@@ -57,6 +56,8 @@ class TrainConfig:
     eval_interval: int = 50  # eval + checkpoint + log line every this many steps (and at the end)
     eval_tokens: int = 8192  # validation tokens per eval (the same windows every eval, spread over the split)
     save_steps: list = field(default_factory=list)  # extra checkpoints ckpt_step<N>.pt after these steps
+    overwrite: bool = False  # a new run into a folder that holds a run (log, checkpoints): delete them and
+    #   start over; without it such a run is refused (resume=True continues it)
     progress: bool = True  # tqdm progress bar
     sample: bool = True  # print one short text sample from the final model
     # data
@@ -117,6 +118,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     triton: bool = False  # swap the Triton kernels into the model and Muon (kernels.apply); opt-in on every
     #   device until bench/gpu_check.sh has passed on a GPU
+    collective_timeout_s: float = 600.0  # under torchrun: a collective waiting this long for a peer ends the
+    #   run with one line (a stalled or dead process), instead of hanging
     parallel: str = "ddp"  # under torchrun: "ddp" (a full replica per process) or "fsdp" (FSDP2: weights,
     #   gradients and optimizer state sharded over the processes; checkpoints sharded too)
     reshard_after_forward: bool = True  # fsdp: free a block's gathered weights after every visit (ZeRO-3
@@ -138,8 +141,9 @@ HELP_GROUPS = {title: keys.split() for title, keys in {  # --help shows these fi
     "growth, random passes, decay branches, LR scaling": "grow_at grow_to grow_untie grow_rewarm_steps "
     "n_passes_choices init_from decay_branch decay_tokens branch_data_fraction save_steps max_tokens "
     "lr_anchor_params lr_scaling_beta",
-    "distributed and precision": "global_batch device dtype parallel reshard_after_forward activation_checkpointing",
-    "kernels and compilation": "triton compile", "reliability": "resume stop_at_step"}.items()}
+    "distributed and precision": "global_batch device dtype parallel reshard_after_forward activation_checkpointing "
+    "collective_timeout_s",
+    "kernels and compilation": "triton compile", "reliability": "resume overwrite stop_at_step"}.items()}
 SETTINGS = Settings(TrainConfig, ModelConfig, defaults=TINY_MODEL, groups=HELP_GROUPS, prog="train.py")
 DEFAULTS = SETTINGS.defaults
 
@@ -247,6 +251,7 @@ class Schedule:
 
 
 def plan_schedule(config, state, tokens_per_step):
+    """The run's Schedule; records in the state where its LR starts to decay (a decay branch forks before)."""
     if config.decay_branch:  # a branch decays over decay_tokens from the step it forked at
         max_steps = state.branch_start_step + math.ceil(config.decay_tokens / tokens_per_step)
         decay_start = state.branch_start_step
@@ -255,6 +260,7 @@ def plan_schedule(config, state, tokens_per_step):
         decay_start = max(config.warmup_steps, max_steps - round(config.decay_fraction * max_steps))
     grow_step = grow.growth_step(max_steps, config.grow_at) if config.grow_at and not config.decay_branch else None
     lr_scale = lr_scaling(state.lr_scaling_params, config.lr_anchor_params, config.lr_scaling_beta)  # [X16]
+    state.decay_start = decay_start
     return Schedule(max_steps, decay_start, grow_step, lr_scale, config)
 
 
@@ -277,9 +283,9 @@ def flops_per_token(cfg, n_passes=None, avg_doc_len=0):
 @torch.no_grad()
 def evaluate(model, data, config, autocast=contextlib.nullcontext(), rank=0, world=1):
     """Token-weighted validation CE over config.eval_tokens of the val split (the same windows every eval, evenly
-    spread over the split so every source is in; split across ranks), per source when sources exist,
-    and router statistics for MoE. Every rank runs the same number of forwards (under FSDP each is a
-    collective); a rank out of windows runs one it does not count."""
+    spread over the split so every source is in; split across ranks), per source when sources exist, bits
+    per byte (comparable across tokenizers), and router statistics for MoE. Every rank runs the same number
+    of forwards (under FSDP each is a collective); a rank out of windows runs one it does not count."""
     device, n_sources = next(model.parameters()).device, len(data.source_names) if data.val_sources is not None else 0
     seq_len, batch_size = model.config.block_size, config.batch_size
     total = (len(data.val_tokens) - 1) // seq_len
@@ -287,6 +293,7 @@ def evaluate(model, data, config, autocast=contextlib.nullcontext(), rank=0, wor
     starts = np.linspace(0, total - 1, n_windows).round().astype(np.int64) * seq_len  # spread over all sources
     sums = torch.zeros(2, 1 + n_sources, dtype=torch.float64, device=device)  # CE sums, token counts
     router = sums.new_zeros(3)  # balance, z_loss, batches
+    token_bytes, text = data.token_bytes.to(device), sums.new_zeros(2)  # [X] BPB: nats of text targets, their bytes
     expert_counts = sums.new_zeros(model.config.executed_layers(), model.config.n_expert)
     mine = list(range(rank, n_windows, world))
     was_training = model.training
@@ -301,6 +308,8 @@ def evaluate(model, data, config, autocast=contextlib.nullcontext(), rank=0, wor
             continue
         ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").double()
         sums[:, 0] += torch.stack([ce.sum(), torch.tensor(ce.numel(), dtype=torch.float64, device=device)])
+        n_bytes = token_bytes[y.flatten()].double()  # no masked indexing: no host sync
+        text += torch.stack([(ce * (n_bytes > 0)).sum(), n_bytes.sum()])
         if n_sources:
             src = to_device(np.stack([data.val_sources[o + 1:o + seq_len + 1] for o in offsets]), device)
             sums[0, 1:] += sums.new_zeros(n_sources).index_add_(0, src.flatten(), ce)
@@ -310,9 +319,9 @@ def evaluate(model, data, config, autocast=contextlib.nullcontext(), rank=0, wor
             router += torch.stack([stats["balance"].double(), stats["z_loss"].double(), router.new_ones(())])
             expert_counts += stats["expert_counts"].double()
     model.train(was_training)
-    sums, router, expert_counts = (distributed.all_reduce(t) if t.numel() else t
-                                   for t in (sums, router, expert_counts))
-    out = {"val_loss": (sums[0, 0] / sums[1, 0]).item()}
+    sums, router, expert_counts, text = (distributed.all_reduce(t) if t.numel() else t
+                                         for t in (sums, router, expert_counts, text))
+    out = {"val_loss": (sums[0, 0] / sums[1, 0]).item(), "val_bpb": (text[0] / (math.log(2) * text[1])).item()}
     if n_sources:
         out["val_loss_by_source"] = {name: (sums[0, 1 + j] / sums[1, 1 + j]).item()
                                      for j, name in enumerate(data.source_names) if sums[1, 1 + j] > 0}
@@ -385,19 +394,19 @@ def grow_during_training(model, optimizers, config, device, world, use_bf16, log
 def train(overrides=None):
     """Run one training run in this process. overrides: {setting: value} on top of the defaults (and, with
     init_from / resume, on top of the checkpoint's own settings). Returns a summary dict."""
-    values, source = rundir.resolve_run(SETTINGS, dict(overrides or {}))
+    values, source, notes = rundir.resolve_run(SETTINGS, dict(overrides or {}))
     config, model_config = SETTINGS.build(TrainConfig, values), SETTINGS.build(ModelConfig, values)
-    rank, world, device = distributed.setup(config.device, config.parallel)
-    guards.derive_grad_accum(config, world)  # global_batch: the same step on 8 GPUs or 16
-    use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    grown = bool(source and source["state"]["grown"])
-    guards.check_passes(model_config, config, grown)
-    defer_sync = memory.check_memory(grow.shapes_of_run(model_config, config, grown), config, device, use_bf16, world)
-    run = RunDir(os.path.join(config.out_dir, config.run_name), sharded=config.parallel == "fsdp", master=rank == 0)
+    rank, world, device = distributed.setup(config.device, config.parallel, config.collective_timeout_s)
+    guards.derive_grad_accum(config, world, source)  # global_batch: the same step on any number of processes
+    use_bf16, autocast = distributed.precision(config.dtype, device)
+    grown = guards.check_run(model_config, config, source)
+    defer_sync, memory_note = memory.check_memory(grow.shapes_of_run(model_config, config, grown), config, device,
+                                                  use_bf16, world)
+    run = RunDir(os.path.join(config.out_dir, config.run_name), config.parallel == "fsdp", rank == 0, world)
     log, state = tqdm.write if rank == 0 else (lambda *args: None), None
-    with run.hold(), run.on_interrupt(lambda: state.step if state else 0):
+    with run.hold(config.resume and source, config.overwrite), run.on_interrupt(lambda: state.step if state else 0):
         data = open_data(config.data_dir, model_config, world, rank == 0)
+        tokenizer = data_tokenizer(data.meta, data.data_dir, model_config)  # checked now, sampled with at the end
         stream = data.stream(model_config.block_size, config.seed, config.branch_data_fraction, config.decay_branch)
         model, optimizers, state = build_model(config, model_config, source, device, world, stream.name, use_bf16)
         wrapped = distributed.wrap(model, device, world, config.parallel, config.compile)
@@ -405,14 +414,13 @@ def train(overrides=None):
         tokens_per_step = seqs_per_step * model_config.block_size
         schedule = plan_schedule(config, state, tokens_per_step)
         guards.check_data_budget(stream, state, schedule.max_steps, seqs_per_step, log)
-        run.start_log(source if config.resume else None)
         log(rundir.run_header(run, model, data, stream, state.step, tokens_per_step, schedule.max_steps, world, device,
-                              use_bf16))
+                              use_bf16, [*notes, memory_note]))
         t0, first_position, flops_of, losses, window, passes_seen = time.time(), state.data_position, {}, [], [], []
-        if source is None:  # the eval at step 0
+        if source is None:  # the eval at step 0, logged with the first checkpoint
             state.last_eval = run.append_log(state.record(lr=0.0, train_loss=None, **evaluate(
                 model, data, config, autocast, rank, world), epochs=0.0, n_passes=model.config.passes,
-                seconds=round(time.time() - t0, 3), **rundir.gpu_memory(device)))
+                seconds=round(time.time() - t0, 3), **rundir.gpu_memory(device)), wait_for_checkpoint=True)
         with tqdm(total=schedule.max_steps, initial=state.step, disable=not (rank == 0 and config.progress),
                   desc=config.run_name, unit="step", dynamic_ncols=True) as bar:
             while state.step < schedule.max_steps:
@@ -427,7 +435,7 @@ def train(overrides=None):
                                         config.batch_size, device)
                     last = micro == config.grad_accum - 1
                     with distributed.no_sync(wrapped, model, skip=world > 1 and not last and defer_sync), autocast:
-                        _, loss = wrapped(x, y, n_passes=n_passes)
+                        loss = wrapped(x, y, n_passes=n_passes)[1]  # the logits not kept through the backward
                         (loss / config.grad_accum).backward()
                     step_loss += model.last_stats["ce"].double() / config.grad_accum  # the CE, without router losses
                 step_loss = distributed.all_reduce(step_loss).item() / world
@@ -461,16 +469,17 @@ def train(overrides=None):
                              run.step_path(state.step))
                 if stop:
                     break
-        return finish(run, model, optimizers, config, state, data, stream, schedule, losses, first_position, t0, world)
+        return finish(run, model, optimizers, config, state, data, stream, schedule, losses, first_position, t0, world,
+                      tokenizer)
 
 
-def finish(run, model, optimizers, config, state, data, stream, schedule, losses, first_position, t0, world):
+def finish(run, model, optimizers, config, state, data, stream, schedule, losses, first_position, t0, world,
+           tokenizer):
     """After the loop: the summary (and an FSDP run's consolidated ckpt.pt), then a sample of the model."""
     summary, final_model = run.finish(model, optimizers, config, state, data, stream, schedule.max_steps, losses,
                                       first_position, time.time() - t0, world)
-    if run.master and config.sample and data.meta.get("tokenizer") and final_model is not None:
-        text = sample_text(final_model, get_tokenizer(data.meta["tokenizer"]), max_new_tokens=64, temperature=0.8,
-                           top_k=200, seed=config.seed)
+    if run.master and config.sample and tokenizer is not None and final_model is not None:
+        text = sample_text(final_model, tokenizer, max_new_tokens=64, temperature=0.8, top_k=200, seed=config.seed)
         print(f"sample (more with: python sample.py --ckpt {run.ckpt_path}):\n{text}")
     return summary
 
@@ -482,10 +491,11 @@ def main(argv=None):
         return 0
     try:
         train(SETTINGS.parse(argv))
-    except TrainingInterrupted as e:
-        print(f"\ntrain.py: {e}", file=sys.stderr)
-        return 130
-    except (ValueError, OSError, NonFiniteLoss) as e:
+    except TrainingInterrupted as e:  # Ctrl-C, SIGTERM: rank 0 says where the checkpoint is
+        if distributed.rank() == 0:
+            print(f"\ntrain.py: {e}", file=sys.stderr)
+        return e.exit_status
+    except (ValueError, OSError, NonFiniteLoss, PeerFailure) as e:
         return cli_error("train.py", e)
     finally:
         distributed.teardown()

@@ -16,7 +16,6 @@ the dense SwiGLU); each with AdamW and with Muon; and the tiny default (train.py
 optimizers, for the Muon overhead. Targets: plain >= 0.80 of peak; SMELT and pcc >= 0.97x plain; MoE 8e
 top-2 >= 0.9x plain; Muon adds <= 15% to the tiny default's step.
 """
-import argparse
 import json
 import os
 import sys
@@ -28,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import match  # noqa: E402
 import train  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
+from tooling import common  # noqa: E402
+from tooling.common import number  # noqa: E402
 
 SHAPE = dict(vocab_size=4096, eot_token=4095, n_layer=4, n_embd=256, n_head=4)
 MODELS = {
@@ -54,7 +55,7 @@ class Step:
         self.flops = match.flops_per_token(cfg) * self.x.numel()
 
     def __call__(self):
-        _, loss = self.model(self.x, self.y)
+        loss = self.model(self.x, self.y)[1]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         for opt in self.optimizers:
@@ -78,11 +79,11 @@ def timed(fn):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=7, help="timed rounds (after one warm-up round)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--batch_size", type=int, default=8)
-    ap.add_argument("--block_size", type=int, default=256)
+    ap = common.parser("bench/efficiency.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=number(int, 1), default=7, help="timed rounds (after one warm-up round)")
+    ap.add_argument("--threads", type=number(int, 1), default=1)
+    ap.add_argument("--batch_size", type=number(int, 1), default=8)
+    ap.add_argument("--block_size", type=number(int, 1), default=256)
     ap.add_argument("--only", default="", help="comma-separated model names (default: all)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -7,7 +7,6 @@ surfaces on 144 points (target: 2000 draws < 60 s on 2 cores). One JSON line per
 
 The machine may be shared: load_avg is printed with every line so noisy timings can be read.
 """
-import argparse
 import json
 import os
 import resource
@@ -19,6 +18,8 @@ import numpy as np  # noqa: E402
 
 import fit  # noqa: E402
 from tooling.tables import read_chinchilla_csv  # noqa: E402
+from tooling import common  # noqa: E402
+from tooling.common import number  # noqa: E402
 
 
 def emit(**kw):
@@ -27,10 +28,10 @@ def emit(**kw):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--draws", type=int, default=2000)
-    p.add_argument("--workers", type=int, default=os.cpu_count())
-    p.add_argument("--repeats", type=int, default=3)
+    p = common.parser("bench/fit_bootstrap.py")
+    p.add_argument("--draws", type=number(int, 1), default=2000)
+    p.add_argument("--workers", type=number(int, 1), default=os.cpu_count())
+    p.add_argument("--repeats", type=number(int, 1), default=3)
     args = p.parse_args()
     runs = fit.synthetic_surface_runs(seed=0)  # 2 archs x 72 points, 12 cells, 0.3% noise
     m = runs["arch"] == "baseline"

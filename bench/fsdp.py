@@ -23,6 +23,8 @@ import train  # noqa: E402
 from data.loader import TokenStream  # noqa: E402
 from model import GPT  # noqa: E402
 from tooling import distributed  # noqa: E402
+from tooling import common  # noqa: E402
+from tooling.common import number  # noqa: E402
 
 CONFIGS = {
     "tiny_default": dict(),
@@ -82,9 +84,9 @@ def worker(steps):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
+    ap = common.parser("bench/fsdp.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=number(int, 1), default=2)
+    ap.add_argument("--steps", type=number(int, 1), default=6)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:

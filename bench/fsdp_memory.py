@@ -16,7 +16,6 @@ the caching allocator's fragmentation, kernel workspaces (cuBLAS, FlexAttention)
 kernels themselves: on this CPU SDPA runs its CPU kernel (no T x T matrix either). The MoE's tokens per
 expert are values, not shapes: the simulation routes them evenly (the bytes depend on their total only).
 """
-import argparse
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ import match  # noqa: E402
 import model as model_module  # noqa: E402
 import train  # noqa: E402
 from tooling import distributed, guards, memory  # noqa: E402
+from tooling import common  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,7 +126,7 @@ def compare(name, cfg, world, micro_batch, grad_accum=1, reshard_after_forward=T
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.parser("bench/fsdp_memory.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
     args = ap.parse_args(argv)
     for name, cfg, world, micro_batch, grad_accum, reshard, optimizer in runs():

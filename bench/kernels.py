@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels  # noqa: E402
 from muon import orthogonalize  # noqa: E402
+from tooling import common  # noqa: E402
+from tooling.common import number  # noqa: E402
 
 
 def make_cases(tokens, n_embd, hidden, n_expert, top_k, expert_hidden, dtype, device, moe_dtype=None):
@@ -76,14 +78,14 @@ def fwd_bwd(fn, inputs):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser("bench/kernels.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # defaults: one 4096-token sequence x 2 of config/smelt_200m_base.py (H 1280, 192 experts, top-8, 432)
-    parser.add_argument("--tokens", type=int, default=8192, help="batch x sequence rows")
-    parser.add_argument("--n_embd", type=int, default=1280)
-    parser.add_argument("--hidden", type=int, default=3456, help="dense SwiGLU hidden size")
-    parser.add_argument("--n_expert", type=int, default=192)
-    parser.add_argument("--top_k", type=int, default=8)
-    parser.add_argument("--expert_hidden", type=int, default=432)
+    parser.add_argument("--tokens", type=number(int, 1), default=8192, help="batch x sequence rows")
+    parser.add_argument("--n_embd", type=number(int, 1), default=1280)
+    parser.add_argument("--hidden", type=number(int, 1), default=3456, help="dense SwiGLU hidden size")
+    parser.add_argument("--n_expert", type=number(int, 1), default=192)
+    parser.add_argument("--top_k", type=number(int, 1), default=8)
+    parser.add_argument("--expert_hidden", type=number(int, 1), default=432)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--moe_autocast", action="store_true",
                         help="moe_experts on fp32 tensors under bf16 autocast, as a kernels.apply model runs it")

@@ -4,22 +4,30 @@ README table (match.py's memory planner; analytic, seconds, no GPU needed).
 
     python bench/memory_table.py            # the markdown table
     python bench/memory_table.py --json     # one JSON line per model
+    python bench/memory_table.py --cpu      # train.py's CPU estimate vs the peak RSS it measures (minutes)
 
 Micro-batches: the [X] d8 configs at their own batch_size (32 x 2048 tokens per GPU), activation
 checkpointing off, also after growth to K = 4 for the two growth configs; the [S] models at one
 4096-token sequence per GPU, activation checkpointing on at 600M and 1.6B. Muon, bf16 autocast.
+
+--cpu runs train.py on this CPU (the tiny default at 8 x 1024, 2 x 4096 and 15 x 1024 tokens, and a dense
+prelude-core-coda model at 8 x 1024; --steps steps, two evals) and prints, per run, the peak resident
+memory its header estimates (tooling.memory.check_memory: the process now + states, activations, mask,
+allocator retention) beside the peak RSS the run reached (ru_maxrss); the target is a ratio within 15% of 1.
 """
-import argparse
 import glob
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grow  # noqa: E402
 import match  # noqa: E402
 import train  # noqa: E402
-from tooling import guards, memory  # noqa: E402
+from tooling import common, guards, memory  # noqa: E402
 
 GPUS, GPU_GB = (8, 16), 80
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,10 +55,40 @@ def models():
     return rows
 
 
+DENSE = ("--layout=pcc", "--n_layer=3", "--n_passes=2", "--n_expert=0", "--n_embd=256", "--optimizer=adamw")
+CPU_RUNS = (("tiny", 8, 1024, ()), ("tiny", 2, 4096, ()), ("tiny", 15, 1024, ()),  # the tiny default's MoE
+            ("dense pcc K=2", 8, 1024, DENSE))
+
+
+def cpu_estimates(steps):
+    """One JSON line per CPU run: train.py's estimated peak resident memory vs the peak RSS it reached (the
+    ru_maxrss of its own wrapper's only child)."""
+    wrapper = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+               "print('MAXRSS_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")
+    for model, batch_size, block_size, flags in CPU_RUNS:
+        with tempfile.TemporaryDirectory() as out:
+            run = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "train.py",
+                                  f"--batch_size={batch_size}", f"--block_size={block_size}", f"--max_steps={steps}",
+                                  f"--eval_interval={max(1, steps // 2)}", "--sample=False", "--progress=False",
+                                  f"--out_dir={out}", *flags], cwd=REPO, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"train.py failed:\n{run.stderr[-2000:]}")
+        estimate = float(re.search(r"peak resident memory about ([\d.]+) GiB", run.stdout).group(1))
+        measured = int(re.search(r"MAXRSS_KIB (\d+)", run.stdout).group(1)) / 2**20
+        print(json.dumps(dict(bench="memory_cpu", model=model, batch_size=batch_size, block_size=block_size,
+                              steps=steps,
+                              estimated_peak_rss_gib=estimate, measured_peak_rss_gib=round(measured, 3),
+                              ratio=round(estimate / measured, 3), target="0.85-1.15")), flush=True)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.parser("bench/memory_table.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="train.py's CPU estimate vs measured peak RSS")
+    ap.add_argument("--steps", type=common.number(int, 1), default=20, help="--cpu: training steps per run")
     args = ap.parse_args(argv)
+    if args.cpu:
+        return cpu_estimates(args.steps)
     if not args.json:
         columns = " | ".join(f"{p} x{w}" for w in GPUS for p in ("DDP", "FSDP"))
         print(f"| model | params | micro-batch x accumulation | AC | {columns} | FSDP max micro-batch x"

@@ -8,7 +8,6 @@ Both sides of each ratio run in the same process, interleaved, on the same token
 Prints one JSON line per measurement. Targets on the 2-core CPU: moe/dense <= 1.5, looped/unrolled <= 1.05.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -18,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import GPT, MLP, MoE, ModelConfig  # noqa: E402
+from tooling.common import number, parser  # noqa: E402
 
 
 def time_fwd_bwd(module, x):
@@ -52,14 +52,14 @@ def report(bench, a_name, b_name, ta, tb, target, **info):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--n_embd", type=int, default=256)
-    ap.add_argument("--n_expert", type=int, default=64)
-    ap.add_argument("--top_k", type=int, default=8)
-    ap.add_argument("--expert_hidden", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: as bench/efficiency.py; small expert "
+    ap = parser("bench/moe_dispatch.py")
+    ap.add_argument("--tokens", type=number(int, 1), default=4096)
+    ap.add_argument("--n_embd", type=number(int, 1), default=256)
+    ap.add_argument("--n_expert", type=number(int, 1), default=64)
+    ap.add_argument("--top_k", type=number(int, 1), default=8)
+    ap.add_argument("--expert_hidden", type=number(int, 1), default=64)
+    ap.add_argument("--repeats", type=number(int, 1), default=5)
+    ap.add_argument("--threads", type=number(int, 1), default=1, help="torch threads (1: as bench/efficiency.py; small expert "
                                                              "matmuls gain little from a second core, the dense one does)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -14,7 +14,6 @@ tokens carry an end-of-text every 512 tokens, so the document mask is the one tr
 model's analytic training FLOPs (match.py); MFU = achieved FLOP/s / --peak_tflops (989: the dense bf16
 peak of an H100 / H200 SXM, as the [X] code counts it). One JSON line.
 """
-import argparse
 import contextlib
 import json
 import os
@@ -28,6 +27,8 @@ import kernels  # noqa: E402
 import train  # noqa: E402
 from model import GPT  # noqa: E402
 from tooling.common import resolve_device  # noqa: E402
+from tooling import common  # noqa: E402
+from tooling.common import number  # noqa: E402
 
 
 def measure(config, cfg, device, steps=10, warmup=3, compile_model=False, triton=False, peak_flops=None):
@@ -47,7 +48,7 @@ def measure(config, cfg, device, steps=10, warmup=3, compile_model=False, triton
 
     def step():
         with autocast:
-            _, loss = step_model(x, y)
+            loss = step_model(x, y)[1]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         for opt in optimizers:
@@ -78,15 +79,15 @@ def measure(config, cfg, device, steps=10, warmup=3, compile_model=False, triton
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = common.parser("bench/train_throughput.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="", help="a config file (default: the tiny default)")
-    parser.add_argument("--batch_size", type=int, default=None, help="sequences per step (default: the config's)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
+    parser.add_argument("--batch_size", type=number(int, 1), default=None, help="sequences per step (default: the config's)")
+    parser.add_argument("--steps", type=number(int, 1), default=10, help="timed steps (default 10)")
+    parser.add_argument("--warmup", type=number(int, 0), default=3, help="untimed steps first, compilation included (default 3)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--triton", action="store_true", help="swap in the Triton kernels (kernels.apply)")
-    parser.add_argument("--peak_tflops", type=float, default=989.0,
+    parser.add_argument("--peak_tflops", type=number(float, 0, open_low=True), default=989.0,
                         help="bf16 dense peak for MFU on CUDA (default 989: H100/H200 SXM, as the [X] code)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)

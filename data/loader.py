@@ -2,13 +2,19 @@
 Reading a prepared data folder for training: the splits, the val sources, the unigram baseline, and
 the seeded stream of training windows.
 
-The train split is cut into windows of block_size + 1 tokens, read in a seeded random order per epoch.
+The train split (its shards concatenated, data.prepare.ShardedTokens) is cut into windows of
+block_size + 1 tokens, read in a seeded random order per epoch. A window may cross a shard boundary (the
+two pieces are read and joined), so the windows, and training, do not depend on --shard_tokens.
 Window number n (counting from 0 over the whole run) is deterministic given (seed, n), so a checkpoint
-only needs n (the data position) and every process computes the same order. The last
-branch_data_fraction of the train split is held back: stable runs never read it, decay branches read
-only it, so a branch always trains on data its stable phase has not seen ([S]: no repetition).
+only needs n (the data position) and every process computes the same order. The tail of the train split
+is held back: stable runs never read it, decay branches read only it, so a branch always trains on data
+its stable phase has not seen ([S]: no repetition). Its size is branch_data_fraction of the split, rounded
+to whole shards at the end of the split when it is at least one shard long (held_back_start).
+
+Opening a folder reads meta.json and the val sidecars only: start-up does not grow with the corpus.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,6 +22,7 @@ import numpy as np
 import torch
 
 from data import prepare as prep
+from data.tokenizer import token_byte_lengths
 from tooling import distributed
 
 
@@ -65,10 +72,10 @@ def to_device(array, device):
 
 @dataclass
 class Data:
-    """A data/prepare.py folder, opened: token memmaps, the val split's sources, the unigram baseline."""
+    """A data/prepare.py folder, opened: token shards, the val split's sources, the unigram baseline."""
     data_dir: str
     meta: dict
-    train_tokens: np.ndarray
+    train_tokens: np.ndarray  # prep.ShardedTokens (or any 1-D array): len() and slicing
     val_tokens: np.ndarray
     val_sources: Optional[np.ndarray]  # source id per val token (None without several sources)
     unigram_entropy: float  # of the train split: the loss of the best context-free model
@@ -76,6 +83,11 @@ class Data:
     @property
     def source_names(self):
         return self.meta.get("sources", [])
+
+    @functools.cached_property
+    def token_bytes(self):
+        """int64 tensor (n_vocab,): UTF-8 bytes of each token id, 0 for eot (the denominator of bits per byte)."""
+        return torch.tensor(token_byte_lengths(self.meta))
 
     @property
     def provenance(self):
@@ -85,10 +97,24 @@ class Data:
     def stream(self, seq_len, seed, branch_data_fraction, branch=False):
         """The training windows: the stable region, or (a decay branch) the held-back tail."""
         n = len(self.train_tokens)
-        split = n - int(n * branch_data_fraction)
+        shard_sizes = [s["tokens"] for s in self.meta.get("shards", {}).get("train", [])] or [n]
+        split = held_back_start(shard_sizes, branch_data_fraction)
         if branch:
             return TokenStream(self.train_tokens, seq_len, seed, split, n, "branch")
         return TokenStream(self.train_tokens, seq_len, seed, 0, split, "stable")
+
+
+def held_back_start(shard_sizes, fraction):
+    """Where the held-back tail of a train split made of shards of these sizes starts: n - int(n * fraction),
+    moved to the nearest shard boundary when the tail is at least one shard long (so a decay branch reads
+    whole shards at the end of the split, and the tail changes by at most half a shard); a shorter tail
+    (a small corpus, the embedded one's single shard) stays exact."""
+    n = int(sum(shard_sizes))
+    held = int(n * fraction)
+    boundaries = np.cumsum(shard_sizes)[:-1]  # where shards 1.. start
+    if held == 0 or not len(boundaries) or held < shard_sizes[0]:
+        return n - held
+    return int(boundaries[np.argmin(np.abs(boundaries - (n - held)))])
 
 
 def open_data(data_dir, model_config=None, world=1, master=True):
@@ -103,28 +129,26 @@ def open_data(data_dir, model_config=None, world=1, master=True):
     n_vocab, eot = data.meta["n_vocab"], data.meta["eot_token"]
     logits = model_config and (model_config.n_logits or model_config.vocab_size)  # the ids the model can predict
     if model_config is not None and (logits < n_vocab or model_config.eot_token != eot):
-        raise ValueError(f"model vocab_size={model_config.vocab_size} (n_logits={model_config.n_logits}), eot_token="
-                         f"{model_config.eot_token} do not fit the data ({data.data_dir}: n_vocab={n_vocab}, "
-                         f"eot_token={eot})")
+        raise ValueError(f"{data.data_dir} holds tokens of tokenizer {data.meta.get('tokenizer')} (n_vocab={n_vocab}, "
+                         f"eot_token={eot}), which the model does not fit: vocab_size={model_config.vocab_size} "
+                         f"(n_logits={model_config.n_logits}), eot_token={model_config.eot_token}; prepare the data "
+                         f"with the model's tokenizer or set data_dir to such a folder")
     return data
 
 
 def load_data(data_dir):
-    """Open a data/prepare.py folder ("" -> the embedded corpus, prepared once, offline); clear errors
-    (file named) for missing or corrupt files and out-of-range token ids."""
+    """Open a data/prepare.py folder ("" -> the embedded corpus, prepared once, offline) without reading its
+    tokens: meta.json's checks (files present, sizes, token ids in range at prepare time) and the val split's
+    sidecars; clear errors (file named) for missing or corrupt files."""
     if not data_dir:
         data_dir = prep.prepare_default(prep.DEFAULT_OUT)
     meta = prep.load_meta(data_dir)
     train_tokens, val_tokens = prep.load_split(data_dir, "train"), prep.load_split(data_dir, "val")
+    if not len(val_tokens) or not len(train_tokens):
+        raise ValueError(f"{data_dir}: the {'val' if len(train_tokens) else 'train'} split is empty; re-run "
+                         f"data/prepare.py with more documents")
     val_sources = None
     if len(meta.get("sources", [])) > 1:
         val_sources = prep.token_source_ids(prep.load_sources(data_dir, "val"), len(val_tokens))
-    entropy = meta.get("unigram_entropy_train_nats") or unigram_entropy(train_tokens, meta["n_vocab"])
-    return Data(data_dir, meta, train_tokens, val_tokens, val_sources, float(entropy))
+    return Data(data_dir, meta, train_tokens, val_tokens, val_sources, float(meta["unigram_entropy_train_nats"]))
 
-
-def unigram_entropy(tokens, n_vocab):
-    """Entropy (nats/token) of the token frequencies: the loss of the best context-free model."""
-    counts = np.bincount(np.asarray(tokens), minlength=n_vocab).astype(np.float64)
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())

@@ -1,75 +1,134 @@
 """
-Turn text documents into nanoGPT-style token memmaps (train.bin / val.bin) with a sources sidecar.
+Turn text documents into token shards: fixed-size nanoGPT-style memmaps per split, a sources sidecar per
+shard, and meta.json, the index, written last. Streams: memory stays bounded whatever the corpus size.
 
     python data/prepare.py                                  # the embedded corpus -> data/cache/default
     python data/prepare.py my.jsonl notes/*.txt --tokenizer gpt2 --out data/cache/mine
-    python data/prepare.py corpus_dir/ --val_fraction 0.1 --seed 1
+    python data/prepare.py fineweb/*.parquet --tokenizer gpt2 --out data/cache/fineweb_gpt2 \
+        --workers 16 --val_tokens 10000000
+    python data/prepare.py --hf HuggingFaceFW/fineweb-edu --hf_config sample-10BT --tokenizer gpt2 --out DIR
+    python data/prepare.py --verify --out data/cache/mine   # re-read every shard and check it
 
-Inputs (files or folders, folders searched recursively for *.txt and *.jsonl):
-  .jsonl  one document per line: {"text": str, "source": str (optional)}; other fields are ignored.
-  .txt    one document per file; a line that is exactly <|endoftext|> separates documents inside a file.
-  A document without a source label gets its file's stem as source (my.jsonl -> "my").
+Inputs (files or folders, folders searched recursively for *.txt, *.jsonl and *.parquet):
+  .jsonl    one document per line: {"text": str, "source": str (optional)}; other fields are ignored.
+  .txt      one document per file; a line that is exactly <|endoftext|> separates documents inside a file.
+  .parquet  a string column `text`, optional string column `source` (needs pyarrow: requirements-data.txt).
+  --hf NAME a Hugging Face dataset read in streaming mode by `datasets` (requirements-data.txt): its
+            `text` column, and `source` when it has one. Only when asked; nothing else touches the network.
+  A document without a source label gets its file's stem as source (my.jsonl -> "my"; --hf: the name's
+  last part, "fineweb-edu"). Empty (blank) documents are skipped and counted.
 
-Output in DIR (every file written to a temp name and renamed; meta.json is written last):
-  train.bin, val.bin   flat token ids (uint16 when n_vocab <= 65536, else uint32). Every document is
-                       PRECEDED by eot_token: eot is the BOS / separator, so a document mask that
-                       starts a new document at each eot sees exactly one document per segment.
-  {split}_sources.npy  int64 (n_docs, 4): [start, end, source_id, doc_index] per document in file
-                       order. tokens[start] == eot, tokens[start+1:end] is the document; the spans
-                       tile the file. source_id indexes meta["sources"]; doc_index = position in the input.
-  meta.json            tokenizer, n_vocab, eot_token, dtype, per-split token/document counts, per-source
-                       token counts, unigram baselines, corpus fingerprint.
+Output in DIR (a shard is written under a temp name and renamed when complete; meta.json is written last,
+so a folder without meta.json is an incomplete prepare and is refused by the loader):
+  {split}_{k:06d}.bin          shard k of split 'train' or 'val': flat token ids (uint16 when n_vocab <=
+                               65536, else uint32), exactly --shard_tokens tokens except the split's last
+                               shard. Every document is PRECEDED by eot_token: eot is the BOS / separator,
+                               so a document mask that starts a new document at each eot sees exactly one
+                               document per segment. A document may continue into the next shard of its
+                               split; train and val never share a document.
+  {split}_{k:06d}_sources.npy  int64 (n, 4): [start, end, source_id, doc_index] of the documents that start
+                               in shard k, as positions in the whole split (its shards concatenated):
+                               tokens[start] == eot, tokens[start+1:end] is the document; over all shards
+                               the spans tile the split. source_id indexes meta["sources"]; doc_index =
+                               position among the input's non-empty documents.
+  meta.json                    tokenizer, n_vocab, eot_token, dtype, per split token / document / byte
+                               counts and per-source counts, unigram baselines, the shard index (file,
+                               tokens, documents, largest token id, sha256), the corpus fingerprint.
 
-Split: document-level, stratified by source and deterministic given --seed: each source with >= 2
-documents gives max(1, round(val_fraction * n)) of them (never all) to val, so every such source has a
-val loss. Document order within each split is shuffled with the same seed.
+Split (document level, stratified by source, deterministic given --seed, never holding the corpus): a first
+cheap pass counts each source's documents (no tokenizing); then each source with n >= 2 documents gives k
+of them to val, k = max(1, round(f * n)) but never all n, chosen by a seeded draw of k ranks among the
+source's documents (if every source has a single document, k of all documents). With --val_fraction f
+that is the rule of the first version of this file, draw included (the same documents go to val). With
+--val_tokens B, f = B / (the corpus's tokens, estimated in the first pass from each source's bytes and its
+tokens per byte on every 100th document), so val holds about B tokens in whole documents (the exact count
+is in meta.json) with each source in proportion to its size. The second pass tokenizes with --workers
+processes, chunks of documents in input order, results written in input order: the output is
+byte-identical for any number of workers (from Python, call prepare(workers > 1) under
+`if __name__ == "__main__":`: the workers are spawned and import the calling script).
+--shuffle_documents writes each split's documents in a seeded random order instead (the first version's
+order; it holds the corpus in memory: small corpora only, the embedded one uses it so that its numbers
+stay). --max_documents N keeps the first N non-empty documents (a slice of a large dataset).
 
-Loading checks what training would otherwise trip over far from the cause: load_meta checks file sizes
-and that each sidecar tiles its .bin with known source ids; load_split checks every token id < n_vocab.
-Errors are ValueErrors naming the file, the value and its position.
+A killed prepare leaves no meta.json and no shard under its final name that was not complete; rerunning
+rebuilds the folder from scratch (it first removes every shard, sidecar and temp file of this layout
+there), so a folder never mixes two prepares. Opening checks what is cheap (meta.json, every listed file
+present with the size meta.json says, each shard's largest token id recorded at prepare time below
+n_vocab): start-up time does not grow with the corpus. --verify reads everything.
 """
-import argparse
+import collections
+import contextlib
+import glob
 import hashlib
+import importlib
 import json
 import math
+import multiprocessing
 import os
+import re
 import sys
+import tempfile
 import time
+from array import array
 
 import numpy as np
 from tqdm import tqdm
 
 if __package__ in (None, ""):  # run as a script: python data/prepare.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tooling.common import cli_error, read_jsonl, write_atomic  # write_atomic is also imported from here (ladder.py)
+from tooling.common import TEMP_MARK, cli_error, current_umask, read_jsonl, write_atomic
+from tooling.common import parser as common_parser  # write_atomic is also imported from here (ladder.py)
 from data.tokenizer import ENDOFTEXT, get_tokenizer
 
-PREPARE_VERSION = 1  # bump when the output layout changes: cached prepares are then rebuilt
+PREPARE_VERSION = 2  # bump when the output layout changes: cached prepares are then rebuilt (2: shards)
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "corpus", "shakespeare.jsonl")
 DEFAULT_OUT = os.path.join(DATA_DIR, "cache", "default")
 SPLITS = ("train", "val")
+EXTENSIONS = (".txt", ".jsonl", ".parquet")
+DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard, as modded-nanogpt's FineWeb shards
+MIN_SHARD_TOKENS = 1024
+CHUNK_BYTES = 1 << 20  # documents are sent to a worker in chunks of about 1 MB of text
+SAMPLE_EVERY = 100  # --val_tokens: tokens per byte measured on every 100th document of each source
+SHARD_NAME = re.compile(r"^(train|val)_\d{6}(\.bin|_sources\.npy)$")
+OLD_LAYOUT = ("train.bin", "val.bin", "train_sources.npy", "val_sources.npy")  # version 1, one file per split
+
+
+def shard_name(split, k):
+    return f"{split}_{k:06d}.bin"
+
+
+def sidecar_name(split, k):
+    return f"{split}_{k:06d}_sources.npy"
+
+
+def import_optional(module, needed_by):
+    """An optional dependency (requirements-data.txt), imported when first needed; one line when missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"{needed_by} needs {module.split('.')[0]}: pip install -r requirements-data.txt") from None
 
 
 # -----------------------------------------------------------------------------
-# reading documents
+# reading documents: each reader yields (text, source) in file order, empty documents included
 
 def expand_inputs(inputs):
-    """Files as given, folders -> their *.txt / *.jsonl files (sorted). Clear errors for bad paths."""
+    """Files as given, folders -> their *.txt / *.jsonl / *.parquet files (sorted). Clear errors for bad paths."""
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     files = []
     for path in map(str, inputs):
         if os.path.isdir(path):
             found = sorted(os.path.join(root, name) for root, _, names in os.walk(path)
-                           for name in names if name.endswith((".txt", ".jsonl")))
+                           for name in names if name.endswith(EXTENSIONS))
             if not found:
-                raise ValueError(f"input folder {path} contains no .txt or .jsonl files")
+                raise ValueError(f"input folder {path} contains no .txt, .jsonl or .parquet files")
             files.extend(found)
         elif not os.path.exists(path):
             raise FileNotFoundError(f"input file not found: {path}")
-        elif not path.endswith((".txt", ".jsonl")):
-            raise ValueError(f"input file {path}: unsupported extension (expected .txt or .jsonl)")
+        elif not path.endswith(EXTENSIONS):
+            raise ValueError(f"input file {path}: unsupported extension (expected .txt, .jsonl or .parquet)")
         else:
             files.append(path)
     if not files:
@@ -78,24 +137,30 @@ def expand_inputs(inputs):
 
 
 def read_documents(path):
-    """[(text, source)] from one .txt or .jsonl file; jsonl errors name the file and line number."""
+    """(text, source) of every document of one .txt / .jsonl / .parquet file, streamed."""
     stem = os.path.splitext(os.path.basename(path))[0]
     if path.endswith(".jsonl"):
-        return [read_jsonl_document(path, lineno, row, stem) for lineno, row in read_jsonl(path)]
+        return (read_jsonl_document(path, lineno, row, stem) for lineno, row in read_jsonl(path))
+    if path.endswith(".parquet"):
+        return read_parquet(path, stem)
+    return read_txt(path, stem)
+
+
+def read_txt(path, stem):
+    """Documents of a .txt file, separated by lines that are exactly <|endoftext|>, read line by line."""
+    current = []
     try:
         with open(path, encoding="utf-8") as f:
-            content = f.read()
+            for physical_line in f:
+                for line in physical_line.splitlines(keepends=True):  # str.splitlines' line ends, as before
+                    if line.strip() == ENDOFTEXT:
+                        yield "".join(current), stem
+                        current = []
+                    else:
+                        current.append(line)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not valid UTF-8 ({e})") from None
-    docs, current = [], []
-    for line in content.splitlines(keepends=True):
-        if line.strip() == ENDOFTEXT:
-            docs.append("".join(current))
-            current = []
-        else:
-            current.append(line)
-    docs.append("".join(current))
-    return [(d, stem) for d in docs]
+    yield "".join(current), stem
 
 
 def read_jsonl_document(path, lineno, row, default_source):
@@ -112,108 +177,437 @@ def read_jsonl_document(path, lineno, row, default_source):
     return row["text"], source
 
 
-def corpus_fingerprint(files, tokenizer, val_fraction, seed):
-    """sha256 over the prepare settings and every input file's name and bytes."""
-    h = hashlib.sha256(json.dumps([PREPARE_VERSION, tokenizer, float(val_fraction), int(seed)]).encode())
-    for path in files:
-        h.update(os.path.basename(path).encode() + b"\0")
-        with open(path, "rb") as f:
-            h.update(hashlib.sha256(f.read()).digest())
-    return h.hexdigest()
+def read_parquet(path, stem):
+    """Documents of a parquet file: its `text` column, `source` when present, 1,024 rows at a time."""
+    pq = import_optional("pyarrow.parquet", f"reading {path}")
+    pa = import_optional("pyarrow", f"reading {path}")
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable parquet file ({first_line(e)})") from None
+    schema = parquet.schema_arrow
+    if "text" not in schema.names:
+        raise ValueError(f"{path}: no 'text' column (columns: {', '.join(schema.names)})")
+    columns = ["text"] + (["source"] if "source" in schema.names else [])
+    for column in columns:
+        kind = schema.field(column).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"):
+            raise ValueError(f"{path}: column '{column}' must hold strings, it holds {kind}")
+    row = 0
+    for batch in parquet.iter_batches(batch_size=1024, columns=columns):
+        texts = batch.column(0).to_pylist()
+        sources = batch.column(1).to_pylist() if len(columns) == 2 else [None] * len(texts)
+        for text, source in zip(texts, sources):
+            if text is None:
+                raise ValueError(f"{path}: row {row}: 'text' is null")
+            yield text, source or stem
+            row += 1
+
+
+def read_hf(name, config=None, split="train"):
+    """Documents of a Hugging Face dataset, streamed by `datasets` (downloads as it reads)."""
+    datasets = import_optional("datasets", f"--hf {name}")
+    try:
+        dataset = datasets.load_dataset(name, config, split=split, streaming=True)
+    except Exception as e:  # datasets raises many kinds (not found, no such config, offline): one line
+        raise ValueError(f"--hf {name}: cannot open it ({type(e).__name__}: {first_line(e)})") from None
+    features = getattr(dataset, "features", None)
+    if features is not None and "text" not in features:
+        raise ValueError(f"--hf {name}: no 'text' column (columns: {', '.join(features)})")
+    default_source = name.rstrip("/").split("/")[-1]
+    for row_index, row in enumerate(dataset):
+        text, source = row.get("text"), row.get("source") or default_source
+        if not isinstance(text, str):
+            raise ValueError(f"--hf {name}: row {row_index}: 'text' must be a string, got {type(text).__name__}")
+        yield text, str(source)
+
+
+def first_line(error):
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+class Corpus:
+    """The inputs as a stream of (text, source) that can be read again (the split reads it twice)."""
+
+    def __init__(self, files=(), hf=None, hf_config=None, hf_split="train", max_documents=None):
+        self.files, self.hf, self.hf_config, self.hf_split = list(files), hf, hf_config, hf_split
+        self.max_documents = max_documents
+
+    def __iter__(self):
+        """Non-empty documents in input order (the first max_documents of them); self.empty counts the
+        blank ones skipped."""
+        self.empty, n = 0, 0
+        readers = [read_hf(self.hf, self.hf_config, self.hf_split)] if self.hf else map(read_documents, self.files)
+        for reader in readers:
+            for text, source in reader:
+                if not text.strip():
+                    self.empty += 1
+                    continue
+                if n == self.max_documents:
+                    return
+                yield text, source
+                n += 1
+
+    def names(self):
+        if self.hf:
+            return [f"hf:{self.hf}" + (f"/{self.hf_config}" if self.hf_config else "") + f":{self.hf_split}"]
+        return [os.path.basename(f) for f in self.files]
+
+    def fingerprint(self, settings):
+        """sha256 over the prepare settings and every input file's name and bytes (--hf: the dataset's name)."""
+        h = hashlib.sha256(json.dumps([PREPARE_VERSION, settings, self.names()]).encode())
+        for path in self.files:
+            h.update(os.path.basename(path).encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+        return h.hexdigest()
+
+
+def corpus_fingerprint(files, settings):
+    return Corpus(files).fingerprint(settings)
 
 
 # -----------------------------------------------------------------------------
-# split
+# split: which documents go to val, decided from per-source document counts
 
-def split_documents(sources, val_fraction, seed):
-    """Document-level, source-stratified split -> (train_indices, val_indices), each in shuffled order."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    n_docs = len(sources)
+def count_documents(documents, tok=None, verbose=False):
+    """First pass, no tokenizing: {source: [documents, utf-8 bytes, sampled bytes, sampled tokens]}; with a
+    tokenizer, every SAMPLE_EVERY-th document of each source (its first included) is tokenized for the
+    tokens-per-byte estimate --val_tokens needs."""
+    counts = {}
+    for text, source in tqdm(documents, desc="counting documents", unit="doc", leave=False, disable=None if verbose else True):
+        c = counts.setdefault(source, [0, 0, 0, 0])
+        n_bytes = len(text.encode("utf-8"))
+        if tok is not None and c[0] % SAMPLE_EVERY == 0:
+            c[2] += n_bytes
+            c[3] += len(tok.encode(text))
+        c[0] += 1
+        c[1] += n_bytes
+    return counts
+
+
+def count_file(job):
+    """A first-pass job: (path, tokenizer name or None, most documents to count or None) -> that file's counts."""
+    path, name, limit = job
+    return count_documents(Corpus([path], max_documents=limit), get_tokenizer(name) if name else None)
+
+
+def count_corpus(corpus, tokenizer_name, pool, workers, verbose):
+    """The first pass over all inputs, one job per file (on the workers; in order when --max_documents must
+    know where to stop), the counts summed per source. The tokens-per-byte sample is per file (every
+    SAMPLE_EVERY-th document of each source in each file), so the result does not depend on the workers."""
+    if corpus.hf:
+        return count_documents(corpus, get_tokenizer(tokenizer_name) if tokenizer_name else None, verbose)
+    if corpus.max_documents is None:
+        results = in_order(count_file, ((path, tokenizer_name, None) for path in corpus.files), pool, workers)
+    else:
+        def in_turn(remaining=corpus.max_documents):
+            for path in corpus.files:
+                if remaining:
+                    counts = count_file((path, tokenizer_name, remaining))
+                    remaining -= sum(c[0] for c in counts.values())
+                    yield counts
+        results = in_turn()
+    total = {}
+    for counts in tqdm(results, total=len(corpus.files), desc="counting documents", unit="file", leave=False,
+                       disable=None if verbose else True):
+        for source, c in counts.items():
+            total[source] = [a + b for a, b in zip(total.get(source, [0, 0, 0, 0]), c)]
+    return total
+
+
+def val_fraction_for_tokens(counts, val_tokens):
+    """--val_tokens as a fraction of the corpus's estimated tokens (each document: its eot + bytes * tokens/byte)."""
+    estimate = sum(n + n_bytes * (s_tokens / s_bytes if s_bytes else 1.0) for n, n_bytes, s_bytes, s_tokens in counts.values())
+    if val_tokens >= estimate:
+        raise ValueError(f"--val_tokens {val_tokens:,} is not below the corpus's ~{estimate:,.0f} tokens")
+    return val_tokens / estimate
+
+
+def choose_val(doc_counts, fraction, seed, few=False):
+    """{source: sorted ranks, among that source's documents, of its val documents} (or {None: sorted indices
+    among all documents} when every source has a single document), and the generator after the draws.
+    few=False draws a permutation of each source (the first version's draw, reproduced exactly);
+    few=True draws k of n without replacement (rng.choice: memory ~ k, for --val_tokens' few of many)."""
+    n_docs = sum(doc_counts.values())
     if n_docs < 2:
         raise ValueError(f"need at least 2 non-empty documents for a train/val split, got {n_docs} "
                          f"(separate documents in a .txt with a line '{ENDOFTEXT}', or use .jsonl)")
     rng = np.random.default_rng(seed)
-    is_val = np.zeros(n_docs, dtype=bool)
-    for source in sorted(set(sources)):
-        members = np.array([i for i, s in enumerate(sources) if s == source])
-        if len(members) >= 2:
-            k = min(max(1, math.floor(val_fraction * len(members) + 0.5)), len(members) - 1)
-            is_val[rng.permutation(members)[:k]] = True
-    if not is_val.any():  # every source has a single document: split across sources instead
-        k = min(max(1, math.floor(val_fraction * n_docs + 0.5)), n_docs - 1)
-        is_val[rng.permutation(n_docs)[:k]] = True
-    train, val = np.flatnonzero(~is_val), np.flatnonzero(is_val)
-    return rng.permutation(train), rng.permutation(val)
+    draw = (lambda n, k: rng.choice(n, k, replace=False)) if few else (lambda n, k: rng.permutation(n)[:k])
+    count = lambda n: min(max(1, math.floor(fraction * n + 0.5)), n - 1)  # at least one, never all
+    ranks = {source: np.sort(draw(n, count(n))) for source, n in sorted(doc_counts.items()) if n >= 2}
+    if not ranks:  # every source has a single document: split across sources instead
+        ranks = {None: np.sort(draw(n_docs, count(n_docs)))}
+    return ranks, rng
+
+
+class ValMembership:
+    """Streams the val decision: documents arrive in input order, each source's k-th is val when k is one
+    of that source's drawn ranks (sorted, so one pointer per source suffices)."""
+
+    def __init__(self, ranks):
+        self.ranks, self.seen, self.next = ranks, collections.Counter(), collections.Counter()
+
+    def is_val(self, source, doc_index):
+        key = None if None in self.ranks else source
+        position = doc_index if key is None else self.seen[source]
+        self.seen[source] += 1
+        ranks, i = self.ranks.get(key), self.next[key]
+        if ranks is not None and i < len(ranks) and ranks[i] == position:
+            self.next[key] += 1
+            return True
+        return False
 
 
 # -----------------------------------------------------------------------------
-# writing
+# tokenizing: chunks of documents, in order, on `workers` processes
+
+def chunks_of(documents, chunk_bytes=CHUNK_BYTES):
+    """Group (doc_index, text, source_id, split_index) into (texts, int64 rows [doc_index, source_id, split])
+    of about chunk_bytes characters each."""
+    texts, rows, size = [], [], 0
+    for doc_index, text, source_id, split_index in documents:
+        texts.append(text)
+        rows.append((doc_index, source_id, split_index))
+        size += len(text)
+        if size >= chunk_bytes:
+            yield texts, np.array(rows, dtype=np.int64)
+            texts, rows, size = [], [], 0
+    if texts:
+        yield texts, np.array(rows, dtype=np.int64)
+
+
+def tokenize_chunk(job):
+    """A worker's job: (tokenizer name, (texts, rows)) -> (rows, token count per document (its eot included),
+    utf-8 bytes per document, characters, flat tokens with an eot before each document)."""
+    name, (texts, rows) = job
+    tok = get_tokenizer(name)  # built once per process (lru_cache)
+    ids = [tok.encoding.encode_ordinary(t) for t in texts]  # one thread per worker: the workers are the parallelism
+    lengths = np.array([1 + len(x) for x in ids], dtype=np.int64)
+    tokens = np.empty(int(lengths.sum()), dtype=token_dtype(tok.n_vocab))
+    position = 0
+    for x in ids:
+        tokens[position] = tok.eot_token  # every document is PRECEDED by eot
+        tokens[position + 1:position + 1 + len(x)] = x
+        position += 1 + len(x)
+    n_bytes = np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64)
+    return rows, lengths, n_bytes, sum(map(len, texts)), tokens
+
+
+def worker_pool(workers):
+    """workers - 1 == 0: no pool (everything in this process); else a pool of worker processes, started with
+    spawn (safe beside threads, e.g. torch's) and terminated when the `with` block ends."""
+    return multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else contextlib.nullcontext()
+
+
+def in_order(function, jobs, pool, workers):
+    """function(job) for every job, results in job order: in this process without a pool, else on the pool
+    with at most 2 * workers jobs in flight (Pool.imap would read every job ahead: unbounded memory)."""
+    if pool is None:
+        yield from map(function, jobs)
+        return
+    pending = collections.deque()
+    for job in jobs:
+        pending.append(pool.apply_async(function, (job,)))
+        if len(pending) >= 2 * workers:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+# -----------------------------------------------------------------------------
+# writing: one ShardWriter per split
 
 def token_dtype(n_vocab):
     return np.uint16 if n_vocab <= 2**16 else np.uint32
 
 
-def unigram_baselines(train_tokens, val_tokens, n_vocab):
-    """Entropy of the train unigram distribution and val cross-entropy under it (add-one), in nats/token:
-    a trained model's val loss should end well below the latter."""
-    counts = np.bincount(train_tokens, minlength=n_vocab).astype(np.float64)
-    p = counts[counts > 0] / counts.sum()
-    smoothed = (counts + 1.0) / (counts.sum() + n_vocab)
-    return float(-(p * np.log(p)).sum()), float(-np.log(smoothed[val_tokens]).mean())
+class ShardWriter:
+    """One split's shards: documents appended in order, the token stream cut every shard_tokens tokens. A
+    shard fills a temp file (the naming of tooling.common.write_atomic, kept open while it fills), renamed
+    to its final name when complete; its sidecar follows (write_atomic)."""
+
+    def __init__(self, out_dir, split, shard_tokens, dtype):
+        self.out_dir, self.split, self.shard_tokens, self.dtype = out_dir, split, shard_tokens, np.dtype(dtype)
+        self.position = 0  # tokens written to this split so far
+        self.shards = []  # the meta.json entries of the complete shards
+        self.file = None
+        self.spans = array("q")  # [start, end, source_id, doc_index] of the documents starting in this shard
+
+    def add(self, tokens, source_id, doc_index):
+        """One document (its leading eot included); it continues into the next shard if this one fills."""
+        self.spans.extend((self.position, self.position + len(tokens), source_id, doc_index))
+        while len(tokens):
+            if self.file is None:
+                self.open_shard()
+            piece, tokens = tokens[:self.shard_tokens - self.in_shard], tokens[self.shard_tokens - self.in_shard:]
+            self.file.write(piece.data)
+            self.sha256.update(piece.data)
+            self.max_token = max(self.max_token, int(piece.max()))
+            self.in_shard += len(piece)
+            self.position += len(piece)
+            if self.in_shard == self.shard_tokens:
+                self.close_shard()
+
+    def open_shard(self):
+        name = shard_name(self.split, len(self.shards))
+        fd, self.tmp = tempfile.mkstemp(dir=self.out_dir, prefix=f".{name}{TEMP_MARK}")
+        self.file, self.in_shard, self.max_token, self.sha256 = os.fdopen(fd, "wb"), 0, 0, hashlib.sha256()
+
+    def close_shard(self):
+        k = len(self.shards)
+        self.file.close()
+        self.file = None
+        os.chmod(self.tmp, 0o666 & ~current_umask())
+        os.replace(self.tmp, os.path.join(self.out_dir, shard_name(self.split, k)))  # complete: its final name
+        spans = np.frombuffer(self.spans, dtype=np.int64).reshape(-1, 4)
+        write_atomic(os.path.join(self.out_dir, sidecar_name(self.split, k)), lambda f: np.save(f, spans))
+        self.shards.append(dict(file=shard_name(self.split, k), sources=sidecar_name(self.split, k),
+                                tokens=self.in_shard, documents=len(spans), max_token=self.max_token,
+                                sha256=self.sha256.hexdigest()))
+        self.spans = array("q")
+
+    def finish(self):
+        if self.file is not None:
+            self.close_shard()
+        return self.shards
+
+    def abandon(self):
+        """After an error: remove the shard being written (a SIGKILL leaves it, under its temp name)."""
+        if self.file is not None:
+            self.file.close()
+            os.remove(self.tmp)
+            self.file = None
 
 
-def prepare(inputs, out_dir, tokenizer="gpt2-4096", val_fraction=0.05, seed=0, verbose=True):
-    """Tokenize `inputs` (.txt/.jsonl files or folders) into out_dir/{train,val}.bin + sidecars + meta.json."""
-    start_time = time.time()
-    tok = get_tokenizer(tokenizer)  # ValueError listing valid names if unknown
-    files = expand_inputs(inputs)
-    fingerprint = corpus_fingerprint(files, tokenizer, val_fraction, seed)
-    texts, sources, n_empty = [], [], 0
-    for path in files:
-        for text, source in read_documents(path):
-            if text.strip():
-                texts.append(text)
-                sources.append(source)
-            else:
-                n_empty += 1
-    if not texts:
-        raise ValueError(f"empty corpus: no non-empty documents in {', '.join(files)}")
-    train_idx, val_idx = split_documents(sources, val_fraction, seed)
-
-    ids = []
-    chunk = 64
-    for i in tqdm(range(0, len(texts), chunk), desc=f"tokenizing ({tokenizer})", unit="chunk", disable=not verbose):
-        ids.extend(tok.encode_batch(texts[i:i + chunk]))
-
-    source_names = sorted(set(sources))
-    source_id = {s: i for i, s in enumerate(source_names)}
-    dtype = token_dtype(tok.n_vocab)
+def clear_folder(out_dir):
+    """Remove what a previous prepare left in out_dir (meta.json first: the folder is incomplete from now on),
+    only files of this layout: shards, sidecars, the old single-file layout, and temp files of either."""
     os.makedirs(out_dir, exist_ok=True)
-    meta_path = os.path.join(out_dir, "meta.json")
+    for name in ["meta.json"] + sorted(os.listdir(out_dir)):
+        temp = name.startswith(".") and TEMP_MARK in name and SHARD_NAME.match(name[1:name.index(TEMP_MARK)])
+        if name == "meta.json" or SHARD_NAME.match(name) or name in OLD_LAYOUT or temp:
+            try:
+                os.remove(os.path.join(out_dir, name))
+            except FileNotFoundError:
+                pass
+    for stale in glob.glob(os.path.join(glob.escape(out_dir), f".meta.json{TEMP_MARK}*")):
+        os.remove(stale)
+
+
+def unigram_baselines(train_counts, val_counts):
+    """Entropy of the train unigram distribution and val cross-entropy under it (add-one), in nats/token,
+    from the two splits' token counts: a trained model's val loss should end well below the latter."""
+    counts = train_counts.astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    smoothed = (counts + 1.0) / (counts.sum() + len(counts))
+    return float(-(p * np.log(p)).sum()), float(-(val_counts * np.log(smoothed)).sum() / max(1, val_counts.sum()))
+
+
+def check_settings(tokenizer, val_fraction, val_tokens, workers, shard_tokens, max_documents=None):
+    """Range checks, one line each naming the setting (the command-line flag of the same name)."""
+    if val_tokens is not None and (not isinstance(val_tokens, int) or val_tokens < 1):
+        raise ValueError(f"val_tokens must be an integer >= 1 (or 0 on the command line: use val_fraction), got {val_tokens}")
+    if val_tokens is None and not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers}")
+    if not isinstance(shard_tokens, int) or shard_tokens < MIN_SHARD_TOKENS:
+        raise ValueError(f"shard_tokens must be an integer >= {MIN_SHARD_TOKENS}, got {shard_tokens}")
+    if max_documents is not None and (not isinstance(max_documents, int) or max_documents < 1):
+        raise ValueError(f"max_documents must be an integer >= 1, got {max_documents}")
+    return get_tokenizer(tokenizer)  # ValueError listing valid names if unknown
+
+
+def prepare_settings(tokenizer, val_fraction, val_tokens, seed, shard_tokens, shuffle_documents, max_documents=None):
+    """What the output depends on besides the inputs (not --workers): part of the fingerprint and of meta.json."""
+    return dict(tokenizer=tokenizer, val_fraction=None if val_tokens else float(val_fraction), val_tokens=val_tokens,
+                seed=int(seed), shard_tokens=int(shard_tokens), document_order="shuffled" if shuffle_documents else "input",
+                max_documents=max_documents)
+
+
+def prepare(inputs=(), out_dir=DEFAULT_OUT, tokenizer="gpt2-4096", val_fraction=0.05, seed=0, verbose=True,
+            val_tokens=None, workers=1, shard_tokens=DEFAULT_SHARD_TOKENS, shuffle_documents=False,
+            hf=None, hf_config=None, hf_split="train", max_documents=None):
+    """Tokenize `inputs` (.txt/.jsonl/.parquet files or folders) or the dataset `hf` into out_dir's shards,
+    sidecars and meta.json (see the module docstring). Returns out_dir."""
+    start_time = time.time()
+    tok = check_settings(tokenizer, val_fraction, val_tokens, workers, shard_tokens, max_documents)
+    corpus = Corpus([] if hf else expand_inputs(inputs), hf, hf_config, hf_split, max_documents)
+    settings = prepare_settings(tok.name, val_fraction, val_tokens, seed, shard_tokens, shuffle_documents, max_documents)
+    fingerprint = corpus.fingerprint(settings)
+    clear_folder(out_dir)
+
+    # the split, from per-source document counts (first pass), then the documents tagged in order
+    with worker_pool(workers) as pool:
+        return write_shards(corpus, out_dir, tok, settings, fingerprint, pool, workers, verbose, start_time)
+
+
+def write_shards(corpus, out_dir, tok, settings, fingerprint, pool, workers, verbose, start_time):
+    """prepare's two passes on the worker pool (None: in this process)."""
+    val_tokens, val_fraction, seed = settings["val_tokens"], settings["val_fraction"], settings["seed"]
+    shuffle_documents, shard_tokens = settings["document_order"] == "shuffled", settings["shard_tokens"]
+    if shuffle_documents:  # the first version's order: the corpus in memory
+        documents = list(corpus)
+        counts = count_documents(documents, tok if val_tokens else None, verbose)
+    else:
+        counts = count_corpus(corpus, tok.name if val_tokens else None, pool, workers, verbose)
+    if not counts:
+        raise ValueError(f"empty corpus: no non-empty documents in {', '.join(corpus.names())}")
+    doc_counts = {source: c[0] for source, c in counts.items()}
+    fraction = val_fraction_for_tokens(counts, val_tokens) if val_tokens else val_fraction
+    ranks, rng = choose_val(doc_counts, fraction, seed, few=bool(val_tokens))
+    source_names = sorted(doc_counts)
+    source_id = {s: i for i, s in enumerate(source_names)}
+    membership = ValMembership(ranks)
+    if shuffle_documents:
+        is_val = np.array([membership.is_val(source, i) for i, (_, source) in enumerate(documents)], dtype=bool)
+        order = [(i, 0) for i in rng.permutation(np.flatnonzero(~is_val))] + \
+                [(i, 1) for i in rng.permutation(np.flatnonzero(is_val))]
+        tagged = ((int(i), documents[i][0], source_id[documents[i][1]], s) for i, s in order)
+    else:
+        tagged = ((i, text, source_id[source], int(membership.is_val(source, i)))
+                  for i, (text, source) in enumerate(corpus))
+
+    # the second pass: tokenize on the workers, write the shards in input order
+    dtype = token_dtype(tok.n_vocab)
+    writers = [ShardWriter(out_dir, split, shard_tokens, dtype) for split in SPLITS]
+    unigram = np.zeros((2, tok.n_vocab), dtype=np.int64)
+    stats = {key: np.zeros((2, len(source_names)), dtype=np.int64) for key in ("tokens", "documents", "bytes")}
+    characters = 0
+    jobs = ((tok.name, chunk) for chunk in chunks_of(tagged))
+    bar = tqdm(total=sum(doc_counts.values()), desc=f"tokenizing ({tok.name}, {workers} worker{'s' * (workers > 1)})",
+               unit="doc", leave=False, disable=None if verbose else True)  # bars on a terminal only
     try:
-        os.remove(meta_path)  # no meta.json = incomplete prepare, until the new one is written
-    except FileNotFoundError:
-        pass
-    splits, tokens_by_split = {}, {}
-    for split, order in zip(SPLITS, (train_idx, val_idx)):
-        lengths = np.array([1 + len(ids[i]) for i in order], dtype=np.int64)  # +1: the leading eot
-        ends = np.cumsum(lengths)
-        spans = np.stack([ends - lengths, ends, [source_id[sources[i]] for i in order], order], axis=1).astype(np.int64)
-        tokens = np.empty(int(ends[-1]), dtype=dtype)
-        for s, e, _, doc in spans:
-            tokens[s] = tok.eot_token
-            tokens[s + 1:e] = ids[doc]
-        write_atomic(os.path.join(out_dir, f"{split}.bin"), tokens.tofile)
-        write_atomic(os.path.join(out_dir, f"{split}_sources.npy"), lambda f: np.save(f, spans))
-        tokens_by_split[split] = tokens
-        splits[split] = {
-            "tokens": int(len(tokens)),
-            "documents": int(len(order)),
-            "source_tokens": {name: int(lengths[spans[:, 2] == j].sum()) for j, name in enumerate(source_names)},
-            "source_documents": {name: int((spans[:, 2] == j).sum()) for j, name in enumerate(source_names)},
-        }
-    train_entropy, val_unigram_xent = unigram_baselines(tokens_by_split["train"], tokens_by_split["val"], tok.n_vocab)
+        for rows, lengths, n_bytes, n_chars, tokens in in_order(tokenize_chunk, jobs, pool, workers):
+            ends = np.cumsum(lengths)
+            for (doc_index, src, split_index), start, end in zip(rows.tolist(), (ends - lengths).tolist(), ends.tolist()):
+                writers[split_index].add(tokens[start:end], src, doc_index)
+            token_split = np.repeat(rows[:, 2], lengths)
+            for split_index in np.unique(rows[:, 2]).tolist():  # the unigram baselines, counted as we go
+                unigram[split_index] += np.bincount(tokens[token_split == split_index], minlength=tok.n_vocab)
+            for key, values in (("tokens", lengths), ("documents", 1), ("bytes", n_bytes)):
+                np.add.at(stats[key], (rows[:, 2], rows[:, 1]), values)
+            characters += n_chars
+            bar.update(len(rows))
+        shards = {split: writer.finish() for split, writer in zip(SPLITS, writers)}
+    except BaseException:
+        for writer in writers:
+            writer.abandon()
+        raise
+    finally:
+        bar.close()
+
+    splits = {split: {
+        "tokens": int(stats["tokens"][j].sum()),
+        "documents": int(stats["documents"][j].sum()),
+        "bytes": int(stats["bytes"][j].sum()),
+        "source_tokens": dict(zip(source_names, stats["tokens"][j].tolist())),
+        "source_documents": dict(zip(source_names, stats["documents"][j].tolist())),
+    } for j, split in enumerate(SPLITS)}
+    train_entropy, val_unigram_xent = unigram_baselines(unigram[0], unigram[1])
     meta = {
         "format": "loopstudy-tokens",
         "version": PREPARE_VERSION,
@@ -221,130 +615,193 @@ def prepare(inputs, out_dir, tokenizer="gpt2-4096", val_fraction=0.05, seed=0, v
         "n_vocab": tok.n_vocab,
         "eot_token": tok.eot_token,
         "dtype": np.dtype(dtype).name,
-        "layout": "each document is preceded by eot_token; sidecar spans [start, end) include that eot",
+        "layout": "each document is preceded by eot_token; sidecar spans [start, end) include that eot and are "
+                  "positions in the split's shards concatenated",
         "sources": source_names,
         "splits": splits,
-        "characters": int(sum(len(t) for t in texts)),
-        "empty_documents_skipped": n_empty,
+        "characters": characters,
+        "empty_documents_skipped": corpus.empty,
         "unigram_entropy_train_nats": train_entropy,
         "unigram_xent_val_nats": val_unigram_xent,
-        "val_fraction": val_fraction,
-        "seed": seed,
-        "inputs": [os.path.basename(f) for f in files],
+        "split_rule": "val_tokens" if val_tokens else "val_fraction",
+        **settings,
+        "inputs": corpus.names(),
         "fingerprint": fingerprint,
+        "shards": shards,
     }
-    write_atomic(meta_path, lambda f: f.write((json.dumps(meta, indent=1) + "\n").encode()))
+    write_atomic(os.path.join(out_dir, "meta.json"), lambda f: f.write((json.dumps(meta, indent=1) + "\n").encode()))
     if verbose:
-        print(f"prepared {out_dir} in {time.time() - start_time:.1f}s: " + ", ".join(
-            f"{s} {splits[s]['tokens']:,} tokens / {splits[s]['documents']} docs" for s in SPLITS)
-            + f"; sources {source_names}; {tok.name} ({tok.n_vocab} vocab, {meta['dtype']})")
+        print(f"prepared {out_dir} in {time.time() - start_time:.2f}s: " + ", ".join(
+            f"{s} {splits[s]['tokens']:,} tokens / {splits[s]['documents']:,} docs / {len(shards[s])} shards"
+            for s in SPLITS) + f"; {len(source_names)} sources; {tok.name} ({tok.n_vocab} vocab, {meta['dtype']})")
     return out_dir
+
+
+DEFAULT_SETTINGS = dict(val_fraction=0.05, seed=0, shuffle_documents=True)  # the embedded corpus's prepare
 
 
 def prepare_default(out_dir=DEFAULT_OUT, tokenizer="gpt2-4096", verbose=True):
     """Prepare the embedded Shakespeare corpus into out_dir unless an intact, identical prepare is there."""
-    fingerprint = corpus_fingerprint([DEFAULT_CORPUS], tokenizer, 0.05, 0)
+    settings = prepare_settings(tokenizer, DEFAULT_SETTINGS["val_fraction"], None, DEFAULT_SETTINGS["seed"],
+                                DEFAULT_SHARD_TOKENS, DEFAULT_SETTINGS["shuffle_documents"])
     try:
-        if load_meta(out_dir)["fingerprint"] == fingerprint:
+        if load_meta(out_dir)["fingerprint"] == corpus_fingerprint([DEFAULT_CORPUS], settings):
             return out_dir
     except (FileNotFoundError, ValueError):
         pass  # missing, stale or corrupt: rebuild
-    return prepare([DEFAULT_CORPUS], out_dir, tokenizer=tokenizer, val_fraction=0.05, seed=0, verbose=verbose)
+    return prepare([DEFAULT_CORPUS], out_dir, tokenizer=tokenizer, verbose=verbose, **DEFAULT_SETTINGS)
 
 
 # -----------------------------------------------------------------------------
-# loading
+# loading: cheap checks only (start-up must not grow with the corpus); verify() reads everything
+
+class ShardedTokens:
+    """The shards of one split as one read-only token sequence: len(), tokens[i], tokens[a:b] (a slice that
+    crosses a shard boundary concatenates the pieces), np.asarray(tokens) (reads it all). Each shard is an
+    np.memmap: nothing is read until sliced."""
+
+    def __init__(self, paths, sizes, dtype):
+        self.dtype = np.dtype(dtype)
+        self.shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # shard k is [starts[k], starts[k+1])
+        self.shards = [np.memmap(p, dtype=self.dtype, mode="r") for p in paths]
+
+    def __len__(self):
+        return int(self.shard_starts[-1])
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise ValueError("ShardedTokens slices take step 1 only")
+            pieces = []
+            k = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
+            while start < stop:
+                end = min(stop, int(self.shard_starts[k + 1]))
+                pieces.append(self.shards[k][start - self.shard_starts[k]:end - self.shard_starts[k]])
+                start, k = end, k + 1
+            return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
+        i = int(key) + (len(self) if int(key) < 0 else 0)
+        if not 0 <= i < len(self):
+            raise IndexError(f"token index {key} out of range for {len(self):,} tokens")
+        k = int(np.searchsorted(self.shard_starts, i, side="right")) - 1
+        return self.shards[k][i - self.shard_starts[k]]
+
+    def __array__(self, dtype=None, copy=None):
+        tokens = np.asarray(self[0:len(self)])
+        return tokens if dtype is None else tokens.astype(dtype)
+
 
 def load_meta(data_dir):
-    """meta.json of a prepared folder, after checking every file exists, has the size meta says, and that
-    each {split}_sources.npy tiles its .bin with known source ids. Token ids are checked by load_split."""
+    """meta.json of a prepared folder, after cheap checks: its version, every shard and sidecar present, each
+    shard of the size meta.json says, each shard's largest token id (recorded at prepare time) < n_vocab."""
     meta_path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"{meta_path} not found: prepare the data first (python data/prepare.py ... --out {data_dir})")
+        raise FileNotFoundError(f"{meta_path} not found: prepare the data first (python data/prepare.py ... --out "
+                                f"{data_dir}); a prepare that was stopped leaves no meta.json, rerun it")
     try:
         with open(meta_path) as f:
             meta = json.load(f)
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        counts = {split: int(meta["splits"][split]["tokens"]) for split in SPLITS}
-        n_vocab, eot, n_sources = int(meta["n_vocab"]), int(meta["eot_token"]), len(meta["sources"])
-    except (ValueError, KeyError, TypeError) as e:  # ValueError includes json.JSONDecodeError
+        version = meta.get("version")
+        if version == PREPARE_VERSION:
+            itemsize = np.dtype(meta["dtype"]).itemsize
+            n_vocab, eot, n_sources = int(meta["n_vocab"]), int(meta["eot_token"]), len(meta["sources"])
+            counts = {split: int(meta["splits"][split]["tokens"]) for split in SPLITS}
+            shards = {split: [(s["file"], s["sources"], int(s["tokens"]), int(s["max_token"]))
+                              for s in meta["shards"][split]] for split in SPLITS}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # ValueError includes json.JSONDecodeError
         raise ValueError(f"{meta_path} is corrupt ({type(e).__name__}: {e}); re-run data/prepare.py") from None
-    if not 0 <= eot < n_vocab:
-        raise ValueError(f"{meta_path} is corrupt: eot_token={eot} is not below n_vocab={n_vocab}; re-run data/prepare.py")
+    if version != PREPARE_VERSION:
+        raise ValueError(f"{meta_path} was written by another version of data/prepare.py (format version {version}, "
+                         f"this one reads {PREPARE_VERSION}); re-run data/prepare.py")
+    if not 0 <= eot < n_vocab or n_sources < 1:
+        raise ValueError(f"{meta_path} is corrupt: eot_token={eot} is not below n_vocab={n_vocab} or no sources; "
+                         f"re-run data/prepare.py")
     for split in SPLITS:
-        bin_path = os.path.join(data_dir, f"{split}.bin")
-        if not os.path.exists(bin_path):
-            raise FileNotFoundError(f"{bin_path} not found (listed in {meta_path}); re-run data/prepare.py")
-        size, expected = os.path.getsize(bin_path), counts[split] * itemsize
-        if size != expected:
-            raise ValueError(f"{bin_path} is truncated or corrupt: {size:,} bytes, expected {expected:,} "
-                             f"({counts[split]:,} {meta['dtype']} tokens per meta.json); re-run data/prepare.py")
-        spans = read_spans(data_dir, split, counts[split], n_sources)
-        tokens = np.memmap(bin_path, dtype=meta["dtype"], mode="r")
-        not_eot = np.flatnonzero(tokens[spans[:, 0]] != eot)
-        if len(not_eot):
-            row = int(not_eot[0])
-            raise ValueError(f"{bin_path} is corrupt: document {row} of {split}_sources.npy starts at position "
-                             f"{spans[row, 0]:,} with token {tokens[spans[row, 0]]}, not eot_token={eot}; "
-                             f"re-run data/prepare.py")
+        if sum(s[2] for s in shards[split]) != counts[split]:
+            raise ValueError(f"{meta_path} is corrupt: the {split} shards hold {sum(s[2] for s in shards[split]):,} "
+                             f"tokens, its splits say {counts[split]:,}; re-run data/prepare.py")
+        for name, sources, n_tokens, max_token in shards[split]:
+            path = os.path.join(data_dir, name)
+            for needed in (path, os.path.join(data_dir, sources)):
+                if not os.path.exists(needed):
+                    raise FileNotFoundError(f"{needed} not found (listed in {meta_path}); re-run data/prepare.py")
+            size, expected = os.path.getsize(path), n_tokens * itemsize
+            if size != expected:
+                raise ValueError(f"{path} is truncated or corrupt: {size:,} bytes, expected {expected:,} "
+                                 f"({n_tokens:,} {meta['dtype']} tokens per meta.json); re-run data/prepare.py")
+            if max_token >= n_vocab:
+                raise ValueError(f"{path}: token id {max_token} is outside the vocabulary (n_vocab={n_vocab} in "
+                                 f"meta.json); re-run data/prepare.py")
     return meta
 
 
-def read_spans(data_dir, split, n_tokens, n_sources):
-    """data_dir/{split}_sources.npy, checked: integer rows [start, end, source_id, doc_index] whose spans
-    tile the n_tokens tokens of {split}.bin in order, with 0 <= source_id < n_sources. A ValueError names
-    the file, the row and the value, instead of an IndexError deep inside training."""
-    path = os.path.join(data_dir, f"{split}_sources.npy")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found; re-run data/prepare.py")
-    try:
-        spans = np.load(path)
-    except (ValueError, OSError, EOFError) as e:
-        raise ValueError(f"{path} is corrupt ({e}); re-run data/prepare.py") from None
-    if spans.ndim != 2 or spans.shape[1] != 4 or len(spans) == 0 or not np.issubdtype(spans.dtype, np.integer):
-        raise ValueError(f"{path} is corrupt: expected a non-empty integer array (n_docs, 4), got {spans.dtype} "
-                         f"{spans.shape}; re-run data/prepare.py")
-    starts, ends = spans[:, 0], spans[:, 1]
-    expected_starts = np.concatenate([[0], ends[:-1]])
-    bad = np.flatnonzero((starts != expected_starts) | (ends <= starts) | (ends > n_tokens))
-    if len(bad) or ends[-1] != n_tokens:
-        row = int(bad[0]) if len(bad) else len(spans) - 1
-        raise ValueError(f"{path}: row {row} has span [{starts[row]}, {ends[row]}), but the spans must tile the "
-                         f"{n_tokens:,} tokens of {split}.bin in order (each starts where the previous ended, "
-                         f"start < end, the last ends at {n_tokens}); re-run data/prepare.py")
-    bad = np.flatnonzero((spans[:, 2] < 0) | (spans[:, 2] >= n_sources))
-    if len(bad):
-        row = int(bad[0])
-        raise ValueError(f"{path}: row {row} has source_id {spans[row, 2]}, but meta.json lists {n_sources} "
-                         f"sources (ids 0..{n_sources - 1}); re-run data/prepare.py")
-    return spans
-
-
 def load_split(data_dir, split):
-    """Read-only np.memmap of data_dir/{split}.bin (split = 'train' or 'val'), validated by load_meta,
-    with every token id checked against meta["n_vocab"]."""
+    """The token shards of data_dir's split ('train' or 'val') as one read-only ShardedTokens, after
+    load_meta's checks (no pass over the tokens)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     meta = load_meta(data_dir)
-    bin_path = os.path.join(data_dir, f"{split}.bin")
-    tokens = np.memmap(bin_path, dtype=meta["dtype"], mode="r")
-    # One pass over the file: milliseconds for the default few MB, still a full read (seconds) for a
-    # multi-GB file. Worth it: an id >= n_vocab otherwise ends as "IndexError: index out of range in
-    # self" inside the embedding, far from the file that holds it.
-    if len(tokens) and int(tokens.max()) >= meta["n_vocab"]:
-        position = int(np.argmax(tokens >= meta["n_vocab"]))
-        raise ValueError(f"{bin_path}: token id {int(tokens[position])} at position {position:,} is outside the "
-                         f"vocabulary (n_vocab={meta['n_vocab']} in meta.json); re-run data/prepare.py")
-    return tokens
+    shards = meta["shards"][split]
+    return ShardedTokens([os.path.join(data_dir, s["file"]) for s in shards], [s["tokens"] for s in shards], meta["dtype"])
+
+
+def read_spans(data_dir, split, meta):
+    """The split's sidecars concatenated, checked: integer rows [start, end, source_id, doc_index] whose spans
+    tile the split's tokens in order, each starting inside its shard, with 0 <= source_id < n_sources. A
+    ValueError names the file, the row and the value, instead of an IndexError deep inside training."""
+    n_tokens, n_sources = int(meta["splits"][split]["tokens"]), len(meta["sources"])
+    parts, shard_start, last_end = [], 0, 0
+    for shard in meta["shards"][split]:
+        path = os.path.join(data_dir, shard["sources"])
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} not found; re-run data/prepare.py")
+        try:
+            spans = np.load(path)
+        except (ValueError, OSError, EOFError) as e:
+            raise ValueError(f"{path} is corrupt ({e}); re-run data/prepare.py") from None
+        if spans.ndim != 2 or spans.shape[1] != 4 or not np.issubdtype(spans.dtype, np.integer):
+            raise ValueError(f"{path} is corrupt: expected an integer array (n_docs, 4), got {spans.dtype} "
+                             f"{spans.shape}; re-run data/prepare.py")
+        shard_end = shard_start + int(shard["tokens"])
+        starts, ends = spans[:, 0], spans[:, 1]
+        expected_starts = np.concatenate([[last_end], ends[:-1]])
+        bad = np.flatnonzero((starts != expected_starts) | (ends <= starts) | (ends > n_tokens) |
+                             (starts < shard_start) | (starts >= shard_end))
+        if len(bad):
+            row = int(bad[0])
+            raise ValueError(f"{path}: row {row} has span [{starts[row]}, {ends[row]}), but the spans must tile the "
+                             f"{n_tokens:,} tokens of the {split} split in order (each starts where the previous "
+                             f"ended, start < end, inside this shard [{shard_start}, {shard_end})); re-run data/prepare.py")
+        bad = np.flatnonzero((spans[:, 2] < 0) | (spans[:, 2] >= n_sources))
+        if len(bad):
+            row = int(bad[0])
+            raise ValueError(f"{path}: row {row} has source_id {spans[row, 2]}, but meta.json lists {n_sources} "
+                             f"sources (ids 0..{n_sources - 1}); re-run data/prepare.py")
+        parts.append(spans.astype(np.int64))
+        shard_start, last_end = shard_end, int(ends[-1]) if len(ends) else last_end
+    if last_end != n_tokens:
+        raise ValueError(f"{os.path.join(data_dir, meta['shards'][split][-1]['sources'])}: the spans end at "
+                         f"{last_end:,}, not at the {split} split's {n_tokens:,} tokens; re-run data/prepare.py")
+    return np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
 
 
 def load_sources(data_dir, split):
-    """int64 (n_docs, 4) [start, end, source_id, doc_index], checked against {split}.bin and the source
-    names load_meta(data_dir)['sources']."""
+    """int64 (n_docs, 4) [start, end, source_id, doc_index] of the split, checked against its shards (every
+    document starts with eot) and the source names load_meta(data_dir)['sources']."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     meta = load_meta(data_dir)
-    return read_spans(data_dir, split, int(meta["splits"][split]["tokens"]), len(meta["sources"]))
+    spans, tokens, eot = read_spans(data_dir, split, meta), load_split(data_dir, split), int(meta["eot_token"])
+    shard_of = np.searchsorted(tokens.shard_starts, spans[:, 0], side="right") - 1
+    for k, shard in enumerate(tokens.shards):  # one gather per shard: the token at each document's start
+        rows = np.flatnonzero(shard_of == k)
+        first = shard[spans[rows, 0] - tokens.shard_starts[k]]
+        if (first != eot).any():
+            row = int(rows[np.argmax(first != eot)])
+            raise ValueError(f"{os.path.join(data_dir, meta['shards'][split][k]['file'])} is corrupt: document {row} "
+                             f"of the {split} split starts at position {spans[row, 0]:,} with token "
+                             f"{tokens[int(spans[row, 0])]}, not eot_token={eot}; re-run data/prepare.py")
+    return spans
 
 
 def token_source_ids(spans, n_tokens=None):
@@ -353,17 +810,73 @@ def token_source_ids(spans, n_tokens=None):
     return ids if n_tokens is None else ids[:n_tokens]
 
 
+def verify(data_dir, verbose=True):
+    """Read every shard: its sha256 and largest token id as meta.json recorded them, every document starting
+    with eot, the sidecars tiling each split. Returns meta; ValueError naming the file otherwise."""
+    meta = load_meta(data_dir)
+    for split in SPLITS:
+        load_sources(data_dir, split)  # spans tile the split, each document starts with eot
+        for shard in tqdm(meta["shards"][split], desc=f"verifying {split}", unit="shard", leave=False,
+                          disable=None if verbose else True):
+            path = os.path.join(data_dir, shard["file"])
+            with open(path, "rb") as f:
+                if hashlib.file_digest(f, "sha256").hexdigest() != shard["sha256"]:
+                    raise ValueError(f"{path} is corrupt: its sha256 differs from meta.json's; re-run data/prepare.py")
+            tokens = np.memmap(path, dtype=meta["dtype"], mode="r")
+            if len(tokens) and int(tokens.max()) != shard["max_token"]:
+                raise ValueError(f"{path} is corrupt: largest token id {int(tokens.max())}, meta.json says "
+                                 f"{shard['max_token']}; re-run data/prepare.py")
+    return meta
+
+
+# -----------------------------------------------------------------------------
+# command line
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Tokenize .txt/.jsonl documents into train.bin/val.bin (see the module docstring).")
-    parser.add_argument("inputs", nargs="*", help=f"files or folders (default: the embedded corpus {os.path.relpath(DEFAULT_CORPUS)})")
+    parser = common_parser("prepare.py", allow_abbrev=False,
+                           description="Tokenize documents into token shards (see the module docstring).")
+    parser.add_argument("inputs", nargs="*", help=f".txt/.jsonl/.parquet files or folders (default: the embedded "
+                                                  f"corpus {os.path.relpath(DEFAULT_CORPUS)})")
+    parser.add_argument("--hf", default=None, help="a Hugging Face dataset to stream instead (needs datasets)")
+    parser.add_argument("--hf_config", default=None, help="its configuration, e.g. sample-10BT")
+    parser.add_argument("--hf_split", default="train")
     parser.add_argument("--tokenizer", default="gpt2-4096", help="'gpt2' or 'gpt2-N' (default gpt2-4096)")
     parser.add_argument("--out", default=None, help=f"output folder (default {os.path.relpath(DEFAULT_OUT)})")
-    parser.add_argument("--val_fraction", type=float, default=0.05)
+    parser.add_argument("--val_fraction", type=float, default=None, help="val documents per source, as a fraction "
+                                                                         "(default 0.05)")
+    parser.add_argument("--val_tokens", type=int, default=0, help="about this many val tokens instead (0: use --val_fraction)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (the output does not depend on it)")
+    parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS, help=f"tokens per shard (>= {MIN_SHARD_TOKENS})")
+    parser.add_argument("--max_documents", type=int, default=0, help="only the first N non-empty documents (0: all)")
+    parser.add_argument("--shuffle_documents", action="store_true",
+                        help="each split in a seeded random document order (holds the corpus in memory)")
+    parser.add_argument("--verify", action="store_true", help="only check the prepared folder --out, reading everything")
     args = parser.parse_args(argv)
     try:
-        prepare(args.inputs or [DEFAULT_CORPUS], args.out or DEFAULT_OUT, tokenizer=args.tokenizer,
-                val_fraction=args.val_fraction, seed=args.seed)
+        for flag, value, minimum in (("--val_tokens", args.val_tokens, 0), ("--workers", args.workers, 1),
+                                     ("--shard_tokens", args.shard_tokens, MIN_SHARD_TOKENS),
+                                     ("--max_documents", args.max_documents, 0)):
+            if value < minimum:
+                raise ValueError(f"{flag} must be >= {minimum:,}, got {value}")
+        if args.val_fraction is not None and not 0.0 < args.val_fraction < 1.0:
+            raise ValueError(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
+        if args.val_fraction is not None and args.val_tokens:
+            raise ValueError("give --val_fraction or --val_tokens, not both")
+        if args.inputs and args.hf:
+            raise ValueError("give input files or --hf, not both")
+        out = args.out or DEFAULT_OUT
+        if args.verify:
+            meta = verify(out)
+            print(f"{out}: ok, " + ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens in "
+                                             f"{len(meta['shards'][s])} shards" for s in SPLITS))
+            return 0
+        default = not args.inputs and not args.hf  # the embedded corpus, prepared as prepare_default does
+        prepare([DEFAULT_CORPUS] if default else args.inputs, out, tokenizer=args.tokenizer,
+                val_fraction=0.05 if args.val_fraction is None else args.val_fraction,
+                val_tokens=args.val_tokens or None, seed=args.seed, workers=args.workers,
+                shard_tokens=args.shard_tokens, shuffle_documents=args.shuffle_documents or default,
+                hf=args.hf, hf_config=args.hf_config, hf_split=args.hf_split, max_documents=args.max_documents or None)
     except (OSError, ValueError) as e:
         return cli_error("prepare.py", e)
     return 0

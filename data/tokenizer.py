@@ -17,6 +17,7 @@ import functools
 import os
 import sys
 
+import numpy as np
 import tiktoken
 import tiktoken.load
 import tiktoken_ext.openai_public
@@ -90,6 +91,23 @@ def get_tokenizer(name="gpt2-4096"):
         explicit_n_vocab=n_vocab,
     )
     return Tokenizer(name, encoding)
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_lengths(name):
+    tok = get_tokenizer(name)
+    lengths = np.array([len(tok.encoding.decode_single_token_bytes(i)) for i in range(tok.n_vocab)], dtype=np.int64)
+    lengths[tok.eot_token] = 0  # the separator stands for no text
+    lengths.flags.writeable = False  # shared by every caller (cached)
+    return lengths
+
+
+def token_byte_lengths(tokenizer_name_or_meta):
+    """int64 array (n_vocab,): the UTF-8 byte length of each token id's decoding, 0 for <|endoftext|>. The
+    denominator of bits per byte: BPB = sum of CE nats over target tokens / (ln 2 * sum of their byte
+    lengths). Takes a tokenizer name or a data/prepare.py meta.json dict (its "tokenizer")."""
+    name = tokenizer_name_or_meta["tokenizer"] if isinstance(tokenizer_name_or_meta, dict) else tokenizer_name_or_meta
+    return _byte_lengths(name)
 
 
 def main(argv=None):

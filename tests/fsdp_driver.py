@@ -23,7 +23,7 @@ def sharded_logits(summary, settings):
     rank's bytes of weights, gradients and optimizer state."""
     overrides = dict(settings, resume=True, max_steps=summary["step"], progress=False, sample=False,
                      out_dir=settings["out_dir"], run_name=settings.get("run_name", "tiny"))
-    values, source = rundir.resolve_run(train.SETTINGS, {k: v for k, v in overrides.items() if k != "init_from"})
+    values, source, _ = rundir.resolve_run(train.SETTINGS, {k: v for k, v in overrides.items() if k != "init_from"})
     config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(train.ModelConfig, values)
     rank, world, device = distributed.setup(config.device, config.parallel)
     model, optimizers, _ = train.build_model(config, cfg, source, device, world, "stable", use_bf16=False)

@@ -98,7 +98,7 @@ def test_prepare_bins_decode_to_documents_with_eot_separators(tmp_path):
     for split in ("train", "val"):
         tokens, spans = prep.load_split(out, split), prep.load_sources(out, split)
         assert tokens.dtype == np.uint16 and len(tokens) == meta["splits"][split]["tokens"]
-        assert np.flatnonzero(tokens == tok.eot_token).tolist() == spans[:, 0].tolist()  # eot precedes each doc, only there
+        assert np.flatnonzero(np.asarray(tokens) == tok.eot_token).tolist() == spans[:, 0].tolist()  # eot precedes each doc, only there
         for start, end, source_id, doc in spans:
             text, source = documents[doc]
             assert tok.decode(tokens[start + 1:end]) == text
@@ -119,12 +119,12 @@ def test_prepare_is_deterministic_and_seeded(tmp_path):
     runs = {name: prep.prepare(inputs, str(tmp_path / name), seed=seed, verbose=False)
             for name, seed in [("s0", 0), ("s0_again", 0), ("s1", 1)]}
     read = lambda run, f: (tmp_path / run / f).read_bytes()
-    for f in ("train.bin", "val.bin", "train_sources.npy", "val_sources.npy", "meta.json"):
+    files = ["meta.json", "train_000000.bin", "train_000000_sources.npy", "val_000000.bin", "val_000000_sources.npy"]
+    for f in files:
         assert read("s0", f) == read("s0_again", f)
-    assert read("s0", "train_sources.npy") != read("s1", "train_sources.npy")
+    assert read("s0", "train_000000_sources.npy") != read("s1", "train_000000_sources.npy")
     assert prep.load_meta(runs["s0"])["fingerprint"] != prep.load_meta(runs["s1"])["fingerprint"]
-    assert sorted(os.listdir(tmp_path / "s0")) == ["meta.json", "train.bin", "train_sources.npy", "val.bin",
-                                                   "val_sources.npy"]  # no temp file left behind
+    assert sorted(os.listdir(tmp_path / "s0")) == files  # no temp file left behind
 
 
 def test_token_dtype_rule():
@@ -139,10 +139,10 @@ def test_prepare_default_builds_once_and_rebuilds_when_corrupt(tmp_path):
     assert meta["sources"] == ["comedy", "history", "tragedy"]
     assert all(meta["splits"]["val"]["source_documents"][s] >= 1 for s in meta["sources"])
     assert meta["splits"]["train"]["tokens"] > 500_000 and meta["unigram_xent_val_nats"] > 5
-    mtime = os.path.getmtime(os.path.join(out, "train.bin"))
+    mtime = os.path.getmtime(os.path.join(out, "train_000000.bin"))
     assert prep.prepare_default(out, verbose=False) == out
-    assert os.path.getmtime(os.path.join(out, "train.bin")) == mtime  # no-op when intact and identical
-    with open(os.path.join(out, "train.bin"), "r+b") as f:
+    assert os.path.getmtime(os.path.join(out, "train_000000.bin")) == mtime  # no-op when intact and identical
+    with open(os.path.join(out, "train_000000.bin"), "r+b") as f:
         f.truncate(1000)
     prep.prepare_default(out, verbose=False)
     assert prep.load_meta(out)["fingerprint"] == meta["fingerprint"]
@@ -197,18 +197,21 @@ def test_corrupt_or_missing_prepared_files(tmp_path):
         prep.load_meta(str(tmp_path / "elsewhere"))
     with pytest.raises(ValueError, match="split must be"):
         prep.load_split(out, "test")
-    val = os.path.join(out, "val.bin")
+    val = os.path.join(out, "val_000000.bin")
     data = open(val, "rb").read()
     with open(val, "wb") as f:
         f.write(data[:-3])
-    with pytest.raises(ValueError, match=r"val\.bin is truncated or corrupt"):
+    with pytest.raises(ValueError, match=r"val_000000\.bin is truncated or corrupt"):
         prep.load_split(out, "train")
     with open(val, "wb") as f:
         f.write(b"\0\0" + data[2:])  # right size, but the first document no longer starts with eot
-    with pytest.raises(ValueError, match=r"val\.bin is corrupt"):
-        prep.load_meta(out)
+    prep.load_meta(out)  # opening checks sizes only (no pass over the tokens) ...
+    with pytest.raises(ValueError, match=r"val_000000\.bin is corrupt: document 0 of the val split"):
+        prep.load_sources(out, "val")  # ... the val sidecar is checked against its shard when loaded
+    with pytest.raises(ValueError, match=r"val_000000\.bin is corrupt"):
+        prep.verify(out, verbose=False)
     os.remove(val)
-    with pytest.raises(FileNotFoundError, match=r"val\.bin not found"):
+    with pytest.raises(FileNotFoundError, match=r"val_000000\.bin not found"):
         prep.load_meta(out)
     with open(os.path.join(out, "meta.json"), "w") as f:
         f.write("{not json")
@@ -250,20 +253,24 @@ def prepared_copy(prepared, tmp_path):
 
 
 def test_token_id_outside_vocabulary(prepared_copy):
-    out = str(prepared_copy)
+    """Token ids are range-checked at prepare time, per shard (meta.json records the largest); opening
+    checks that record, verify() re-reads the shards."""
+    out, meta_path = str(prepared_copy), prepared_copy / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["shards"]["train"][0]["max_token"] == int(np.asarray(prep.load_split(out, "train")).max()) == 4095
+    meta["shards"]["train"][0]["max_token"] = 5000
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"train_000000\.bin: token id 5000 is outside the vocabulary \(n_vocab=4096"):
+        prep.load_split(out, "val")
+    meta["shards"]["train"][0]["max_token"] = 4095
+    meta_path.write_text(json.dumps(meta))
     spans = prep.load_sources(out, "train")
-    position = int(spans[1, 0]) + 2  # inside the second document, not on its eot
-    tokens = np.fromfile(prepared_copy / "train.bin", dtype=np.uint16)
-    tokens[position] = 5000  # right file size, n_vocab is 4096
-    tokens.tofile(prepared_copy / "train.bin")
-    prep.load_meta(out)  # the layout is intact: only the token range is wrong
-    assert len(prep.load_split(out, "val")) > 0  # the other split is fine
-    with pytest.raises(ValueError, match=rf"train\.bin: token id 5000 at position {position} is outside "
-                                         r"the vocabulary \(n_vocab=4096"):
-        prep.load_split(out, "train")
-    tokens[position] = 4095  # the largest valid id (eot) is accepted
-    tokens.tofile(prepared_copy / "train.bin")
-    assert int(prep.load_split(out, "train").max()) == 4095
+    tokens = np.fromfile(prepared_copy / "train_000000.bin", dtype=np.uint16)
+    tokens[int(spans[1, 0]) + 2] = 5000  # right file size, n_vocab is 4096: only a full read sees it
+    tokens.tofile(prepared_copy / "train_000000.bin")
+    assert len(prep.load_split(out, "train")) == len(tokens)
+    with pytest.raises(ValueError, match=r"train_000000\.bin is corrupt: its sha256 differs"):
+        prep.verify(out, verbose=False)
 
 
 @pytest.mark.parametrize("row,column,new_value,message", [  # new_value(start of that row, tokens in the file)
@@ -271,27 +278,29 @@ def test_token_id_outside_vocabulary(prepared_copy):
     (1, 0, lambda start, n_tokens: start + 1, r"row 1 has span"),  # a gap between two documents
     (1, 1, lambda start, n_tokens: start, r"row 1 has span \[(\d+), \1\)"),  # an empty span
     (0, 2, lambda start, n_tokens: 9, r"row 0 has source_id 9, but meta\.json lists 5 sources"),
+    (-1, 1, lambda start, n_tokens: n_tokens - 1, r"the spans end at {n_tokens_minus_1:,}"),  # one token not covered
     (2, 2, lambda start, n_tokens: -1, r"row 2 has source_id -1"),
 ])
 def test_sources_sidecar_out_of_range(prepared_copy, row, column, new_value, message):
-    out, path = str(prepared_copy), prepared_copy / "train_sources.npy"
+    out, path = str(prepared_copy), prepared_copy / "train_000000_sources.npy"
     spans = np.load(path)
     n_tokens = int(spans[-1, 1])
     spans[row, column] = new_value(int(spans[row, 0]), n_tokens)
     np.save(path, spans)
-    message = message.format(last=len(spans) - 1, n_tokens_plus_7=n_tokens + 7)
-    for load in (prep.load_meta, lambda d: prep.load_sources(d, "train"), lambda d: prep.load_split(d, "val")):
-        with pytest.raises(ValueError, match=r"train_sources\.npy: " + message):
+    message = message.format(last=len(spans) - 1, n_tokens_plus_7=n_tokens + 7, n_tokens_minus_1=n_tokens - 1)
+    prep.load_meta(out)  # opening reads no train sidecar
+    for load in (lambda d: prep.load_sources(d, "train"), lambda d: prep.verify(d, verbose=False)):
+        with pytest.raises(ValueError, match=r"train_000000_sources\.npy: " + message):
             load(out)
 
 
 def test_sources_sidecar_wrong_type_and_meta_values(prepared_copy):
     out = str(prepared_copy)
-    spans = np.load(prepared_copy / "val_sources.npy")
-    np.save(prepared_copy / "val_sources.npy", spans.astype(np.float64))
-    with pytest.raises(ValueError, match=r"val_sources\.npy is corrupt: expected a non-empty integer array"):
+    spans = np.load(prepared_copy / "val_000000_sources.npy")
+    np.save(prepared_copy / "val_000000_sources.npy", spans.astype(np.float64))
+    with pytest.raises(ValueError, match=r"val_000000_sources\.npy is corrupt: expected an integer array"):
         prep.load_sources(out, "val")
-    np.save(prepared_copy / "val_sources.npy", spans)
+    np.save(prepared_copy / "val_000000_sources.npy", spans)
     meta = json.loads((prepared_copy / "meta.json").read_text())
     (prepared_copy / "meta.json").write_text(json.dumps(meta | {"eot_token": 4096}))
     with pytest.raises(ValueError, match=r"meta\.json is corrupt: eot_token=4096 is not below n_vocab=4096"):

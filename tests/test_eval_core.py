@@ -1,5 +1,6 @@
 import collections
 import json
+import sys
 import math
 import os
 import random
@@ -525,6 +526,23 @@ def test_bundle_errors_and_fingerprint(tmp_path):
 
 # ---------------------------------------------------------------- length buckets
 
+def write_prepared(folder, tokens, eot, n_vocab, shard_tokens):
+    """A data/prepare.py folder whose train and val splits are both `tokens` (documents start at eot),
+    written by its ShardWriter."""
+    from data import prepare as prep
+    starts = np.flatnonzero(tokens == eot)
+    shards = {}
+    for split in prep.SPLITS:
+        writer = prep.ShardWriter(str(folder), split, shard_tokens, tokens.dtype)
+        for i, (a, b) in enumerate(zip(starts, np.append(starts[1:], len(tokens)))):
+            writer.add(tokens[a:b], 0, i)
+        shards[split] = writer.finish()
+    (folder / "meta.json").write_text(json.dumps({
+        "version": prep.PREPARE_VERSION, "dtype": tokens.dtype.name, "eot_token": eot, "tokenizer": "char",
+        "n_vocab": n_vocab, "sources": ["random"], "splits": {s: {"tokens": len(tokens)} for s in prep.SPLITS},
+        "shards": shards}))
+
+
 def test_length_bucket_loss_matches_manual_and_packing(tmp_path):
     rng = np.random.default_rng(0)
     eot = 0
@@ -533,16 +551,14 @@ def test_length_bucket_loss_matches_manual_and_packing(tmp_path):
     for n in lengths:
         stream += [eot] + rng.integers(1, 128, size=n).tolist()
     arr = np.array(stream, dtype=np.uint16)
-    starts = np.flatnonzero(arr == eot)
-    spans = np.stack([starts, np.append(starts[1:], len(arr)), np.zeros_like(starts), np.arange(len(starts))], 1)
-    for split in ("train", "val"):  # the data/prepare.py layout
-        (tmp_path / f"{split}.bin").write_bytes(arr.tobytes())
-        np.save(tmp_path / f"{split}_sources.npy", spans.astype(np.int64))
-    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "eot_token": eot, "tokenizer": "char",
-                                                    "n_vocab": 128, "sources": ["random"],
-                                                    "splits": {s: {"tokens": len(arr)} for s in ("train", "val")}}))
+    write_prepared(tmp_path, arr, eot, n_vocab=128, shard_tokens=100)  # the data/prepare.py layout, 4 shards
     tokens, meta, doc_spans = ec.load_token_split(str(tmp_path), "val")
     assert doc_spans == ec.split_documents(tokens, eot) and doc_spans[:2] == [(1, 4), (5, 35)]
+    assert np.array_equal(np.asarray(tokens), arr)  # read across the shard boundaries
+    with pytest.MonkeyPatch.context() as mp:  # eval_core copied alone, without data.prepare: the same split
+        mp.setitem(sys.modules, "data.prepare", None)
+        alone_tokens, _, alone_spans = ec.load_token_split(str(tmp_path), "val")
+    assert np.array_equal(alone_tokens, arr) and alone_spans == doc_spans
     model = BigramModel(block_size=64)
     packed = ec.length_bucket_loss(model, tokens, eot, progress=False)
     alone = ec.length_bucket_loss(model, tokens, eot, pack=False, progress=False)

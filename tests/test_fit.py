@@ -547,18 +547,18 @@ def test_power_fit_errors_name_the_architecture(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["chinchilla", DATA, "--drop-highest", "-3"], "fit.py chinchilla: error: argument --drop-highest: expected an integer >= 0, got '-3'"),
+    (["chinchilla", DATA, "--drop-highest", "-3"], "fit.py chinchilla: error: argument --drop-highest: -3: must be >= 0"),
     (["chinchilla", DATA, "--drop-highest", "245"], f"fit.py: error: {DATA}: --drop-highest 245 leaves no points (the file has 245)"),
     (["chinchilla", DATA, "--drop-highest", "241"], f"fit.py: error: {DATA}: Chinchilla fit: 4 points is too few"),
     (["chinchilla", "no/such.csv"], "fit.py: error: No such file or directory: no/such.csv"),
     (["power", "no/such.csv", "--ref", "vanilla"], "fit.py: error: No such file or directory: no/such.csv"),
     (["power", POWER_EXAMPLE], "fit.py power: error: the following arguments are required: --ref"),
     (["power", POWER_EXAMPLE, "--ref", "nope"], "architecture 'nope' not found in column 'arch'"),
-    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--C0", "0"], "argument --C0: expected a number > 0, got '0'"),
-    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--C0", "nan"], "argument --C0: expected a number > 0, got 'nan'"),
+    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--C0", "0"], "argument --C0: 0: must be > 0"),
+    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--C0", "nan"], "argument --C0: nan: must be a finite number > 0"),
     (["power", POWER_EXAMPLE, "--ref", "vanilla", "--min-depth", "8"], f"{POWER_EXAMPLE}: --min-depth needs a column 'depth'"),
     (["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "21"], "--min-depth 21 leaves none of vanilla's points"),
-    (["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "-1"], "argument --min-depth: expected a number > 0, got '-1'"),
+    (["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "-1"], "argument --min-depth: -1: must be > 0"),
     (["power", X_LADDERS, "--ref", "vanilla", "--protocol", "lbfgs"], "argument --protocol: invalid choice: 'lbfgs'"),
     (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--budgets", "abc"],
      "fit.py surface: error: argument --budgets: expected comma-separated numbers > 0, got 'abc'"),
@@ -566,7 +566,7 @@ def test_power_fit_errors_name_the_architecture(tmp_path, capsys):
     (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--budgets", "1e20,-1"], "argument --budgets"),
     (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--sparsity", "0.5,1"],
      "argument --sparsity: expected comma-separated numbers in [0, 1), got '0.5,1'"),
-    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--bootstrap", "-5"], "argument --bootstrap: expected an integer >= 0"),
+    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--bootstrap", "-5"], "argument --bootstrap: -5: must be >= 0"),
     (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b"], "line 1: missing column 'cell'"),
     (["fitness"], "fit.py: error: argument cmd: invalid choice: 'fitness'"),
     ([], "fit.py: error: the following arguments are required: cmd"),
@@ -605,3 +605,75 @@ def test_cli_surface_plot_draws_the_frontiers(tmp_path, capsys):
     png = tmp_path / "frontiers.png"
     assert fit.main(["surface", path, "--ref", "baseline", "--target", "smelt", "--json", "--plot", str(png)]) == 0
     assert json.loads(capsys.readouterr().out)["fits"] and png.read_bytes().startswith(b"\x89PNG")
+
+
+# ----------------------------------------------------------------------------- duplicates, nan, abbreviations, Ctrl-C
+
+@pytest.mark.parametrize("command, text, message", [
+    # the same point twice is fitted twice: refused with both lines (repeated seeds differ in loss: kept)
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,3e18,2.0\nv,3.0e18,2.0\n",
+     "power.csv lines 7 and 8: the same row twice (equal arch, C, loss)"),
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK.splitlines(keepends=True)[1] + POWER_OK,
+     "power.csv lines 2 and 4: the same row twice"),
+    (["chinchilla"], "N,D,loss\n" + "".join(f"{1e9 * (i + 1)},1e10,{3 - i / 10}\n" for i in range(6)) + "1e9,1e10,3.0\n",
+     "power.csv lines 2 and 8: the same row twice (equal N, D, loss)"),
+    (["surface", "--ref", "b", "--target", "b"], "arch,cell,F,S,D,loss\nb,c1,1e9,0.5,1e10,2.0\nb,c2,1e9,0.5,2e10,1.9\n"
+     "b,c1,1e9,0.5,1e10,2.0\n", "power.csv lines 2 and 4: the same row twice (equal arch, cell, F, S, D, loss)"),
+    # a non-finite number in any column a fit reads: the file, the line and the column
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,inf,2.0\n", "power.csv line 7, column 'C': value must be finite, got 'inf'"),
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,1e21,NaN\n", "power.csv line 7, column 'loss': value must be finite, got 'NaN'"),
+    (["power", "--ref", "v"], "arch,depth,C,loss\n" + "".join(f"v,{d},{c:g},{2 + c / 1e21}\n" for d, c in
+                                                            zip((1, 2, 3, 4), (1e18, 1e19, 1e20, 1e21))) + "v,-inf,1e22,2.5\n",
+     "power.csv line 6, column 'depth': value must be finite, got '-inf'"),
+    (["chinchilla"], "N,D,loss\n1e9,nan,2.0\n", "power.csv line 2, column 'D': value must be finite, got 'nan'"),
+])
+def test_duplicate_and_non_finite_rows_are_one_line_naming_file_and_lines(tmp_path, capsys, command, text, message):
+    path = write(tmp_path, "power.csv", text)
+    assert fit.main([command[0], path, *command[1:]]) == 2
+    line = one_error_line(capsys)
+    assert message in line and path in line, line
+
+
+def test_repeated_seeds_are_not_duplicates(tmp_path, capsys):
+    """Rows with the same arch and C and another loss are repeated seeds: all of them are fitted."""
+    seeds = "".join(f"v,{c:g},{2 + 1.5 * (c / 1e18) ** -0.3 + 0.001:.6f}\n" for c in (1e18, 1e19))
+    path = write(tmp_path, "seeds.csv", POWER_HEAD + POWER_OK + seeds)
+    assert fit.main(["power", path, "--ref", "v", "--json"]) == 0 and capsys.readouterr().err == ""
+    assert len(tables.read_power_csv(path)["C"]) == 7
+
+
+@pytest.mark.parametrize("argv, message", [  # no flag is accepted by an abbreviation of its name
+    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--boot", "5"], "unrecognized arguments: --boot 5"),
+    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--per"], "unrecognized arguments: --per"),
+    (["power", POWER_EXAMPLE, "--re", "vanilla"], "the following arguments are required: --ref"),  # --re is not --ref
+    (["chinchilla", DATA, "--drop", "5"], "unrecognized arguments: --drop 5"),
+    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--seed", "-1"], "argument --seed: -1: must be >= 0"),
+])
+def test_abbreviated_or_out_of_range_flags_are_refused(argv, message, capsys):
+    assert fit.main(argv) == 2
+    assert message in one_error_line(capsys)
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(fit, "run_power", interrupted)
+    assert fit.main(["power", POWER_EXAMPLE, "--ref", "vanilla"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == ["fit.py: interrupted (a fit keeps nothing partial: rerun the same command)"]
+
+
+def test_stop_workers_ends_running_work_at_once():
+    """What Ctrl-C during a bootstrap does to its pool: queued work cancelled, running work killed, no wait."""
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=fit.ignore_sigint)
+    futures = [pool.submit(time.sleep, 60) for _ in range(4)]
+    while not any(f.running() for f in futures):
+        time.sleep(0.05)
+    processes = list(pool._processes.values())
+    t0 = time.time()
+    fit.stop_workers(pool)
+    assert time.time() - t0 < 20 and not any(p.is_alive() for p in processes)
+    assert all(f.cancelled() or f.done() for f in futures)

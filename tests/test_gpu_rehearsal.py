@@ -55,7 +55,7 @@ def fake_group(monkeypatch):
 
 def test_evaluation_collectives_are_on_the_model_device(fake_group):
     val = np.zeros(600, dtype=np.uint16)
-    data = Data("fake", {"n_vocab": 64, "eot_token": 63}, val, val, None, 4.0)
+    data = Data("fake", {"n_vocab": 64, "eot_token": 63, "tokenizer": "gpt2-4096"}, val, val, None, 4.0)
     model = GPT(ModelConfig(**DENSE)).to(META)
     with pytest.raises(RuntimeError, match="meta"):  # the first .item(), after the reductions
         train.evaluate(model, data, train.TrainConfig(batch_size=4, eval_tokens=160), rank=0, world=2)
@@ -66,7 +66,7 @@ def test_training_step_collectives_are_on_the_model_device(fake_group, monkeypat
     """train.train on 2 ranks of the meta device up to the step loss's .item(): DDP's wrapper is left out
     (it needs real tensors) and the step-0 eval stubbed (tested above); the loop's own all-reduce of
     the step loss is what is checked."""
-    monkeypatch.setattr(distributed, "setup", lambda device, parallel: (0, 2, META))
+    monkeypatch.setattr(distributed, "setup", lambda device, parallel, timeout_s: (0, 2, META))
     monkeypatch.setattr(distributed, "wrap", lambda model, *args, **kwargs: model)
     monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: {"val_loss": 0.0})
     settings = DENSE | dict(vocab_size=4096, eot_token=4095, batch_size=2, grad_accum=2, max_steps=2,

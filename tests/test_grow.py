@@ -30,6 +30,8 @@ def tiny_config(**overrides):
                 n_passes=2, tie_core=True, norm_gain=False, qk_norm=True, embed_norm=True,
                 residual_multiplier=0.5, boundary_alpha=0.7)
     base.update(overrides)
+    if base["layout"] != "pcc":  # n_passes is K of the pcc layout only
+        base.pop("n_passes")
     return ModelConfig(**base)
 
 

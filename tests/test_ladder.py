@@ -4,11 +4,16 @@ retraining finished runs, the cpu-mini designs keep their principles (TPP, growt
 noise bookkeeping marks what is within the measured seed spread."""
 
 import csv
+import glob
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +21,7 @@ import pytest
 import fit
 import ladder
 import train
+from conftest import REPO, one_line_error
 from tooling.checkpoint import load_model
 
 
@@ -391,3 +397,234 @@ def test_sweep_extends_until_every_optimum_is_bracketed():
                                         if s.settings["matrix_lr"] in (0.02, 0.04) else None) for s in specs}
     _, grid_only = ladder.bracketed_sweep(preset, data, missing)
     assert sorted({s.settings["matrix_lr"] for s in grid_only}) == [0.02, 0.04]
+
+
+# ----------------------------------------------------------------------------------------------------
+# --plan CONFIG: the recipe of a config file, derived from it and train.py's defaults
+
+def config_values(path):
+    """A config file's settings as train.py resolves them (the numbers the plan must derive, not restate)."""
+    return train.SETTINGS.resolve(train.SETTINGS.parse([path]))
+
+
+def train_args(command):
+    """A printed command's train.py arguments (the python / torchrun prefix removed)."""
+    words = shlex.split(command)
+    return words[:words.index("train.py")], words[words.index("train.py") + 1:]
+
+
+def test_plan_of_the_smelt_twin_has_its_stable_run_and_six_branches(monkeypatch, capsys):
+    import match
+    from model import ModelConfig
+    from tooling import checkpoint, rundir
+    monkeypatch.chdir(REPO)
+    path = "config/smelt_200m_s95.py"
+    v = config_values(path)
+    plan = ladder.recipe_plan(path)
+    runs = plan["runs"]
+    assert len(runs) == 7 and [r["role"] for r in runs] == ["stable"] + ["branch"] * 6
+    stable, branches = runs[0], runs[1:]
+    # tokens: 256 sequences x 4096 tokens per step on any number of GPUs (global_batch)
+    assert plan["tokens_per_step"] == 256 * 4096 == v["global_batch"] * v["block_size"]
+    assert stable["steps"] == v["max_steps"] and stable["tokens"] == v["max_steps"] * 256 * 4096
+    assert sum(b["decay_tokens"] for b in branches) == 6 * 10**10 == 6 * v["decay_tokens"]
+    for b in branches:  # whole steps: the fewest that hold decay_tokens
+        assert b["tokens"] == b["steps"] * plan["tokens_per_step"]
+        assert b["decay_tokens"] <= b["tokens"] < b["decay_tokens"] + plan["tokens_per_step"]
+    # one branch per save step and one from the end, each from a checkpoint the stable run writes (FSDP: .dcp)
+    run = rundir.RunDir(os.path.join(v["out_dir"], v["run_name"]), sharded=v["parallel"] == "fsdp")
+    assert [b["from_step"] for b in branches] == v["save_steps"] + [v["max_steps"]] == [10000, 20000, 50000, 100000,
+                                                                                       150000, 196075]
+    assert [b["init_from"] for b in branches] == [run.step_path(s) for s in v["save_steps"]] + [run.resume_path]
+    assert all(b["init_from"] in stable["checkpoints"] and b["init_from"].endswith(".dcp") for b in branches)
+    # every command is train.py's command line under torchrun, one node of 8; its arguments parse
+    for r in runs:
+        prefix, args = train_args(r["command"])
+        assert prefix == ["torchrun", "--standalone", "--nproc_per_node=8"] and args == r["argv"]
+        train.SETTINGS.parse(args)
+    assert stable["argv"] == [path]
+    # a branch's run name is the one rundir.resolve_run gives it, from a checkpoint at that step
+    model = {k: v[k] for k in train.SETTINGS.keys[ModelConfig]}
+    for b in branches:
+        fake = dict(train_config={k: v[k] for k in train.SETTINGS.keys[train.TrainConfig]}, model_config=model,
+                    state=dict(step=b["from_step"], seqs_per_step=256, branch_start_step=None, decay_start=v["max_steps"]))
+        monkeypatch.setattr(checkpoint, "load_train_checkpoint", lambda p, fake=fake: fake)
+        values = rundir.resolve_run(train.SETTINGS, train.SETTINGS.parse(b["argv"]))[0]
+        assert values["run_name"] == b["run_name"] == f"{v['run_name']}_decay{b['from_step']}" and values["decay_branch"]
+    # FLOPs: match.flops_per_token at the config's avg_doc_len (512), every block execution counted
+    F = match.flops_per_token(ModelConfig(**model), avg_doc_len=v["avg_doc_len"])
+    assert all(r["flops"] == pytest.approx(F * r["tokens"], rel=1e-12) for r in runs)
+    # the data: the stable region, and one branch's tail (every branch reads the same one), the smallest split
+    d = plan["data"]
+    assert d["stable_tokens"] == stable["windows"] * 4096 + 1 and d["branch_tokens"] == branches[0]["windows"] * 4096 + 1
+    assert d["holds_one_branch"] and d["prepared_train_tokens"] is None
+    f, n = v["branch_data_fraction"], d["smallest_train_split"]
+    fits = lambda n: n - int(n * f) >= d["stable_tokens"] and int(n * f) >= d["branch_tokens"]  # noqa: E731
+    assert fits(n) and not fits(n - 1) and not d["problems"]
+    # the command line: text and JSON
+    assert ladder.main(["--plan", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(plan))
+    assert ladder.main(["--plan", path]) == 0
+    text = capsys.readouterr().out
+    assert all(r["command"] in text for r in runs) and "holds one branch" in text
+
+
+def test_plan_of_the_x_configs_is_one_run_with_its_growth_step(monkeypatch):
+    import grow
+    import match
+    from model import ModelConfig
+    monkeypatch.chdir(REPO)
+    for name, grows in (("x_d8_loop_grow", True), ("x_d8_vanilla", False)):
+        path = f"config/{name}.py"
+        v = config_values(path)
+        plan = ladder.recipe_plan(path)
+        (r,) = plan["runs"]
+        step_tokens = v["batch_size"] * v["grad_accum"] * 8 * v["block_size"]  # 8 processes, no global_batch
+        assert r["role"] == "run" and r["run_name"] == name and r["steps"] == v["max_steps"]
+        assert r["tokens"] == v["max_steps"] * step_tokens and plan["tokens_per_step"] == step_tokens
+        cfg = ModelConfig(**{k: v[k] for k in train.SETTINGS.keys[ModelConfig]})
+        if grows:  # [X13]: K passes before the growth step, grow_to after it
+            g = grow.growth_step(v["max_steps"], v["grow_at"])
+            assert r["grow_step"] == g and r["grow_to"] == v["grow_to"]
+            flops = match.run_flops(cfg, [(g * step_tokens, cfg), ((v["max_steps"] - g) * step_tokens,
+                                                                    grow.grown_config(cfg, v["grow_to"]))])["flops"]
+        else:
+            assert r["grow_step"] is None
+            flops = match.flops_per_token(cfg) * r["tokens"]
+        assert r["flops"] == pytest.approx(flops, rel=1e-12)
+        assert train_args(r["command"]) == (["torchrun", "--standalone", "--nproc_per_node=8"], [path])
+        assert any("no run of this plan reads" in n for n in plan["data"]["notes"])  # train.py's default tail
+    one = ladder.recipe_plan("config/x_d8_vanilla.py", gpus=1)["runs"][0]
+    assert train_args(one["command"]) == (["python"], ["config/x_d8_vanilla.py"])
+
+
+def write_config(tmp_path, text, name="c.py"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+STABLE = "max_steps = 40\nbatch_size = 2\nblock_size = 32\ndecay_fraction = 0.0\n"
+
+
+@pytest.mark.parametrize("text, argv, message", [
+    (STABLE + "save_steps = [10, 50]\ndecay_tokens = 640\n", [], "save_steps [50] are after the last step (max_steps=40)"),
+    (STABLE + "decay_tokens = 640\nbranch_data_fraction = 0.0\n", [], "branch_data_fraction=0.0 holds no data back"),
+    (STABLE.replace("0.0", "0.3") + "save_steps = [10, 35]\ndecay_tokens = 640\n", [], "decay_fraction=0.3"),
+    (STABLE + "global_batch = 6\n", ["--gpus", "4"], "global_batch=6 is not a multiple of batch_size x processes"),
+    (STABLE + "init_from = 'out/x/ckpt.pt'\n", [], "init_from='out/x/ckpt.pt': --plan plans a recipe from its first step"),
+    (STABLE + "max_step = 3\n", [], "unknown key in"),
+])
+def test_plan_refuses_a_recipe_that_cannot_run(tmp_path, capsys, text, argv, message):
+    path = write_config(tmp_path, text)
+    err = one_line_error(ladder.main, ["--plan", path, *argv], capsys, "ladder.py")
+    assert message in err and (path in err or "global_batch" in message)
+
+
+def test_plan_checks_the_prepared_data(tmp_path, data_dir):
+    """With the data prepared here (~18k train tokens), the plan says whether its regions hold the runs:
+    a tail too small for one branch is a problem (train.py would refuse the branches), and so is a stable
+    region the stable run reads more than once; the fraction itself fits these runs (0.5)."""
+    text = STABLE.replace("batch_size = 2", "batch_size = 8") + f"data_dir = {data_dir!r}\nsave_steps = [20]\n" \
+        "decay_tokens = 40 * 8 * 32\nbranch_data_fraction = 0.5\n"
+    d = ladder.recipe_plan(write_config(tmp_path, text), gpus=1)["data"]
+    assert d["exact_fraction"] == pytest.approx(0.5, abs=1e-4) and d["prepared_train_tokens"] < d["read_tokens"]
+    stable, branch = d["problems"]
+    assert data_dir in stable and "epochs: data repeats" in stable
+    assert data_dir in branch and "train.py refuses the branches" in branch
+
+
+# ----------------------------------------------------------------------------------------------------
+# the command line's refusals, Ctrl-C
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "smelt-micro", "--workers", "0"], "argument --workers: 0: must be >= 1"),
+    (["--preset", "smelt-micro", "--threads", "0"], "argument --threads: 0: must be >= 1"),
+    (["--preset", "smelt-micro", "--bootstrap", "-5"], "argument --bootstrap: -5: must be >= 0"),
+    (["--preset", "smelt-micro", "--workers", "1.5"], "argument --workers: expected an integer, got '1.5'"),
+    (["--preset", "smelt-micro", "--boot", "5"], "unrecognized arguments: --boot 5"),  # no abbreviations
+    (["--plan", "config/x_d8_vanilla.py", "--gpus", "0"], "argument --gpus: 0: must be >= 1"),
+    (["--plan", "config/x_d8_vanilla.py", "--workers", "2"], "--workers: not used with --plan"),
+    (["--preset", "smelt-micro", "--json"], "--json: not used when training a ladder"),
+    (["--preset", "smelt-micro", "--gpus", "8"], "--gpus: not used when training a ladder"),
+    (["--preset", "x-micro", "--from-csv", "docs/ladder/x-cpu-mini-runs.csv", "--out", "o"], "--out: not used with --from-csv"),
+    (["--list", "--plot"], "--plot: not used with --list"),
+])
+def test_bad_flags_are_one_line_naming_the_flag(argv, message, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert message in one_line_error(ladder.main, argv, capsys, "ladder.py")
+
+
+def test_fit_only_without_runs_points_at_the_committed_csv(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    err = one_line_error(ladder.main, ["--preset", "x-cpu-mini", "--fit-only", "--plot", "--out", str(tmp_path)],
+                         capsys, "ladder.py")
+    assert "holds no finished runs" in err and "--from-csv docs/ladder/x-cpu-mini-runs.csv --plot" in err
+    err = one_line_error(ladder.main, ["--preset", "smelt-micro", "--fit-only", "--out", str(tmp_path)], capsys,
+                         "ladder.py")
+    assert "train them first" in err  # no committed runs.csv for the micro presets
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda lines: lines[:4] + [lines[3]] + lines[4:], "x-cpu-mini-runs.csv lines 4 and 5: the same row twice (equal run_id)"),
+    (lambda lines: [lines[0], re.sub(r",2\.0807\d+,", ",nan,", lines[1])] + lines[2:],
+     "x-cpu-mini-runs.csv line 2, column 'loss': value must be finite, got 'nan'"),
+])
+def test_from_csv_refuses_a_repeated_run_and_a_nan(tmp_path, capsys, edit, message):
+    lines = open(committed("x-cpu-mini-runs.csv")).read().splitlines()
+    (tmp_path / "x-cpu-mini-runs.csv").write_text("\n".join(edit(lines)) + "\n")
+    err = one_line_error(ladder.main, ["--preset", "x-cpu-mini", "--from-csv", str(tmp_path / "x-cpu-mini-runs.csv"),
+                                       "--no-progress"], capsys, "ladder.py")
+    assert message in err
+
+
+def children_of(pid):
+    """Process ids whose parent is pid (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process ids from /proc")
+@pytest.mark.parametrize("sig, workers", [(signal.SIGINT, 1), (signal.SIGINT, 2), (signal.SIGTERM, 2)])
+def test_ctrl_c_is_one_line_exit_130_and_ends_the_workers(tmp_path, sig, workers):
+    """SIGINT (Ctrl-C) while a micro ladder trains: one line on stderr saying to rerun the same command,
+    status 130, no traceback; with workers, every worker process ends with it (the resource tracker ends
+    on its own). SIGTERM (a scheduler) alike, status 143."""
+    out = tmp_path / "ladder"
+    proc = subprocess.Popen([sys.executable, "ladder.py", "--preset", "smelt-micro", "--out", str(out), "--no-progress",
+                             "--workers", str(workers)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 120
+    while not glob.glob(str(out / "runs" / "*" / "train.out")):  # a run has started (train.py prints into it)
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    workers_of = [k for k in children_of(proc.pid) if b"resource_tracker" not in open(f"/proc/{k}/cmdline", "rb").read()]
+    assert len(workers_of) == (workers if workers > 1 else 0)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig and "Traceback" not in err
+    what = "interrupted" if sig == signal.SIGINT else "terminated"
+    assert err.splitlines() == [f"ladder.py: {what}: rerun the same ladder.py command to continue (finished runs "
+                                "are kept)"], err
+    deadline = time.time() + 10
+    while any(running(k) for k in workers_of) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(running(k) for k in workers_of)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from dataclasses import replace
 
 import pytest
@@ -339,3 +340,50 @@ def test_read_config_uses_the_model_reader(tmp_path):
     cfg, settings = match.read_config(str(path))
     assert (cfg.n_layer, cfg.n_embd) == (2, 64)
     assert settings == {"avg_doc_len": None, "batch_size": 5}  # 0: a full block_size document, as train.py
+
+
+def config_file(tmp_path, text):
+    path = tmp_path / "c.py"
+    path.write_text(text)
+    return str(path)
+
+
+ONE_LAYER = "n_layer = 1\nn_embd = 64\nn_head = 2\nn_expert = 8\ntop_k = 2\nexpert_hidden = 32\n"
+SMALL_CONFIG = "n_layer = 4\nn_embd = 64\nn_head = 2\n"
+
+
+@pytest.mark.parametrize("config, argv, message", [
+    # a recipe that gives a twin which does not loop: nothing to match
+    (ONE_LAYER, ["--recipe", "smelt"], "loop_span=0"),  # n_layer // 2 = 0 layers loop
+    (SMALL_CONFIG, ["--recipe", "layout=smelt,n_loops=1"],
+     "n_loops=1: the twin runs every block once"),
+    (SMALL_CONFIG, ["--recipe", "layout=pcc,n_passes=1"], "n_passes=1: the twin runs every block once"),
+    (SMALL_CONFIG, ["--recipe", "layout=plain"], "layout='plain': the twin runs every block once"),
+    (SMALL_CONFIG, ["--recipe", "layout=pcc,n_passes=2,n_core=0,n_prelude=2,n_coda=2"], "n_core=0: must be >= 1"),
+    (None, ["--recipe", "smelt"], "the recipe adds no loop to it"),  # the SMELT twin is looped already
+    # numbers out of range, named by their flag
+    (SMALL_CONFIG, ["--avg_doc_len", "nan"], "argument --avg_doc_len: nan: must be a finite number >= 1"),
+    (SMALL_CONFIG, ["--avg_doc_len", "0"], "argument --avg_doc_len: 0: must be >= 1"),
+    (SMALL_CONFIG, ["--attended", "inf"], "argument --attended: inf: must be a finite number > 0"),
+    (SMALL_CONFIG, ["--attended", "-3"], "argument --attended: -3: must be > 0"),
+    (SMALL_CONFIG, ["--rec", "smelt"], "unrecognized arguments: --rec smelt"),  # no abbreviations
+])
+def test_refused_recipes_and_numbers_are_one_line(tmp_path, capsys, config, argv, message):
+    path = config_file(tmp_path, config) if config else os.path.join(ROOT, "config", "smelt_200m_s95.py")
+    assert message in one_line_error(match.main, [path, *argv], capsys, "match.py")
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(params_tol=-0.1), "match option params_tol=-0.1: must be a fraction"),
+    (dict(kv_tol=1.5), "match option kv_tol=1.5"),
+    (dict(flops_tol=(0.0, float("nan"))), "match option flops_tol=(0.0, nan)"),
+    (dict(width_multiple=0), "match option width_multiple=(0,)"),
+    (dict(hidden_multiple=0), "match option hidden_multiple=0"),
+    (dict(head_dim_range=(0, 8)), "match option head_dim_range=(0, 8)"),
+    (dict(budgets=()), "budgets=(): give at least one"),
+    (dict(attended=float("nan")), "attended must be a finite number > 0"),
+])
+def test_match_options_out_of_range_are_named(options, message):
+    base = ModelConfig(n_layer=4, n_embd=64, n_head=2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        match.match(base, "smelt", **options)

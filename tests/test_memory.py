@@ -4,6 +4,7 @@ import glob
 import itertools
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -278,3 +279,113 @@ def test_planner_agrees_with_pytorchs_fsdp_memory_tracker(layout, grad_accum):
     cfg = ModelConfig(vocab_size=512, eot_token=511, block_size=256, n_embd=128, n_head=4, **layout)
     result = bench.compare("toy", cfg, world=4, micro_batch=8, grad_accum=grad_accum)
     assert 0.9 <= result["planner_over_tracker"] <= 1.1, result
+
+
+# ---- the CPU check: cgroup limits, the document mask SDPA keeps
+
+
+def write_files(root, files):
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+
+
+def test_cgroup_v2_limit_of_the_process_or_a_parent_minus_reclaimable_cache(tmp_path):
+    GiB = 2 ** 30
+    write_files(tmp_path, {
+        "proc_cgroup": "0::/user.slice/job\n",
+        "cg/memory.max": "max\n",  # the root: no limit
+        "cg/user.slice/memory.max": f"{4 * GiB}\n", "cg/user.slice/memory.current": f"{3 * GiB}\n",
+        "cg/user.slice/memory.stat": f"anon 1\ninactive_file {GiB}\n",
+        "cg/user.slice/job/memory.max": f"{int(2.2 * GiB)}\n", "cg/user.slice/job/memory.current": f"{GiB}\n",
+        "cg/user.slice/job/memory.stat": f"inactive_file {GiB // 4}\nactive_file 5\n"})
+    found = memory.cgroup_memory(str(tmp_path / "cg"), str(tmp_path / "proc_cgroup"))
+    # the job's room: 2.2 GiB - (1 - 0.25) GiB = 1.45 GiB; its parent's: 4 - (3 - 1) = 2 GiB
+    assert found["path"] == str(tmp_path / "cg/user.slice/job") and found["limit"] == int(2.2 * GiB)
+    assert found["room"] == int(2.2 * GiB) - 3 * GiB // 4
+    (tmp_path / "cg/user.slice/memory.current").write_text(f"{int(3.8 * GiB)}\n")  # now the parent binds
+    assert memory.cgroup_memory(str(tmp_path / "cg"), str(tmp_path / "proc_cgroup"))["path"] == \
+        str(tmp_path / "cg/user.slice")
+
+
+def test_cgroup_v1_memory_controller_and_no_limit(tmp_path):
+    GiB = 2 ** 30
+    write_files(tmp_path, {
+        "proc_cgroup": "12:cpu,cpuacct:/docker/abc\n5:memory:/docker/abc\n",
+        "cg/memory/docker/abc/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
+        "cg/memory/docker/abc/memory.usage_in_bytes": f"{GiB}\n",
+        "cg/memory/docker/memory.limit_in_bytes": f"{3 * GiB}\n",
+        "cg/memory/docker/memory.usage_in_bytes": f"{2 * GiB}\n",
+        "cg/memory/docker/memory.stat": f"total_inactive_file {GiB // 2}\ninactive_file 7\n"})
+    found = memory.cgroup_memory(str(tmp_path / "cg"), str(tmp_path / "proc_cgroup"))
+    assert found == dict(room=3 * GiB - (2 * GiB - GiB // 2), limit=3 * GiB, usage=2 * GiB - GiB // 2,
+                         path=str(tmp_path / "cg/memory/docker"))
+    write_files(tmp_path, {"cg/memory/docker/memory.limit_in_bytes": "9223372036854771712\n"})
+    assert memory.cgroup_memory(str(tmp_path / "cg"), str(tmp_path / "proc_cgroup")) is None  # no limit anywhere
+
+
+def test_a_run_that_fits_memavailable_is_refused_by_its_cgroup(tmp_path, monkeypatch):
+    """A 2.2 GiB cgroup on a host with plenty of MemAvailable (a run it accepted was OOM-killed there): the
+    tiny default at 15 x 1024 (peak RSS 3.3 GB measured) is refused naming the cgroup, 8 x 1024 (1.9 GB,
+    since the mask is shared) fits; the room is shared by the node's processes (LOCAL_WORLD_SIZE)."""
+    import grow
+    import train
+    GiB = 2 ** 30
+    write_files(tmp_path, {"meminfo": f"MemTotal: 99 kB\nMemAvailable: {64 * GiB // 1024} kB\n",
+                           "proc_cgroup": "0::/job\n", "cg/job/memory.max": f"{int(2.2 * GiB)}\n",
+                           "cg/job/memory.current": f"{GiB // 4}\n"})
+    monkeypatch.setattr(memory, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(memory, "PROC_CGROUP", str(tmp_path / "proc_cgroup"))
+    monkeypatch.setattr(memory, "CGROUP_ROOT", str(tmp_path / "cg"))
+    cpu = torch.device("cpu")
+    reading = memory.memory_reading(cpu)
+    assert reading["meminfo"] == 64 * GiB and reading["available"] == int(2.2 * GiB) - GiB // 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert memory.memory_reading(cpu)["available"] == (int(2.2 * GiB) - GiB // 4) // 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    values = train.SETTINGS.resolve(dict(batch_size=15, block_size=1024))
+    config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(ModelConfig, values)
+    with pytest.raises(ValueError, match=r"this run needs about \d\.\d\d GiB .* allocator .* but 1\.95 GiB is "
+                                         r"available on cpu \(cgroup limit 2\.20 GiB at .*job\)"):
+        memory.check_memory(grow.shapes_of_run(cfg, config), config, cpu, False)
+    values = train.SETTINGS.resolve(dict(batch_size=8, block_size=1024))
+    config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(ModelConfig, values)
+    defer, note = memory.check_memory(grow.shapes_of_run(cfg, config), config, cpu, False)
+    assert re.match(r"memory: peak resident memory about \d\.\d\d GiB \(now \d\.\d\d GiB\); 1\.95 GiB available "
+                    r"\(cgroup limit 2\.20 GiB", note), note
+
+
+def test_the_document_mask_is_converted_once_and_shared_by_every_block():
+    """SDPA converts a boolean mask to an additive one on each call and keeps every copy for the backward;
+    the model converts it once per forward (ForwardContext.sdpa_mask): the same outputs and gradients as
+    SDPA's own conversion, one saved B x T^2 mask for all the executed blocks."""
+    cfg = ModelConfig(**{**SMALL, "vocab_size": 96, "eot_token": 95, "block_size": 64, "n_embd": 32,
+                         **ACTIVATION_LAYOUTS["pcc_tied_k2"]})
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.eot_token, (2, cfg.block_size))
+    idx[:, 20], idx[1, 45] = cfg.eot_token, cfg.eot_token  # documents: the mask is on
+    masks = set()
+
+    def pack(t):
+        if t.shape == (idx.size(0), 1, cfg.block_size, cfg.block_size):
+            masks.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(idx, targets=idx)[1]
+    assert len(masks) == 1 and cfg.executed_layers() > 2
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    import model as model_module
+    original = model_module.ForwardContext.sdpa_mask
+    try:  # SDPA's own conversion: hand it the boolean mask
+        model_module.ForwardContext.sdpa_mask = lambda self, dtype: self.mask
+        reference = model(idx, targets=idx)[1]
+    finally:
+        model_module.ForwardContext.sdpa_mask = original
+    reference.backward()
+    assert torch.allclose(loss, reference, rtol=1e-6)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[name], rtol=1e-5, atol=1e-7), name

@@ -185,3 +185,27 @@ def test_read_power_csv_depth_is_optional_and_names_are_unambiguous(tmp_path):
         path = write(tmp_path, "bad.csv", text)
         with pytest.raises(ValueError, match=re.escape(message)):
             tables.read_power_csv(path)
+
+
+def test_a_row_repeated_in_every_read_column_is_refused_with_both_lines(tmp_path):
+    # numbers compare as values (3e18 = 3.0e18); a column the reader ignores does not make two rows different
+    path = write(tmp_path, "p.csv", "arch,C,loss,note\nv,1e18,3.0,a\nv,3e18,2.5,a\nv,3.0e18,2.5,b\n")
+    with pytest.raises(ValueError, match=re.escape("p.csv lines 3 and 4: the same row twice (equal arch, C, loss)")):
+        read_power(path)
+    # the same arch and C with another loss is a repeated seed, kept
+    kept = read_power(write(tmp_path, "seeds.csv", "arch,C,loss\nv,1e18,3.0\nv,1e18,3.1\n"))
+    assert list(kept["loss"]) == [3.0, 3.1]
+
+
+def test_read_rows_csv_refuses_nan_inf_and_repeated_rows(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("r.csv line 3, column 'loss': value must be finite, got 'nan'")):
+        tables.read_rows_csv(write(tmp_path, "r.csv", "run_id,loss\na,2.0\nb,nan\n"))
+    with pytest.raises(ValueError, match=re.escape("r.csv line 2, column 'C': value must be finite, got '-inf'")):
+        tables.read_rows_csv(write(tmp_path, "r.csv", "run_id,C\na,-inf\n"))
+    twice = write(tmp_path, "r.csv", "run_id,loss\na,2.0\nb,2.1\na,2.2\n")
+    assert len(tables.read_rows_csv(twice)) == 3  # every column: the rows differ
+    with pytest.raises(ValueError, match=re.escape("r.csv lines 2 and 4: the same row twice (equal run_id)")):
+        tables.read_rows_csv(twice, unique=["run_id"])
+    with pytest.raises(ValueError, match="lines 2 and 3: the same row twice"):
+        tables.read_rows_csv(write(tmp_path, "r.csv", "run_id,loss\na,2.0\na,2.0\n"))
+    assert tables.read_rows_csv(write(tmp_path, "r.csv", "arch,name\nv,nano\n"))[0]["name"] == "nano"  # text stays text

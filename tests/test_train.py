@@ -1,6 +1,7 @@
 """train.py: optimizers, schedule, data order, resume, decay branches, growth, DDP, failure modes.
 Runs on a small prepared slice of the embedded corpus and a very small looped MoE, a few steps each."""
 import json
+import math
 import os
 import re
 import subprocess
@@ -69,9 +70,9 @@ def test_missing_and_corrupt_data_fail_clearly(tmp_path, data_dir):
     broken.mkdir()
     for name in os.listdir(data_dir):
         (broken / name).write_bytes(open(os.path.join(data_dir, name), "rb").read())
-    with open(broken / "train.bin", "r+b") as f:
+    with open(broken / "train_000000.bin", "r+b") as f:
         f.truncate(1001)
-    with pytest.raises(ValueError, match="train.bin is truncated or corrupt"):
+    with pytest.raises(ValueError, match="train_000000.bin is truncated or corrupt"):
         run(str(broken), tmp_path)
 
 
@@ -411,8 +412,9 @@ def test_memory_check_covers_the_model_at_its_most_passes(tmp_path, monkeypatch,
     cpu = torch.device("cpu")
 
     def check(available, **extra):
-        monkeypatch.setattr(memory, "available_memory", lambda device: available)
-        values, _ = rundir.resolve_run(train.SETTINGS, settings | extra)
+        monkeypatch.setattr(memory, "memory_reading", lambda device: dict(available=available, meminfo=available,
+                                                                          cgroup=None))
+        values, _, _ = rundir.resolve_run(train.SETTINGS, settings | extra)
         config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(ModelConfig, values)
         memory.check_memory(grow.shapes_of_run(cfg, config), config, cpu, False)
 
@@ -542,3 +544,22 @@ def test_global_batch_gives_the_same_step_on_any_number_of_processes(tmp_path, d
         guards.derive_grad_accum(config, 3)
     summary = run(data_dir, tmp_path, max_steps=2, global_batch=8, batch_size=2)
     assert summary["tokens"] == 2 * 8 * 32  # 2 steps of 8 sequences of 32 tokens, grad_accum 4
+
+
+def test_val_bits_per_byte_of_a_uniform_model(data_dir):
+    """A model whose logits are all zero has CE ln V on every target, so BPB = ln V x (targets that stand
+    for text) / (ln 2 x their UTF-8 bytes), the bytes counted by decoding the targets with the tokenizer."""
+    from data.loader import load_data
+    from data.tokenizer import get_tokenizer
+    data = load_data(data_dir)
+    settings = train.SETTINGS.resolve({})
+    model = GPT(train.SETTINGS.build(train.ModelConfig, settings))
+    torch.nn.init.zeros_(model.lm_head.weight)
+    T, V = model.config.block_size, model.config.vocab_size
+    out = train.evaluate(model, data, train.SETTINGS.build(train.TrainConfig, settings | dict(eval_tokens=1 << 30)))
+    targets = np.asarray(data.val_tokens)[1:(len(data.val_tokens) - 1) // T * T + 1]  # every window's targets
+    tok = get_tokenizer(data.meta["tokenizer"])
+    text = targets[targets != tok.eot_token].tolist()
+    assert out["val_loss"] == pytest.approx(math.log(V), rel=1e-6)
+    assert out["val_bpb"] == pytest.approx(math.log(V) * len(text) / (math.log(2) * len(tok.encoding.decode_bytes(text))),
+                                           rel=1e-6)

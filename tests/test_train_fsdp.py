@@ -117,19 +117,28 @@ def test_each_rank_holds_half_the_state_as_the_planner_predicts(fsdp):
 
 def test_resume_onto_other_world_sizes(fsdp, tmp_path, torchrun):
     """The 2-process sharded checkpoint continues in 3 FSDP processes (uneven shards) and in one plain
-    process: DCP re-shards on load."""
+    process: DCP re-shards on load. One process keeps the run's global batch (grad_accum follows); three
+    cannot (8 sequences over 3) and change it only when told to (--global_batch=12)."""
     import shutil
     results, root = fsdp
     for target, nproc in (("three", 3), ("one", 1)):
         shutil.copytree(root / "resumed", tmp_path / target)
         overrides = dict(out_dir=str(tmp_path / target), resume=True, max_steps=6, progress=False, sample=False)
         if nproc == 3:
-            torchrun(["train.py", *[f"--{k}={v!r}" for k, v in overrides.items()]], nproc=3)
+            argv = ["train.py", *[f"--{k}={v!r}" for k, v in overrides.items()]]
+            refused = torchrun(argv, nproc=3, check=False)
+            assert refused.returncode != 0 and "global_batch=8 (the sequences per step of the run it continues) " \
+                "is not a multiple of batch_size x processes = 4 x 3" in refused.stderr
+            torchrun(argv + ["--global_batch=12"], nproc=3)
         else:
             train.train(overrides | dict(parallel="ddp"))
         log = [json.loads(line) for line in open(tmp_path / target / "tiny" / "log.jsonl")]
         assert [r["step"] for r in log] == [0, 1, 2, 3, 4, 5, 6]
         assert all(r["val_loss"] == r["val_loss"] for r in log) and log[-1]["val_loss"] < log[0]["val_loss"]
+        per_step = [b["tokens"] - a["tokens"] for a, b in zip(log, log[1:])]
+        at = [json.loads(line) for line in open(root / "resumed" / "tiny" / "log.jsonl")][-1]["step"]
+        block = per_step[0] // 8
+        assert per_step == [8 * block] * at + [(12 if nproc == 3 else 8) * block] * (6 - at)
 
 
 def test_bad_parallel_requests_fail_clearly(tmp_path, data_dir):

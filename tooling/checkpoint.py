@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from model import GPT, ModelConfig
 from tooling import distributed
-from tooling.common import TEMP_MARK, write_atomic
+from tooling.common import TEMP_MARK, first_line, write_atomic
 
 SHARDED_META = "meta.pt"  # inside a ckpt.dcp/ directory: the checkpoint minus its tensor shards
 FORMAT = "loopstudy-checkpoint-2"  # plain data + tensors, per-tensor CRC-32s; 1: Python objects inside
@@ -112,11 +112,6 @@ def refused_objects(error):
     return isinstance(error, pickle.UnpicklingError) and "unsupported global" in str(error).lower()
 
 
-def first_line(error):
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
-
-
 def load_checkpoint(path, map_location="cpu"):
     """A checkpoint file -> its dict ({"model_config", "model", ...}), read without running code
     (weights_only=True) and with its checksums verified; one clear error when it is missing, unreadable,
@@ -135,7 +130,7 @@ def load_checkpoint(path, map_location="cpu"):
                              "checkpoint, or not one: loading it could run code). Only if you trust it: python -m "
                              f"tooling.convert_checkpoint {path} NEW.pt") from None
         raise ValueError(f"cannot read checkpoint {path} (truncated, or not a torch file): "
-                         f"{first_line(e)}") from None
+                         f"{type(e).__name__}: {first_line(e)}") from None
     if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model" not in ckpt:
         raise ValueError(f"{path} is not a loopstudy checkpoint (needs 'model_config' and 'model')")
     if ckpt.get("format") != FORMAT:
@@ -258,7 +253,8 @@ def load_sharded_meta(path):
         if refused_objects(e):
             raise ValueError(f"{meta_path} holds Python objects a weights-only load refuses (an older loopstudy "
                              "checkpoint, or not one: loading it could run code); resume from a ckpt.pt") from None
-        raise ValueError(f"cannot read {meta_path} (truncated, or not a torch file): {first_line(e)}") from None
+        raise ValueError(f"cannot read {meta_path} (truncated, or not a torch file): {type(e).__name__}: "
+                         f"{first_line(e)}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path} is a sharded checkpoint of an older format (or not one); resume from a ckpt.pt")
     for name, value in meta["file_checksums"].items():
@@ -355,10 +351,13 @@ class TrainState:
     grown: bool = False
     last_eval: Optional[dict] = None  # the log record of the last eval
     lr_scaling_params: int = 0  # [X16] N: stored parameters at initialisation, token embedding included
+    seqs_per_step: int = 0  # the global batch: a resume on any number of processes keeps it
+    decay_start: Optional[int] = None  # the step the LR starts to decay: a decay branch forks before it
 
     def advance(self, tokens, windows, flops, passes):
         self.step, self.tokens_seen, self.data_position = self.step + 1, self.tokens_seen + tokens, \
             self.data_position + windows
+        self.seqs_per_step = windows
         self.flops_seen += flops
         self.flops_by_passes[passes] = self.flops_by_passes.get(passes, 0.0) + flops
 

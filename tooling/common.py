@@ -52,16 +52,47 @@ def cli_error(prog, error):
     return 2
 
 
+def first_line(error, limit=300):
+    """The first non-blank line of an exception's message (its type's name if it has none), cut to limit."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return (lines[0] if lines else type(error).__name__)[:limit]
+
+
 def parser(prog, **kwargs):
     """An argparse.ArgumentParser whose usage mistakes (an unknown flag, a bad value) are one line
-    `<prog>: error: ...` on stderr and exit status 2, like every other mistake of the tools."""
+    `<prog>: error: ...` on stderr and exit status 2, like every other mistake of the tools. Flags are
+    never abbreviated (--ckp is not --ckpt: a typo is an error, not a guess)."""
     import argparse
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):
             sys.exit(cli_error(prog, ValueError(message)))
 
-    return Parser(prog=prog, **kwargs)
+    return Parser(prog=prog, **{"allow_abbrev": False, **kwargs})
+
+
+def number(kind=int, low=None, high=None, open_low=False, open_high=False):
+    """An argparse type: a finite int (or float) in [low, high] (an end excluded with open_low / open_high);
+    anything else is one line naming the flag (argparse adds it: "argument --top_k: ...")."""
+    import argparse
+    import math
+    bounds = " and ".join(f"{'>' if is_open else '>='} {low}" if side == "low" else f"{'<' if is_open else '<='} {high}"
+                          for side, bound, is_open in (("low", low, open_low), ("high", high, open_high))
+                          if bound is not None)
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not math.isfinite(value) or (low is not None and (value < low or (open_low and value == low))) or \
+                (high is not None and (value > high or (open_high and value == high))):
+            raise argparse.ArgumentTypeError(f"{text}: must be a finite number{' ' + bounds if bounds else ''}"
+                                             if not math.isfinite(value) else f"{text}: must be {bounds}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def resolve_device(name):

@@ -9,6 +9,7 @@ own older runs wrote). The result holds only tensors and plain data, with every 
 loads with torch.load(weights_only=True).
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -22,6 +23,8 @@ OLD_STATE = ("step", "tokens_seen", "flops_seen", "flops_by_passes", "branch_sta
 
 def plain(value):
     """Derived sizes, numpy scalars and tuples of them as the plain values they stand for."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config or TrainState object
+        return plain(dataclasses.asdict(value))
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -41,8 +44,11 @@ def convert(old):
         return old
     new = {k: plain(v) for k, v in old.items() if k not in OLD_STATE + ("data_position", "rng", "checksums")}
     position = old.get("data_position") or {}
-    new["state"] = {k: plain(old.get(k)) for k in OLD_STATE if k in old}
-    new["state"].update(data_region=position.get("region", "stable"), data_position=position.get("windows", 0))
+    if "state" in old:  # already a TrainState (of fields): only plain data now
+        new["state"] = plain(old["state"])
+    else:  # the first format: the state's fields at the top level
+        new["state"] = {k: plain(old.get(k)) for k in OLD_STATE if k in old}
+        new["state"].update(data_region=position.get("region", "stable"), data_position=position.get("windows", 0))
     new["state"].setdefault("flops_by_passes", {})
     if "rng" in old:
         new["rng"] = {k: v for k, v in old["rng"].items() if k in ("torch", "cuda")}  # the numpy state is unused

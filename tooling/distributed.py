@@ -12,23 +12,32 @@ forward is a collective), and a teardown that aborts the interpreter.
 """
 
 import contextlib
+import datetime
 import os
+import re
 import socket
 
 import torch
 import torch.distributed as dist
 
-from tooling.common import resolve_device
+from tooling.common import first_line, resolve_device
 
 
 def active():
     return dist.is_available() and dist.is_initialized()
 
 
-def setup(device="auto", parallel="ddp"):
+def precision(dtype, device):
+    """(bf16?, the autocast context) of train.py's dtype setting: "auto" is bf16 autocast on CUDA, fp32 on CPU."""
+    use_bf16 = dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda")
+    return use_bf16, torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+
+
+def setup(device="auto", parallel="ddp", timeout_s=600.0):
     """(rank, world_size, device); initialises the process group under torchrun. The backend maps CPU
     tensors to gloo and CUDA tensors to nccl ("cpu:gloo,cuda:nccl"), so a collective on either device
-    works. parallel="fsdp" in one process runs as one shard in a one-process group."""
+    works. parallel="fsdp" in one process runs as one shard in a one-process group. timeout_s: a
+    collective (or the start-up rendezvous) waiting longer than this for a peer raises (peer_failure)."""
     device = resolve_device(device)
     if "RANK" not in os.environ and parallel != "fsdp":
         return 0, 1, device
@@ -39,12 +48,27 @@ def setup(device="auto", parallel="ddp"):
         device = torch.device(f"cuda:{local_rank}")
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ:
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, timeout=timeout)
         else:  # one process, one shard
             dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                    world_size=1)
+                                    world_size=1, timeout=timeout)
     return rank, world, device
+
+
+def peer_failure(error):
+    """True for an error a collective raises when another process died (connection reset or closed) or
+    stalled past the timeout: gloo raises RuntimeErrors naming itself, NCCL DistBackendErrors."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(mark in text for mark in (
+        "/gloo/", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out", "Broken pipe"))
+
+
+def failure_reason(error):
+    """The first sentence of a collective's error, without gloo's source-location prefix."""
+    line = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error))
+    return line.split(". ")[0][:160]
 
 
 def rank():

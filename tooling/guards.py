@@ -7,7 +7,16 @@ without its stable checkpoint, more random passes than an untied model has cores
 passes), and a decay branch that would reread data ([S] trains without repetition).
 """
 
-import os
+import re
+import unicodedata
+
+RUN_NAME = r"[A-Za-z0-9_][A-Za-z0-9._+=-]*"  # a folder name that prints as itself on any terminal
+
+
+def unsafe_path(text):
+    """True for a path with characters that hide what it is: control, format (e.g. right-to-left override,
+    zero-width) or undecodable bytes (surrogate escapes)."""
+    return any(unicodedata.category(ch) in ("Cc", "Cf", "Cs") for ch in text)
 
 
 def bad(config, name, why):
@@ -21,16 +30,20 @@ def check_train_config(c):
     for name, allowed in choices.items():
         if getattr(c, name) not in allowed:
             bad(c, name, f"must be one of {', '.join(map(repr, allowed))}")
-    if c.run_name != os.path.basename(c.run_name) or c.run_name in (".", ".."):
-        bad(c, "run_name", "must be a plain folder name (no path separators); the run lives in out_dir/run_name")
-    for name in ("eval_interval", "eval_tokens", "batch_size", "grad_accum", "muon_ns_steps"):
+    if c.run_name and not re.fullmatch(RUN_NAME, c.run_name):
+        bad(c, "run_name", "must be a plain folder name of letters, digits and . _ + = - (no path separators, "
+                           "spaces or control characters); the run lives in out_dir/run_name")
+    for name in ("out_dir", "data_dir", "init_from"):
+        if unsafe_path(getattr(c, name)):
+            bad(c, name, "holds a control, invisible or direction-changing character, or bytes that are not UTF-8")
+    for name in ("eval_interval", "eval_tokens", "batch_size", "grad_accum", "muon_ns_steps", "collective_timeout_s"):
         if getattr(c, name) < 1:
             bad(c, name, "must be >= 1")
     if c.max_steps < 1 and c.max_tokens <= 0:
         bad(c, "max_steps", "must be >= 1 (or set max_tokens > 0)")
     for name in ("max_tokens", "stop_at_step", "warmup_steps", "grad_clip", "weight_decay", "decay_tokens",
                  "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len", "lr_anchor_params", "embedding_weight_decay",
-                 "unembedding_weight_decay", "muon_momentum_warmup", "global_batch"):
+                 "unembedding_weight_decay", "muon_momentum_warmup", "global_batch", "seed"):
         if getattr(c, name) < 0:
             bad(c, name, "must be >= 0")
     for name in ("matrix_lr", "adamw_matrix_lr", "embedding_lr", "unembedding_lr", "router_lr", "scalar_lr",
@@ -57,25 +70,46 @@ def check_train_config(c):
         bad(c, "decay_branch", "needs branch_data_fraction > 0 (the held-back data it reads)")
     if c.grow_at and c.grow_to < 1:
         bad(c, "grow_at", "needs grow_to >= 1 (passes after growth)")
-    if c.resume and c.init_from:
-        bad(c, "resume", "use either resume=True (continue out_dir/run_name/ckpt.pt) or init_from, not both")
+    check_start(c.resume, c.init_from)
 
 
-def derive_grad_accum(config, world):
+def check_start(resume, init_from):
+    """One way to start: resume (the run's own checkpoint) or init_from (a fork), checked before either loads."""
+    if resume and init_from:
+        raise ValueError("resume=True: use either resume=True (continue out_dir/run_name/ckpt.pt) or init_from, "
+                         "not both")
+
+
+def derive_grad_accum(config, world, source=None):
     """global_batch > 0: grad_accum = global_batch / (batch_size x world), which must divide exactly, so
-    a run keeps its global batch on any number of processes (a resume onto fewer GPUs included)."""
-    if config.global_batch <= 0:
-        return
+    a run keeps its global batch on any number of processes (a resume onto fewer GPUs included).
+    source: the checkpoint this run continues or forks (None: none); its sequences per step are kept (resolve_run
+    sets global_batch to them) unless the command gives grad_accum, which must then give them again."""
+    recorded = source["state"].get("seqs_per_step", 0) if source else 0
     per_step = config.batch_size * world
+    if config.global_batch <= 0:
+        if recorded and per_step * config.grad_accum != recorded:
+            raise ValueError(f"grad_accum={config.grad_accum}: batch_size x grad_accum x processes = "
+                             f"{config.batch_size} x {config.grad_accum} x {world} = {per_step * config.grad_accum} "
+                             "sequences per step, "
+                             f"but the run it continues took {recorded}; drop --grad_accum (it then follows from the "
+                             "number of processes) or change the global batch knowingly with --global_batch=N")
+        return
     if config.global_batch % per_step:
-        raise ValueError(f"global_batch={config.global_batch} is not a multiple of batch_size x processes = "
+        kept = " (the sequences per step of the run it continues)" if recorded else ""
+        raise ValueError(f"global_batch={config.global_batch}{kept} is not a multiple of batch_size x processes = "
                          f"{config.batch_size} x {world}; change batch_size or global_batch")
     config.grad_accum = config.global_batch // per_step
 
 
-def check_passes(cfg, config, grown=False):
-    """The pass counts this run will ask of the model (cfg: its ModelConfig), checked before anything
-    is built."""
+def check_run(cfg, config, source=None):
+    """What the settings ask of this model (cfg: its ModelConfig; source: the checkpoint it starts from, or
+    None), checked before anything is built: the pass counts, the document length the logged FLOPs assume.
+    Returns whether the model has already grown ([X]: the source's state says)."""
+    grown = bool(source and source["state"]["grown"])
+    if config.avg_doc_len > cfg.block_size:
+        raise ValueError(f"avg_doc_len={config.avg_doc_len}: a document seen in a window of block_size="
+                         f"{cfg.block_size} tokens is at most that long")
     if config.n_passes_choices and cfg.layout == "plain":
         raise ValueError("n_passes_choices: a plain model has no passes to vary (use layout smelt, layer_loop or pcc)")
     if config.n_passes_choices and cfg.layout == "pcc" and not cfg.tie_core:
@@ -86,6 +120,20 @@ def check_passes(cfg, config, grown=False):
     if config.grow_at and not config.decay_branch and not grown:
         if config.grow_to < cfg.passes or (config.grow_to == cfg.passes and not config.grow_untie):
             raise ValueError(f"grow_to={config.grow_to}: must be more than the model's {cfg.passes} passes")
+    return grown
+
+
+def check_branch_source(source, path):
+    """[S] a decay branch forks a stable checkpoint, taken before its LR began to decay: branching from a
+    branch, or from a run already decaying, would send the LR back up."""
+    state = source["state"]
+    if state.get("branch_start_step") is not None:
+        raise ValueError(f"init_from={path} is itself a decay branch (forked at step {state['branch_start_step']}); "
+                         "branch from a stable checkpoint")
+    if state.get("decay_start") is not None and state["step"] > state["decay_start"]:
+        raise ValueError(f"init_from={path} is at step {state['step']}, after its LR began to decay at step "
+                         f"{state['decay_start']}: a branch from it would raise the LR again; branch from a stable "
+                         "checkpoint (save_steps, or a run with decay_fraction=0)")
 
 
 def check_data_budget(stream, state, max_steps, seqs_per_step, log):

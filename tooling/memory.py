@@ -250,52 +250,158 @@ def memory_table(plan):
 # The check train.py makes before it builds anything
 
 
-def available_memory(device):
-    """Bytes this process can still allocate: free GPU memory, or the host's MemAvailable shared by the
-    processes of this node; None when unknown."""
+# Where the host's memory is read; tests point these at fake files.
+MEMINFO = "/proc/meminfo"
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+NO_LIMIT = 2 ** 60  # cgroup v1 writes "no limit" as 2^63 rounded down to a page; v2 writes "max"
+
+
+def _read_number(path, key=None):
+    """The integer in a cgroup / proc file (key: the value of that line of a "key value" file); None when
+    the file is missing or unreadable, or says "max" (or a no-limit-sized number)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        if key is not None:
+            text = next(line.split()[1] for line in text.splitlines() if line.split()[:1] == [key])
+        value = int(text.strip())
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return value if value < NO_LIMIT else None
+
+
+def cgroup_memory(root=None, proc_cgroup=None):
+    """The memory cgroup that leaves this process the least room: {"room", "limit", "usage", "path"} in
+    bytes, or None without a limit. Reads this process's cgroup and every parent up to the mount: cgroup
+    v2 (root/<path>/memory.max, memory.current) and v1 (root/memory/<path>/memory.limit_in_bytes,
+    memory.usage_in_bytes). usage leaves out the inactive page cache (memory.stat inactive_file, v1
+    total_inactive_file), which the kernel reclaims before it kills; room = limit - usage."""
+    root, proc_cgroup = root or CGROUP_ROOT, proc_cgroup or PROC_CGROUP
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        lines = []
+    versions = []  # (mount, path, limit file, usage file, reclaimable key)
+    for _, controllers, path in lines:
+        if controllers == "":
+            versions.append((root, path, "memory.max", "memory.current", "inactive_file"))
+        elif "memory" in controllers.split(","):
+            versions.append((os.path.join(root, "memory"), path, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                             "total_inactive_file"))
+    if not versions:  # no /proc/self/cgroup: the mount's own files, if any (a container's namespaced view)
+        versions = [(root, "/", "memory.max", "memory.current", "inactive_file"),
+                    (os.path.join(root, "memory"), "/", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                     "total_inactive_file")]
+    tightest = None
+    for mount, path, limit_file, usage_file, reclaimable in versions:
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # the process's own cgroup, then each parent
+            folder = os.path.join(mount, *parts[:depth])
+            limit = _read_number(os.path.join(folder, limit_file))
+            usage = _read_number(os.path.join(folder, usage_file))
+            if limit is None or usage is None:
+                continue
+            usage -= min(usage, _read_number(os.path.join(folder, "memory.stat"), reclaimable) or 0)
+            room = max(0, limit - usage)
+            if tightest is None or room < tightest["room"]:
+                tightest = dict(room=room, limit=limit, usage=usage, path=folder)
+    return tightest
+
+
+def memory_reading(device):
+    """{"available", "meminfo", "cgroup"}: bytes this process can still allocate (None when unknown), from
+    free GPU memory, or on a CPU the smaller of MemAvailable and the cgroup's room (cgroup_memory),
+    shared by the LOCAL_WORLD_SIZE processes of this node."""
     if device.type == "cuda":
         import torch
-        return torch.cuda.mem_get_info(device)[0]
+        return dict(available=torch.cuda.mem_get_info(device)[0], meminfo=None, cgroup=None)
+    kib = _read_number(MEMINFO, "MemAvailable:")
+    cgroup = cgroup_memory()
+    bounds = [b for b in (kib and kib * 1024, cgroup and cgroup["room"]) if b is not None]
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return dict(available=min(bounds) // share if bounds else None, meminfo=kib and kib * 1024, cgroup=cgroup)
+
+
+# On a CPU everything lives in the process's resident memory: what the check adds to the live bytes' peak.
+CPU_ALLOCATOR_OVERHEAD = 0.28  # glibc's heap keeps freed blocks of earlier steps: after 20 steps peak RSS was
+#   1.12-1.17 x the live bytes' peak for the tiny MoE, 1.5 x for a dense looped model (bench/memory_table.py
+#   --cpu; runs vary by ~4%); 0.28 keeps the estimate within 15% of both
+
+
+def process_rss():
+    """Bytes this process has resident now (/proc/self/statm), or None where there is no /proc."""
     try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
         return None
-    return kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def run_bytes(shape, config, device, use_bf16, world=1):
+    """{"states", "activations", "mask", "allocator", "need"}: the bytes training `shape` adds at its peak on
+    this rank: weights, gradients and optimizer state (this rank's shard under FSDP, every block's gathered
+    bf16 copy without resharding), the activations autograd keeps and the cross-entropy's backward, and on
+    the SDPA path the document mask: boolean (B T^2), its additive copy shared by every block (model.py
+    ForwardContext.sdpa_mask, 2 or 4 B T^2) and the boolean temporary while it is built. On a CPU, the
+    allocator's retention on top (CPU_ALLOCATOR_OVERHEAD)."""
+    mask = 0
+    if shape.document_mask and not shape.uses_flex(device.type):
+        mask = (1 + (2 if use_bf16 else 4) + 1) * config.batch_size * shape.block_size ** 2
+    states = state_bytes_per_rank(shape, world if config.parallel == "fsdp" else 1, config.optimizer)
+    if config.parallel == "fsdp" and not config.reshard_after_forward:  # every block's gathered bf16 copy
+        states += 2 * shape.n_blocks * match.block_shapes(shape)["total"]
+    activations = activation_bytes(shape, config.batch_size, mixed_precision=use_bf16,
+                                   activation_checkpointing=config.activation_checkpointing,
+                                   kernels=config.triton)["total"]
+    live = states + activations + mask
+    allocator = round(CPU_ALLOCATOR_OVERHEAD * live) if device.type == "cpu" else 0
+    return dict(states=states, activations=activations, mask=mask, allocator=allocator, need=live + allocator)
 
 
 def check_memory(shapes, config, device, use_bf16, world=1):
-    """Refuse, before allocating anything, a run whose estimated memory exceeds what is available:
-    weights, gradients and optimizer state (this rank's shard under FSDP), the activations autograd keeps,
-    and on the SDPA path the boolean document mask (batch x block_size^2 bytes, twice while it is
-    built). shapes: [(when, ModelConfig)]: the model as built and every larger shape the run gives it
-    (grow.shapes_of_run). config: the run's settings (batch_size, grad_accum, parallel, optimizer,
-    triton, activation_checkpointing, document_mask). Returns whether gradient accumulation may wait
-    for the last micro-batch to reduce (DDP's no_sync; under FSDP2 that keeps every block's unsharded
-    fp32 gradients, so only when they fit too; else FSDP reduce-scatters every micro-batch)."""
-    available = available_memory(device)
-    defer = True
+    """Refuse, before allocating anything, a run whose estimated memory exceeds what is available
+    (memory_reading: free GPU memory, or on a CPU MemAvailable and the cgroup's room): run_bytes of the
+    model as built and of every larger shape the run gives it. shapes: [(when, ModelConfig)]
+    (grow.shapes_of_run). config: the run's settings (batch_size, grad_accum, parallel, optimizer, triton,
+    activation_checkpointing, document_mask). Returns (whether gradient accumulation may wait for the last
+    micro-batch to reduce: DDP's no_sync; under FSDP2 that keeps every block's unsharded fp32 gradients,
+    so only when they fit too; else FSDP reduce-scatters every micro-batch, and a line for the run's
+    header: the estimate, on a CPU as peak resident memory, and what is available)."""
+    if device.type == "cpu":  # the first torch.optim optimizer imports torch._dynamo (~140 MiB here): count it now
+        import torch._dynamo  # noqa: F401
+    reading = memory_reading(device)
+    available, defer, gib = reading["available"], True, lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    needs = []
     for when, shape in shapes:
+        items = run_bytes(shape, config, device, use_bf16, world)
+        need = items["need"]
+        needs.append(need)
         if available is None:
-            break
-        mask = 0 if shape.uses_flex(device.type) or not shape.document_mask else \
-            2 * config.batch_size * shape.block_size ** 2
-        states = state_bytes_per_rank(shape, world if config.parallel == "fsdp" else 1, config.optimizer)
-        activations = activation_bytes(shape, config.batch_size, mixed_precision=use_bf16,
-                                       activation_checkpointing=config.activation_checkpointing,
-                                       kernels=config.triton)["total"]
-        if config.parallel == "fsdp" and not config.reshard_after_forward:  # every block's gathered bf16 copy
-            states += 2 * shape.n_blocks * match.block_shapes(shape)["total"]
-        need = states + activations + mask
+            continue
         if config.parallel == "fsdp" and world > 1 and config.grad_accum > 1:  # unsharded fp32 gradients
             defer = defer and need + 4 * shape.n_blocks * match.block_shapes(shape)["total"] <= available
         if need > available:
-            gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
             raise ValueError(f"block_size={shape.block_size}, batch_size={config.batch_size}: this run needs about "
-                             f"{gib(need)}{when} (weights, gradients and optimizer state {gib(states)}, "
-                             f"activations {gib(activations)}, attention mask {gib(mask)}) but {gib(available)} "
-                             f"is available on {device}; lower batch_size (raise grad_accum) or block_size")
-    return defer
+                             f"{gib(need)}{when} (weights, gradients and optimizer state {gib(items['states'])}, "
+                             f"activations {gib(items['activations'])}, attention mask {gib(items['mask'])}"
+                             + (f", allocator {gib(items['allocator'])}" if items["allocator"] else "")
+                             + f") but {gib(available)} is available on {device}{where(reading)}; lower batch_size "
+                             "(raise grad_accum) or block_size")
+    rss = process_rss() if device.type == "cpu" else None
+    peak = f"peak resident memory about {gib(rss + max(needs))} (now {gib(rss)})" if rss else \
+        f"about {gib(max(needs))} at its peak"
+    note = f"memory: {peak}; {gib(available) + ' available' if available is not None else 'available unknown'}"
+    return defer, note + where(reading)
+
+
+def where(reading):
+    """Where the available memory was read, for messages: the cgroup whose limit binds, if one does."""
+    cgroup = reading.get("cgroup")
+    if cgroup and (reading.get("meminfo") is None or cgroup["room"] < reading["meminfo"]):
+        return f" (cgroup limit {cgroup['limit'] / GIB:.2f} GiB at {cgroup['path']})"
+    return ""
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ matplotlib is missing. Figures are small (6x4 or 10x4 inches at 100 dpi); the fo
 extension (PNG for the README).
 """
 
-import argparse
 import math
 import os
 import sys
@@ -25,7 +24,7 @@ import warnings
 
 import numpy as np
 
-from tooling.common import cli_error, read_jsonl, write_atomic
+from tooling.common import cli_error, parser, read_jsonl, write_atomic
 
 PROG = "tooling.plots"  # the name CLI errors start with
 
@@ -398,7 +397,7 @@ def plot_log(log, path, x="tokens", title=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tooling.plots", description="Plot a run's loss curves (train "
+    p = parser(PROG, description="Plot a run's loss curves (train "
                                 "and validation loss, the validation loss per source dashed) from the "
                                 "log.jsonl train.py writes. Needs matplotlib (" + HOW_TO_GET_IT + ").")
     p.add_argument("log", help="a run's log.jsonl, e.g. out/tiny/log.jsonl (one JSON line per eval: step, tokens, "

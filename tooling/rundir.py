@@ -17,60 +17,151 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
+import threading
+import time
 
 from model import GPT, ModelConfig
-from tooling import checkpoint, distributed
+from tooling import checkpoint, distributed, guards
 from tooling.common import TEMP_MARK, write_atomic
 
-# per command: never carried over from the checkpoint a run forks (init_from) / continues (resume)
-NOT_INHERITED_FORK = ("run_name", "init_from", "decay_branch", "decay_tokens", "resume", "stop_at_step",
-                      "save_steps", "progress", "sample")
-NOT_INHERITED_RESUME = ("resume", "stop_at_step", "progress", "sample")
+# per command: never carried over from the checkpoint a run forks (init_from) / continues (resume). Paths
+# are never taken from a checkpoint: a run writes where its command says (out_dir, run_name), and reads
+# the checkpoint's data_dir only when the command gives none and that folder still exists (said in the log).
+NOT_INHERITED_FORK = ("run_name", "out_dir", "data_dir", "init_from", "decay_branch", "decay_tokens", "resume",
+                      "overwrite", "stop_at_step", "save_steps", "progress", "sample")
+NOT_INHERITED_RESUME = ("run_name", "out_dir", "data_dir", "resume", "overwrite", "stop_at_step", "progress",
+                        "sample")
+BATCH_KEYS = ("batch_size", "grad_accum", "global_batch")
 
 
 def resolve_run(settings, overrides):
     """Where a run starts: from scratch, from a checkpoint to fork (init_from: a new run, e.g. a decay
     branch), or from its own checkpoint (resume). Its values: the defaults, the source checkpoint's
-    settings (except the per-command ones), the overrides; the model always the checkpoint's.
-    settings: train.py's tooling.settings.Settings. Returns (values, source checkpoint or None)."""
+    settings (except the per-command ones and paths), the overrides; the model always the checkpoint's.
+    settings: train.py's tooling.settings.Settings. Returns (values, source checkpoint or None, notes: lines
+    for the log)."""
     for key, value in overrides.items():
         settings.check(key, value)
     base = settings.defaults | overrides
     resume, source_path = base["resume"], base["init_from"]
+    guards.check_start(resume, source_path)
     if resume and not source_path:
         run_dir = os.path.join(base["out_dir"], base["run_name"] or "tiny")
         source_path = checkpoint.find_resume_checkpoint(run_dir) if os.path.isdir(run_dir) else None
         if source_path is None:
             raise FileNotFoundError(f"resume=True: no checkpoint to resume in {run_dir} (ckpt.pt or ckpt.dcp)")
     source = checkpoint.load_train_checkpoint(source_path) if source_path else None
+    notes = []
     if source is not None:
         model_keys = settings.keys[ModelConfig]
         differ = sorted(k for k in overrides if k in model_keys and overrides[k] != source["model_config"].get(k))
         if differ:
             raise ValueError(f"model settings {differ} differ from the checkpoint {source_path}; "
                              "the model comes from the checkpoint")
+        if "data_dir" not in overrides:
+            overrides = dict(overrides, data_dir=inherited_data_dir(source, source_path, notes))
+        overrides = dict(overrides, **kept_global_batch(source, overrides, resume))
     values = settings.resolve(overrides, base=source["train_config"] if source else None,
                               not_inherited=NOT_INHERITED_RESUME if resume else NOT_INHERITED_FORK)
     if source is not None:
         values.update(source["model_config"])
+        if values["decay_branch"] and not resume:
+            guards.check_branch_source(source, source_path)
     if not values["run_name"]:
-        values["run_name"] = (f"{source['train_config'].get('run_name') or 'run'}_decay{source['state']['step']}"
-                              if values["decay_branch"] else "tiny")
-    return values, source
+        values["run_name"] = (branch_run_name(source["train_config"].get("run_name"), source["state"]["step"])
+                              if values["decay_branch"] and not resume else "tiny")
+    return values, source, notes
+
+
+def branch_run_name(source_run_name, step):
+    """The default name of a decay branch: <its source run>_decay<the step it forks at> [S]."""
+    return f"{source_run_name or 'run'}_decay{step}"
+
+
+def inherited_data_dir(source, source_path, notes):
+    """The checkpoint's data_dir when the command gives none: only if it still exists ("" is the embedded
+    corpus), and said in the log."""
+    data_dir = source["train_config"].get("data_dir", "")
+    if data_dir and not os.path.isdir(data_dir):
+        raise ValueError(f"the checkpoint {source_path} was trained on data_dir={data_dir!r}, which does not exist "
+                         "here (moved?); give --data_dir")
+    notes.append(f"data_dir from the checkpoint {source_path}: {data_dir or '(the embedded corpus)'}")
+    return data_dir
+
+
+def kept_global_batch(source, overrides, resume):
+    """A run continued or forked onto another number of processes keeps its sequences per step: global_batch
+    set to the checkpoint's, so grad_accum follows from the world size. Changing it takes --global_batch;
+    an explicit --grad_accum must keep it (guards.derive_grad_accum checks, once the world size is known)."""
+    recorded = source["state"].get("seqs_per_step", 0)
+    if not recorded or "global_batch" in overrides:
+        return {}
+    return {"global_batch": recorded} if "grad_accum" not in overrides else {}
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during training, with where the last checkpoint is and how to resume."""
+    """Ctrl-C or SIGTERM during training, with where the last checkpoint is and how to resume."""
+
+    def __init__(self, message, exit_status=130):
+        super().__init__(message)
+        self.exit_status = exit_status  # 130 after Ctrl-C, 143 after SIGTERM (128 + the signal), as shells report
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a cluster scheduler ending the job, torchrun stopping its workers), raised where the main
+    thread is, so the run ends like after Ctrl-C: temp files removed, lock released, one line."""
+
+
+class PeerFailure(RuntimeError):
+    """Another process of the run died or stopped answering during a collective."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Inside: SIGTERM raises Terminated (only the main thread can take signals; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Inside (a checkpoint or log write): Ctrl-C and SIGTERM wait until it is done, then are raised; raised
+    inside torch.save's writer they would surface as a failed write."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived = []
+    previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if arrived:
+        raise Terminated() if arrived[0] == signal.SIGTERM else KeyboardInterrupt()
 
 
 class RunDir:
     """One run's folder. sharded: checkpoints are ckpt.dcp/ directories (FSDP), else ckpt.pt files.
-    master: this process writes the log and the ckpt.pt files (rank 0)."""
+    master: this process writes the log and the ckpt.pt files (rank 0). world: processes of the run."""
 
-    def __init__(self, path, sharded=False, master=True):
-        self.path, self.sharded, self.master = path, sharded, master
+    def __init__(self, path, sharded=False, master=True, world=1):
+        self.path, self.sharded, self.master, self.world = path, sharded, master, world
         self.saved_step = None  # the step of the last checkpoint this run wrote or resumed from
+        self.pending = []  # log lines waiting for the first checkpoint (the log never runs ahead of it)
 
     @property
     def ckpt_path(self):  # the weights eval_core, probe, grow and sample load
@@ -87,42 +178,64 @@ class RunDir:
     def step_path(self, step):
         return os.path.join(self.path, f"ckpt_step{step}{'.dcp' if self.sharded else '.pt'}")
 
+    def run_files(self):
+        """What a run leaves in its folder: the log and the checkpoints."""
+        if not os.path.isdir(self.path):
+            return []
+        return sorted(n for n in os.listdir(self.path) if n == "log.jsonl" or
+                      (n.startswith("ckpt") and (n.endswith((".pt", ".dcp")))))
+
     @contextlib.contextmanager
-    def hold(self):
-        """The master makes the folder, takes its lock and removes stale temp files; the others wait."""
+    def hold(self, resumed_from=None, overwrite=False):
+        """The master makes the folder, takes its lock and removes stale temp files; the others wait. A
+        resumed run (resumed_from: its checkpoint) cuts its log back to it; a new run into a folder that holds
+        a run is refused, or with overwrite starts it over."""
+        if resumed_from:
+            self.saved_step = resumed_from["state"]["step"]
         if not self.master:
             yield self
             return
         make_run_dir(self.path)
         with run_dir_lock(self.path):
             remove_stale_temp_files(self.path)
+            found = self.run_files()
+            if resumed_from:
+                sync_log(self.log_path, resumed_from)
+            elif found:
+                if not overwrite:
+                    raise ValueError(f"{self.path} already holds a run ({', '.join(found)}): continue it with "
+                                     "--resume=True, start it over with --overwrite=True, or use another --run_name")
+                for name in found:
+                    path = os.path.join(self.path, name)
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             yield self
-
-    def start_log(self, resumed_from=None):
-        """A resumed run cuts its log back to the checkpoint it continues; a new run starts a new log."""
-        if not self.master:
-            return
-        if resumed_from is not None:
-            sync_log(self.log_path, resumed_from)
-            self.saved_step = resumed_from["state"]["step"]
-        elif os.path.exists(self.log_path):
-            os.remove(self.log_path)
 
     def save(self, ckpt, path=None):
         """A sharded checkpoint (every rank its shards) or a file (rank 0); never non-finite weights."""
         path = path or self.resume_path
-        if self.sharded:
-            checkpoint.save_sharded(path, ckpt)
-        elif self.master:
-            checkpoint.save_file(path, ckpt)
+        with signals_deferred():
+            if self.sharded:
+                checkpoint.save_sharded(path, ckpt)
+            elif self.master:
+                checkpoint.save_file(path, ckpt)
         if path == self.resume_path:
             self.saved_step = ckpt["state"]["step"]
 
-    def append_log(self, record):
-        """One line of log.jsonl (the master writes it); returns the record."""
+    def append_log(self, record, wait_for_checkpoint=False):
+        """One line of log.jsonl (the master writes it); returns the record. wait_for_checkpoint: written
+        with the next line after the run's first checkpoint (the step-0 eval)."""
         if self.master:
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            self.pending.append(record)
+            if self.saved_step is not None or not wait_for_checkpoint:
+                text = "".join(json.dumps(r) + "\n" for r in self.pending)
+                try:
+                    with signals_deferred(), open(self.log_path, "a") as f:
+                        f.write(text)
+                except OSError as e:
+                    kept = f"{self.resume_path} (step {self.saved_step})" if self.saved_step is not None else "none"
+                    raise OSError(f"could not write the log {self.log_path}: {e.strerror or e}; the last checkpoint "
+                                  f"is kept: {kept}") from None
+                self.pending = []
         return record
 
     def finish(self, model, optimizers, config, state, data, stream, max_steps, losses, first_position, seconds,
@@ -144,7 +257,7 @@ class RunDir:
         last = state.last_eval or {}
         summary = dict(run_dir=self.path, ckpt_path=self.ckpt_path, resume_path=self.resume_path,
                        log_path=self.log_path, step=state.step, max_steps=max_steps, tokens=state.tokens_seen,
-                       flops=state.flops_seen, val_loss=last.get("val_loss"),
+                       flops=state.flops_seen, val_loss=last.get("val_loss"), val_bpb=last.get("val_bpb"),
                        val_loss_by_source=last.get("val_loss_by_source"), train_losses=losses,
                        unigram_entropy=data.unigram_entropy, data_region=stream.name,
                        data_read=(int(read.min()), int(read.max()) + stream.seq_len + 1) if len(read) else None,
@@ -156,37 +269,63 @@ class RunDir:
 
     def resume_command(self):
         out_dir, run_name = os.path.split(self.path)
-        return f"python train.py --out_dir={out_dir} --run_name={run_name} --resume=True"
+        launch = f"torchrun --nproc_per_node={self.world} train.py" if self.world > 1 else "python train.py"
+        return f"{launch} --out_dir={out_dir} --run_name={run_name} --resume=True"
+
+    def where(self):
+        return (f"the last checkpoint is {self.resume_path} (step {self.saved_step}); continue with: "
+                f"{self.resume_command()}" if self.saved_step is not None else "no checkpoint was written yet")
 
     @contextlib.contextmanager
     def on_interrupt(self, step_of):
-        """Ctrl-C or a non-finite loss: re-raised with one line saying where the last good checkpoint is
-        and how to continue. step_of(): the step the run had reached."""
+        """Ctrl-C, SIGTERM, a non-finite loss or a peer process that died or stalled: re-raised with one
+        line saying where the last good checkpoint is and how to continue. step_of(): the step reached."""
         try:
-            yield
+            with sigterm_as_interrupt():
+                yield
         except checkpoint.NonFiniteLoss as e:
             last = self.resume_path if self.saved_step is not None else "none written yet"
             raise checkpoint.NonFiniteLoss(f"{e}. Stopped; the last good checkpoint is kept: {last}. Lower the "
                                            "learning rates or check the data.") from None
+        except Terminated:
+            raise TrainingInterrupted(f"terminated (SIGTERM) at step {step_of()}: {self.where()}", 143) from None
         except KeyboardInterrupt:
-            where = (f"the last checkpoint is {self.resume_path} (step {self.saved_step}); continue with: "
-                     f"{self.resume_command()}" if self.saved_step is not None else "no checkpoint was written yet")
-            raise TrainingInterrupted(f"interrupted at step {step_of()}: {where}") from None
-
+            raise TrainingInterrupted(f"interrupted at step {step_of()}: {self.where()}") from None
+        except RuntimeError as e:
+            if self.world == 1 or not distributed.peer_failure(e):
+                raise
+            raise PeerFailure(f"another process of the run died or stopped answering at step {step_of()} "
+                              f"({distributed.failure_reason(e)}); {self.where()}") from None
 
 
 def sync_log(log_path, ckpt):
     """Cut log.jsonl back to the checkpoint being resumed (lines of later steps were written by the
-    interrupted run after it), and add the checkpoint's own eval line if the run died before writing it."""
+    interrupted run after it), and add the checkpoint's own eval line if the run died before writing it.
+    A last line cut short (the process killed mid-write) is dropped; any other bad line is named."""
     if not os.path.exists(log_path):
         return
-    with open(log_path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    with open(log_path, "rb") as f:
+        text = f.read()
+    if text and not text.endswith(b"\n"):  # a line the interrupted run did not finish writing
+        text = text[:text.rfind(b"\n") + 1]
+    records = []
+    for lineno, line in enumerate(text.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{log_path}:{lineno}: malformed JSON ({e.msg}); fix or delete that line (the "
+                             "checkpoint is not affected) and resume again") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{log_path}:{lineno}: not a log record (no integer 'step'); fix or delete that line "
+                             "and resume again")
+        records.append(record)
     kept = [r for r in records if r["step"] <= ckpt["state"]["step"]]
     last_eval = ckpt["state"].get("last_eval")
     if last_eval and (not kept or kept[-1]["step"] < last_eval["step"]):
         kept.append(last_eval)
-    if kept != records:
+    if len(text) != os.path.getsize(log_path) or kept != records:
         write_atomic(log_path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
 
 
@@ -202,32 +341,58 @@ def remove_stale_temp_files(run_dir):
 
 @contextlib.contextmanager
 def run_dir_lock(run_dir):
-    """Hold run_dir/lock (host and pid) while training: a second training into the same folder stops
-    with a clear message; a lock left by a process that no longer exists (on this host) is taken over."""
-    path, me = os.path.join(run_dir, "lock"), f"{socket.gethostname()} {os.getpid()}"
+    """Hold run_dir/lock ("host pid start-time") while training: a second training into the same folder
+    stops with a clear message; a lock left by a process that no longer exists (on this host) is taken
+    over; one naming another host is refused with how to take it over. The lock appears whole or not at
+    all (written beside it, then linked into place), so a full disk never leaves an empty lock."""
+    path, host = os.path.join(run_dir, "lock"), socket.gethostname()
+    me = f"{host} {os.getpid()} {time.strftime('%Y-%m-%dT%H:%M:%S')}"
     while True:
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            create_lock(path, me)
             break
         except FileExistsError:
             try:
-                host, pid = open(path).read().split()
-            except (OSError, ValueError):  # half-written or vanished: a lock that holds nothing
-                host, pid = socket.gethostname(), "0"
-            if host == socket.gethostname() and not process_alive(int(pid)):
+                holder_host, pid, *since = open(path).read().split()
+                pid = int(pid)
+            except (OSError, ValueError):  # empty or vanished (an older loopstudy's half-written lock)
+                holder_host, pid, since = host, 0, []
+            if holder_host == host and not process_alive(pid):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)  # stale: its process is gone
                 continue
-            raise ValueError(f"{run_dir} is in use by process {pid} on {host} (lock file {path}); wait for it "
-                             "to finish, use another --run_name, or delete the lock file if that process is gone")
-    with os.fdopen(fd, "w") as f:
-        f.write(me)
+            when = f" since {since[0]}" if since else ""
+            if holder_host != host:
+                raise ValueError(f"{run_dir} is locked by process {pid} on host {holder_host}{when} (lock file "
+                                 f"{path}); this host cannot tell whether it still runs. If that training has "
+                                 f"ended, take the folder over by deleting the lock: rm {path}") from None
+            raise ValueError(f"{run_dir} is in use by process {pid} on this host{when} (lock file {path}); wait for "
+                             "it to finish, or use another --run_name") from None
+        except OSError as e:
+            raise OSError(f"cannot write the lock file {path}: {e.strerror or e}") from None
     try:
         yield
     finally:
         with contextlib.suppress(OSError):
             if open(path).read() == me:
                 os.remove(path)
+
+
+def create_lock(path, text):
+    """Create the lock file holding text, whole, or raise FileExistsError: text written beside it, then
+    hard-linked into place (exclusive, like O_EXCL); on a filesystem without hard links, O_EXCL then write."""
+    directory, host = os.path.dirname(path), socket.gethostname()
+    mine = os.path.join(directory, f".lock{TEMP_MARK}{host}-{os.getpid()}")  # this process's alone
+    write_atomic(mine, lambda f: f.write(text.encode()))
+    try:
+        os.link(mine, path)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here
+        with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666), "w") as f:
+            f.write(text)
+    finally:
+        os.remove(mine)
 
 
 def process_alive(pid):
@@ -259,8 +424,9 @@ def make_run_dir(run_dir):
 # What a run prints
 
 
-def run_header(run, model, data, stream, step, tokens_per_step, max_steps, world, device, bf16):
-    """The lines a run starts with: the model and the batch, the data, and whether it has already finished."""
+def run_header(run, model, data, stream, step, tokens_per_step, max_steps, world, device, bf16, notes=()):
+    """The lines a run starts with: the model and the batch, the data (notes: where settings came from), and
+    whether it has already finished."""
     cfg, counts = model.config, model.num_params()
     finished = (f"\n{run.path} has already finished: step {step} of max_steps {max_steps}. Raise --max_steps to "
                 "train further." if step >= max_steps else "")
@@ -270,14 +436,15 @@ def run_header(run, model, data, stream, step, tokens_per_step, max_steps, world
             f"{' (FSDP)' if run.sharded else ''}; device {device}{' with bf16 autocast' if bf16 else ''}\n"
             f"data {data.data_dir}: {len(data.train_tokens):,} train tokens ({stream.name} region "
             f"[{stream.start:,}, {stream.stop:,})), unigram entropy of the train split "
-            f"{data.unigram_entropy:.3f} nats{finished}")
+            f"{data.unigram_entropy:.3f} nats{''.join(chr(10) + n for n in notes)}{finished}")
 
 
 def run_footer(run, summary, unigram_entropy):
     """The lines a finished run ends with: its last val loss, where its checkpoint and log are."""
     lines = []
     if summary["val_loss"] is not None:
-        lines.append(f"step {summary['step']}: val loss {summary['val_loss']:.4f} nats vs unigram entropy "
+        bpb = f" ({summary['val_bpb']:.4f} bits/byte)" if summary.get("val_bpb") is not None else ""
+        lines.append(f"step {summary['step']}: val loss {summary['val_loss']:.4f} nats{bpb} vs unigram entropy "
                      f"{unigram_entropy:.4f} ({summary['tokens']:,} tokens, {summary['flops']:.3e} FLOPs, "
                      f"{summary['seconds']:.0f} s)")
     lines.append(f"checkpoint: {run.ckpt_path}{f' (resume from {run.resume_path})' if run.sharded else ''}")

@@ -22,6 +22,8 @@ import re
 import types
 from dataclasses import fields
 
+NON_FINITE = ("nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity")
+
 
 def read_config_file(path):
     """The assignments of a nanoGPT-style config file (plain python) as {name: value}; a file that does
@@ -39,6 +41,17 @@ def read_config_file(path):
     except Exception as e:  # the file runs python: NameError, ImportError, ...
         raise ValueError(f"{path}: config file failed: {type(e).__name__}: {e}") from None
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+
+
+def declared_fields(path, class_name):
+    """The field names a dataclass declares in a source file, read without importing it (match.py and the
+    tools that read config files know train.py's TrainConfig this way: importing train.py would be a cycle)."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            return [n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    raise ValueError(f"{path} defines no class {class_name}")
 
 
 def described_fields(cls):
@@ -119,7 +132,7 @@ class Settings:
             try:
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
-                value = text
+                value = float(text) if text.strip().lower() in NON_FINITE else text  # refused as a number
             overrides[key] = self.check(key, value, where="command-line key")
         return overrides
 

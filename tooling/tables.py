@@ -5,7 +5,10 @@ Guards against: a CSV that would be read wrong in silence or fail deep inside a 
 duplicate or ambiguous column, a row with too few or too many fields (an unquoted comma shifts every
 column after it), an empty cell, a value that is not a finite number or out of its range, a quoted value
 spanning lines, a quote left open and bytes that are not UTF-8 each raise one ValueError naming the file,
-the line and the column; a spreadsheet's UTF-8 byte-order mark is accepted. Files are written atomically
+the line and the column; a spreadsheet's UTF-8 byte-order mark is accepted. A row that repeats an earlier
+row in every column the reader returns (the same point pasted twice, which a fit would count twice) is
+refused with both line numbers; rows that differ in any returned column (repeated seeds differ in loss)
+are kept. Files are written atomically
 (tooling.common.write_atomic), so a reader never sees half a table. numpy and the standard library only.
 
     runs = read_runs_csv("runs.csv", ["arch", "C", "loss"], positive=["C", "loss"])  # {column: array}
@@ -32,7 +35,7 @@ def read_runs_csv(path, required, numeric=(), positive=(), fraction=(), alternat
     `numeric` ones parse as finite floats, `positive` ones are > 0, `fraction` ones lie in [0, 1); other
     columns are ignored. A column is returned under the name the file gives it. A file that cannot be
     opened raises OSError; anything wrong inside it raises ValueError naming the file, the line and the
-    column."""
+    column; a row equal to an earlier one in every returned column, naming both lines (_refuse_duplicate)."""
     with open(path, "rb") as f:
         raw = f.read()
     lines = _csv_lines(path, _decode_utf8(path, raw))
@@ -42,6 +45,7 @@ def read_runs_csv(path, required, numeric=(), positive=(), fraction=(), alternat
     columns = _required_columns(path, header, [*required, *present], alternatives)
     numbers = set(numeric) | set(positive) | set(fraction)
     data = {name: [] for name in columns}
+    seen = {}  # the values of every returned column -> the line they were first read on
     for lineno, row in lines[1:]:
         if not any(cell.strip() for cell in row):
             continue  # blank line
@@ -54,9 +58,19 @@ def read_runs_csv(path, required, numeric=(), positive=(), fraction=(), alternat
                 data[name].append(_number_cell(where, cell, name in positive, name in fraction))
             else:
                 data[name].append(cell)
+        _refuse_duplicate(path, seen, tuple(data[name][-1] for name in columns), lineno, list(columns))
     if not next(iter(data.values())):
         raise ValueError(f"{path}: no data rows after the header")
     return {k: np.asarray(v, dtype=float if k in numbers else object) for k, v in data.items()}
+
+
+def _refuse_duplicate(path, seen, key, lineno, names):
+    """Remember key (a row's values in the columns `names`) as read on lineno; the second time, a
+    ValueError naming both lines. Numbers compare as values: 1e18 and 1.0e18 are the same point."""
+    if key in seen:
+        raise ValueError(f"{path} lines {seen[key]} and {lineno}: the same row twice (equal {', '.join(names)}); "
+                         "a fit would count that point twice: delete one of them")
+    seen[key] = lineno
 
 
 def _decode_utf8(path, raw):
@@ -195,33 +209,40 @@ def write_rows_csv(path, rows):
     write_atomic(path, lambda f: f.write(buffer.getvalue().encode()))
 
 
-def read_rows_csv(path):
+def read_rows_csv(path, unique=None):
     """What write_rows_csv wrote, back as a list of dicts: an empty cell is None, True / False are bools,
     a number is an int when it is written as one and a float otherwise, anything else a string. Errors
-    (bytes, quoting, a row with the wrong number of fields) name the file and the line."""
+    (bytes, quoting, a row with the wrong number of fields, a nan or inf number) name the file, the line
+    and the column. unique: the columns that identify a row (e.g. run_id); two rows equal in all of them
+    are refused, naming both lines. Default (or when the header has none of them): every column."""
     with open(path, "rb") as f:
         lines = _csv_lines(path, _decode_utf8(path, f.read()))
     if not lines:
         raise ValueError(f"{path}: empty file, expected a header row")
     header = _header(path, lines, [])
-    rows = []
+    keys = [name for name in (unique or ()) if name in header] or header
+    rows, seen = [], {}
     for lineno, row in lines[1:]:
         if not any(cell.strip() for cell in row):
             continue
         if len(row) != len(header):
             raise ValueError(f"{path} line {lineno}: {len(row)} fields, the header has {len(header)}")
-        rows.append({name: _typed(cell) for name, cell in zip(header, row)})
+        rows.append({name: _typed(f"{path} line {lineno}, column '{name}'", cell) for name, cell in zip(header, row)})
+        _refuse_duplicate(path, seen, tuple(rows[-1][name] for name in keys), lineno, keys)
     return rows
 
 
-def _typed(cell):
+def _typed(where, cell):
     if cell == "":
         return None
     if cell in ("True", "False"):
         return cell == "True"
     for kind in (int, float):
         try:
-            return kind(cell)
+            value = kind(cell)
         except ValueError:
-            pass
+            continue
+        if not math.isfinite(value):  # float("nan"), float("inf"): no fit or report can use one
+            raise ValueError(f"{where}: value must be finite, got '{cell}'")
+        return value
     return cell
