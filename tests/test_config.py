@@ -60,3 +60,12 @@ def test_s_configs_train_with_the_s_recipe(name):
     stable = config.max_steps * 256 * 4096
     assert config.branch_data_fraction * (stable + config.decay_tokens) >= config.decay_tokens
     assert cfg.document_mask and config.parallel == "fsdp"
+
+
+def test_the_s_twin_trains_exactly_as_its_baseline():
+    """Each [S] config is complete on its own (nanoGPT style), so the recipe is written twice: every training
+    setting of the SMELT twin equals its baseline's, so the two read identical token sequences."""
+    from dataclasses import asdict
+    (base, _), (twin, _) = settings_of("smelt_200m_base.py"), settings_of("smelt_200m_s95.py")
+    differ = {k for k, v in asdict(base).items() if asdict(twin)[k] != v} - {"run_name"}
+    assert not differ, differ
