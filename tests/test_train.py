@@ -494,6 +494,30 @@ def test_killed_during_a_checkpoint_write_then_resumed_ends_equal(tmp_path, data
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+def test_killed_after_the_first_checkpoint_before_its_log_lines_resumes_with_every_line(tmp_path, data_dir,
+                                                                                         monkeypatch):
+    """The moment the polled kill above can land on: the first checkpoint is in place, the log not yet
+    written (it holds nothing: the step-0 eval waits for that checkpoint). The checkpoint carries the lines it
+    is ahead of, so the resumed run's log still has every eval step once."""
+    settings = SMALL | dict(data_dir=data_dir, max_steps=4, eval_interval=1, eval_tokens=64,
+                            out_dir=str(tmp_path))
+    write = rundir.RunDir.append_log
+
+    def killed_before_the_write(self, record, wait_for_checkpoint=False):
+        if self.saved_step is not None:
+            raise RuntimeError("killed")
+        return write(self, record, wait_for_checkpoint)
+
+    with monkeypatch.context() as m:
+        m.setattr(rundir.RunDir, "append_log", killed_before_the_write)
+        with pytest.raises(RuntimeError, match="killed"):
+            train.train(settings)
+    run_dir = tmp_path / "tiny"
+    assert not (run_dir / "log.jsonl").exists() and (run_dir / "ckpt.pt").exists()
+    resumed = train.train(dict(out_dir=str(tmp_path), resume=True, progress=False, sample=False))
+    assert [json.loads(line)["step"] for line in open(resumed["log_path"])] == [0, 1, 2, 3, 4]
+
+
 # ---- the papers' recipes: the schedule, [X]'s Muon, decay and attention, [S]'s global batch
 
 

@@ -213,6 +213,8 @@ class RunDir:
     def save(self, ckpt, path=None):
         """A sharded checkpoint (every rank its shards) or a file (rank 0); never non-finite weights."""
         path = path or self.resume_path
+        if path == self.resume_path and self.pending:  # log lines not written yet: resume writes them if we die
+            ckpt = dict(ckpt, unlogged=list(self.pending))
         with signals_deferred():
             if self.sharded:
                 checkpoint.save_sharded(path, ckpt)
@@ -300,12 +302,13 @@ class RunDir:
 
 def sync_log(log_path, ckpt):
     """Cut log.jsonl back to the checkpoint being resumed (lines of later steps were written by the
-    interrupted run after it), and add the checkpoint's own eval line if the run died before writing it.
-    A last line cut short (the process killed mid-write) is dropped; any other bad line is named."""
-    if not os.path.exists(log_path):
-        return
-    with open(log_path, "rb") as f:
-        text = f.read()
+    interrupted run after it), and add the lines the run died before writing: the checkpoint's own eval and
+    any it carries as "unlogged" (the step-0 eval waits for the first checkpoint). A last line cut short (the
+    process killed mid-write) is dropped; any other bad line is named."""
+    text = b""
+    if os.path.exists(log_path):
+        with open(log_path, "rb") as f:
+            text = f.read()
     if text and not text.endswith(b"\n"):  # a line the interrupted run did not finish writing
         text = text[:text.rfind(b"\n") + 1]
     records = []
@@ -322,10 +325,13 @@ def sync_log(log_path, ckpt):
                              "and resume again")
         records.append(record)
     kept = [r for r in records if r["step"] <= ckpt["state"]["step"]]
-    last_eval = ckpt["state"].get("last_eval")
-    if last_eval and (not kept or kept[-1]["step"] < last_eval["step"]):
-        kept.append(last_eval)
-    if len(text) != os.path.getsize(log_path) or kept != records:
+    logged = {r["step"] for r in kept}
+    for record in [*ckpt.get("unlogged", []), ckpt["state"].get("last_eval")]:
+        if record and record["step"] not in logged:
+            kept.append(record)
+            logged.add(record["step"])
+    kept.sort(key=lambda r: r["step"])
+    if kept != records or (os.path.exists(log_path) and len(text) != os.path.getsize(log_path)):
         write_atomic(log_path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
 
 
