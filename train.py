@@ -413,7 +413,7 @@ def train(overrides=None):
         seqs_per_step = config.batch_size * config.grad_accum * world
         tokens_per_step = seqs_per_step * model_config.block_size
         schedule = plan_schedule(config, state, tokens_per_step)
-        guards.check_data_budget(stream, state, schedule.max_steps, seqs_per_step, log)
+        guards.check_data_budget(stream, state, schedule.max_steps, seqs_per_step, log, config.resume)
         log(rundir.run_header(run, model, data, stream, state.step, tokens_per_step, schedule.max_steps, world, device,
                               use_bf16, [*notes, memory_note]))
         t0, first_position, flops_of, losses, window, passes_seen = time.time(), state.data_position, {}, [], [], []

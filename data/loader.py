@@ -91,17 +91,24 @@ class Data:
 
     @property
     def provenance(self):
-        """What a checkpoint records about its data: the tokenizer and the folder."""
+        """What a checkpoint records about its data: the tokenizer and the folder (the TrainState: its
+        fingerprint)."""
         return dict(tokenizer=self.meta.get("tokenizer"), data_dir=self.data_dir)
+
+    @property
+    def fingerprint(self):
+        """sha256 of the inputs and settings the folder was prepared from (meta.json), or None."""
+        return self.meta.get("fingerprint")
 
     def stream(self, seq_len, seed, branch_data_fraction, branch=False):
         """The training windows: the stable region, or (a decay branch) the held-back tail."""
         n = len(self.train_tokens)
         shard_sizes = [s["tokens"] for s in self.meta.get("shards", {}).get("train", [])] or [n]
         split = held_back_start(shard_sizes, branch_data_fraction)
-        if branch:
-            return TokenStream(self.train_tokens, seq_len, seed, split, n, "branch")
-        return TokenStream(self.train_tokens, seq_len, seed, 0, split, "stable")
+        start, stop, name = (split, n, "branch") if branch else (0, split, "stable")
+        stream = TokenStream(self.train_tokens, seq_len, seed, start, stop, name)
+        stream.fingerprint = self.fingerprint
+        return stream
 
 
 def held_back_start(shard_sizes, fraction):
@@ -128,6 +135,10 @@ def open_data(data_dir, model_config=None, world=1, master=True):
     data = load_data(data_dir)
     n_vocab, eot = data.meta["n_vocab"], data.meta["eot_token"]
     logits = model_config and (model_config.n_logits or model_config.vocab_size)  # the ids the model can predict
+    if model_config is not None and len(data.val_tokens) < model_config.block_size + 1:
+        raise ValueError(f"{data.data_dir}: the val split has {len(data.val_tokens):,} tokens, fewer than "
+                         f"block_size + 1 = {model_config.block_size + 1} (one window to evaluate on); prepare it with "
+                         "more val documents (--val_fraction / --val_tokens) or lower block_size")
     if model_config is not None and (logits < n_vocab or model_config.eot_token != eot):
         raise ValueError(f"{data.data_dir} holds tokens of tokenizer {data.meta.get('tokenizer')} (n_vocab={n_vocab}, "
                          f"eot_token={eot}), which the model does not fit: vocab_size={model_config.vocab_size} "

@@ -11,7 +11,7 @@ shard, and meta.json, the index, written last. Streams: memory stays bounded wha
 
 Inputs (files or folders, folders searched recursively for *.txt, *.jsonl and *.parquet):
   .jsonl    one document per line: {"text": str, "source": str (optional)}; other fields are ignored.
-  .txt      one document per file; a line that is exactly <|endoftext|> separates documents inside a file.
+  .txt      one document per file; a line holding only <|endoftext|> (spaces around it allowed) separates documents.
   .parquet  a string column `text`, optional string column `source` (needs pyarrow: requirements-data.txt).
   --hf NAME a Hugging Face dataset read in streaming mode by `datasets` (requirements-data.txt): its
             `text` column, and `source` when it has one. Only when asked; nothing else touches the network.
@@ -57,6 +57,7 @@ present with the size meta.json says, each shard's largest token id recorded at 
 n_vocab): start-up time does not grow with the corpus. --verify reads everything.
 """
 import collections
+import concurrent.futures
 import contextlib
 import glob
 import hashlib
@@ -117,20 +118,25 @@ def expand_inputs(inputs):
     """Files as given, folders -> their *.txt / *.jsonl / *.parquet files (sorted). Clear errors for bad paths."""
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
-    files = []
+    files, seen = [], {}
     for path in map(str, inputs):
         if os.path.isdir(path):
             found = sorted(os.path.join(root, name) for root, _, names in os.walk(path)
-                           for name in names if name.endswith(EXTENSIONS))
+                           for name in names if name.lower().endswith(EXTENSIONS))
             if not found:
                 raise ValueError(f"input folder {path} contains no .txt, .jsonl or .parquet files")
-            files.extend(found)
         elif not os.path.exists(path):
             raise FileNotFoundError(f"input file not found: {path}")
-        elif not path.endswith(EXTENSIONS):
+        elif not path.lower().endswith(EXTENSIONS):
             raise ValueError(f"input file {path}: unsupported extension (expected .txt, .jsonl or .parquet)")
         else:
-            files.append(path)
+            found = [path]
+        for file in found:  # a file read twice would put its documents in both splits
+            real = os.path.realpath(file)
+            if real in seen:
+                raise ValueError(f"input file {file} is given twice (also as {seen[real]}): each input once")
+            seen[real] = file
+        files.extend(found)
     if not files:
         raise ValueError("no input files given")
     return files
@@ -139,18 +145,18 @@ def expand_inputs(inputs):
 def read_documents(path):
     """(text, source) of every document of one .txt / .jsonl / .parquet file, streamed."""
     stem = os.path.splitext(os.path.basename(path))[0]
-    if path.endswith(".jsonl"):
+    if path.lower().endswith(".jsonl"):
         return (read_jsonl_document(path, lineno, row, stem) for lineno, row in read_jsonl(path))
-    if path.endswith(".parquet"):
+    if path.lower().endswith(".parquet"):
         return read_parquet(path, stem)
     return read_txt(path, stem)
 
 
 def read_txt(path, stem):
-    """Documents of a .txt file, separated by lines that are exactly <|endoftext|>, read line by line."""
+    """Documents of a .txt file, separated by lines holding only <|endoftext|>, read line by line."""
     current = []
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a leading byte-order mark is not text
             for physical_line in f:
                 for line in physical_line.splitlines(keepends=True):  # str.splitlines' line ends, as before
                     if line.strip() == ENDOFTEXT:
@@ -396,25 +402,38 @@ def tokenize_chunk(job):
     return rows, lengths, n_bytes, sum(map(len, texts)), tokens
 
 
+@contextlib.contextmanager
 def worker_pool(workers):
-    """workers - 1 == 0: no pool (everything in this process); else a pool of worker processes, started with
-    spawn (safe beside threads, e.g. torch's) and terminated when the `with` block ends."""
-    return multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else contextlib.nullcontext()
+    """workers == 1: no pool (everything in this process); else a pool of worker processes, started with
+    spawn (safe beside threads, e.g. torch's), shut down when the `with` block ends."""
+    if workers == 1:
+        yield None
+        return
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def in_order(function, jobs, pool, workers):
     """function(job) for every job, results in job order: in this process without a pool, else on the pool
-    with at most 2 * workers jobs in flight (Pool.imap would read every job ahead: unbounded memory)."""
+    with at most 2 * workers jobs in flight (reading every job ahead would be unbounded memory). A worker
+    that dies (killed, out of memory) ends the prepare with one line instead of waiting for it forever."""
     if pool is None:
         yield from map(function, jobs)
         return
     pending = collections.deque()
-    for job in jobs:
-        pending.append(pool.apply_async(function, (job,)))
-        if len(pending) >= 2 * workers:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+    try:
+        for job in jobs:
+            pending.append(pool.submit(function, job))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except concurrent.futures.process.BrokenProcessPool:
+        raise RuntimeError("a worker process died (killed, or out of memory?); nothing of this prepare is "
+                           "complete: rerun it, with fewer --workers if memory ran out") from None
 
 
 # -----------------------------------------------------------------------------
@@ -482,6 +501,26 @@ class ShardWriter:
             self.file = None
 
 
+def check_out_folder(out_dir):
+    """Refuse, before anything is read or removed, an output folder that holds data this module did not write:
+    a meta.json that is not a data/prepare.py index, or train.bin / val.bin (a nanoGPT folder) without one."""
+    meta_path = os.path.join(out_dir, "meta.json")
+    if not out_dir:
+        raise ValueError("--out is empty: name the output folder")
+    if os.path.exists(meta_path):
+        try:
+            with open(meta_path) as f:
+                ours = json.load(f).get("format") == "loopstudy-tokens"
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise ValueError(f"{meta_path} is not a data/prepare.py index: refusing to write into {out_dir} (its "
+                             "files would be replaced); choose another --out")
+    elif os.path.isdir(out_dir) and any(os.path.exists(os.path.join(out_dir, n)) for n in OLD_LAYOUT):
+        raise ValueError(f"{out_dir} holds train.bin / val.bin but no data/prepare.py meta.json: refusing to replace "
+                         "them; choose another --out")
+
+
 def clear_folder(out_dir):
     """Remove what a previous prepare left in out_dir (meta.json first: the folder is incomplete from now on),
     only files of this layout: shards, sidecars, the old single-file layout, and temp files of either."""
@@ -506,7 +545,7 @@ def unigram_baselines(train_counts, val_counts):
     return float(-(p * np.log(p)).sum()), float(-(val_counts * np.log(smoothed)).sum() / max(1, val_counts.sum()))
 
 
-def check_settings(tokenizer, val_fraction, val_tokens, workers, shard_tokens, max_documents=None):
+def check_settings(tokenizer, val_fraction, val_tokens, workers, shard_tokens, max_documents=None, seed=0):
     """Range checks, one line each naming the setting (the command-line flag of the same name)."""
     if val_tokens is not None and (not isinstance(val_tokens, int) or val_tokens < 1):
         raise ValueError(f"val_tokens must be an integer >= 1 (or 0 on the command line: use val_fraction), got {val_tokens}")
@@ -516,6 +555,8 @@ def check_settings(tokenizer, val_fraction, val_tokens, workers, shard_tokens, m
         raise ValueError(f"workers must be an integer >= 1, got {workers}")
     if not isinstance(shard_tokens, int) or shard_tokens < MIN_SHARD_TOKENS:
         raise ValueError(f"shard_tokens must be an integer >= {MIN_SHARD_TOKENS}, got {shard_tokens}")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed}")
     if max_documents is not None and (not isinstance(max_documents, int) or max_documents < 1):
         raise ValueError(f"max_documents must be an integer >= 1, got {max_documents}")
     return get_tokenizer(tokenizer)  # ValueError listing valid names if unknown
@@ -534,11 +575,11 @@ def prepare(inputs=(), out_dir=DEFAULT_OUT, tokenizer="gpt2-4096", val_fraction=
     """Tokenize `inputs` (.txt/.jsonl/.parquet files or folders) or the dataset `hf` into out_dir's shards,
     sidecars and meta.json (see the module docstring). Returns out_dir."""
     start_time = time.time()
-    tok = check_settings(tokenizer, val_fraction, val_tokens, workers, shard_tokens, max_documents)
+    tok = check_settings(tokenizer, val_fraction, val_tokens, workers, shard_tokens, max_documents, seed)
     corpus = Corpus([] if hf else expand_inputs(inputs), hf, hf_config, hf_split, max_documents)
     settings = prepare_settings(tok.name, val_fraction, val_tokens, seed, shard_tokens, shuffle_documents, max_documents)
     fingerprint = corpus.fingerprint(settings)
-    clear_folder(out_dir)
+    check_out_folder(out_dir)  # refused before any work; a previous prepare there is replaced once the split is known
 
     # the split, from per-source document counts (first pass), then the documents tagged in order
     with worker_pool(workers) as pool:
@@ -571,7 +612,9 @@ def write_shards(corpus, out_dir, tok, settings, fingerprint, pool, workers, ver
         tagged = ((i, text, source_id[source], int(membership.is_val(source, i)))
                   for i, (text, source) in enumerate(corpus))
 
-    # the second pass: tokenize on the workers, write the shards in input order
+    # the second pass: tokenize on the workers, write the shards in input order (a previous prepare there goes
+    # now, once every error the first pass can find has been found)
+    clear_folder(out_dir)
     dtype = token_dtype(tok.n_vocab)
     writers = [ShardWriter(out_dir, split, shard_tokens, dtype) for split in SPLITS]
     unigram = np.zeros((2, tok.n_vocab), dtype=np.int64)
@@ -630,6 +673,9 @@ def write_shards(corpus, out_dir, tok, settings, fingerprint, pool, workers, ver
         "shards": shards,
     }
     write_atomic(os.path.join(out_dir, "meta.json"), lambda f: f.write((json.dumps(meta, indent=1) + "\n").encode()))
+    if val_tokens and splits["val"]["tokens"] > 2 * val_tokens:  # every source with >= 2 documents gives one
+        print(f"note: val holds {splits['val']['tokens']:,} tokens for --val_tokens {val_tokens:,}: each of the "
+              f"{len(source_names)} sources gives val at least one whole document", file=sys.stderr)
     if verbose:
         print(f"prepared {out_dir} in {time.time() - start_time:.2f}s: " + ", ".join(
             f"{s} {splits[s]['tokens']:,} tokens / {splits[s]['documents']:,} docs / {len(shards[s])} shards"
@@ -705,6 +751,9 @@ def load_meta(data_dir):
         if version == PREPARE_VERSION:
             itemsize = np.dtype(meta["dtype"]).itemsize
             n_vocab, eot, n_sources = int(meta["n_vocab"]), int(meta["eot_token"]), len(meta["sources"])
+            tokenizer, entropy = meta["tokenizer"], float(meta["unigram_entropy_train_nats"])
+            if not isinstance(tokenizer, str) or not math.isfinite(entropy) or len(set(meta["sources"])) != n_sources:
+                raise ValueError("tokenizer must be a name, unigram_entropy_train_nats finite, sources distinct")
             counts = {split: int(meta["splits"][split]["tokens"]) for split in SPLITS}
             shards = {split: [(s["file"], s["sources"], int(s["tokens"]), int(s["max_token"]))
                               for s in meta["shards"][split]] for split in SPLITS}
@@ -716,6 +765,16 @@ def load_meta(data_dir):
     if not 0 <= eot < n_vocab or n_sources < 1:
         raise ValueError(f"{meta_path} is corrupt: eot_token={eot} is not below n_vocab={n_vocab} or no sources; "
                          f"re-run data/prepare.py")
+    if meta["dtype"] != np.dtype(token_dtype(n_vocab)).name:
+        raise ValueError(f"{meta_path} is corrupt: dtype {meta['dtype']!r}, but prepare writes "
+                         f"{np.dtype(token_dtype(n_vocab)).name} for n_vocab={n_vocab}; re-run data/prepare.py")
+    try:
+        known = get_tokenizer(tokenizer)
+    except ValueError:  # a tokenizer this module does not build (a test's, a user's): nothing to compare
+        known = None
+    if known is not None and (known.n_vocab, known.eot_token) != (n_vocab, eot):
+        raise ValueError(f"{meta_path} is corrupt: tokenizer {tokenizer} has n_vocab={known.n_vocab} and "
+                         f"eot_token={known.eot_token}, meta.json says {n_vocab} and {eot}; re-run data/prepare.py")
     for split in SPLITS:
         if sum(s[2] for s in shards[split]) != counts[split]:
             raise ValueError(f"{meta_path} is corrupt: the {split} shards hold {sum(s[2] for s in shards[split]):,} "
@@ -820,7 +879,7 @@ def verify(data_dir, verbose=True):
                           disable=None if verbose else True):
             path = os.path.join(data_dir, shard["file"])
             with open(path, "rb") as f:
-                if hashlib.file_digest(f, "sha256").hexdigest() != shard["sha256"]:
+                if hashlib.file_digest(f, "sha256").hexdigest() != shard.get("sha256"):
                     raise ValueError(f"{path} is corrupt: its sha256 differs from meta.json's; re-run data/prepare.py")
             tokens = np.memmap(path, dtype=meta["dtype"], mode="r")
             if len(tokens) and int(tokens.max()) != shard["max_token"]:
@@ -856,7 +915,7 @@ def main(argv=None):
     try:
         for flag, value, minimum in (("--val_tokens", args.val_tokens, 0), ("--workers", args.workers, 1),
                                      ("--shard_tokens", args.shard_tokens, MIN_SHARD_TOKENS),
-                                     ("--max_documents", args.max_documents, 0)):
+                                     ("--max_documents", args.max_documents, 0), ("--seed", args.seed, 0)):
             if value < minimum:
                 raise ValueError(f"{flag} must be >= {minimum:,}, got {value}")
         if args.val_fraction is not None and not 0.0 < args.val_fraction < 1.0:
@@ -865,7 +924,7 @@ def main(argv=None):
             raise ValueError("give --val_fraction or --val_tokens, not both")
         if args.inputs and args.hf:
             raise ValueError("give input files or --hf, not both")
-        out = args.out or DEFAULT_OUT
+        out = DEFAULT_OUT if args.out is None else args.out
         if args.verify:
             meta = verify(out)
             print(f"{out}: ok, " + ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens in "
@@ -877,7 +936,7 @@ def main(argv=None):
                 val_tokens=args.val_tokens or None, seed=args.seed, workers=args.workers,
                 shard_tokens=args.shard_tokens, shuffle_documents=args.shuffle_documents or default,
                 hf=args.hf, hf_config=args.hf_config, hf_split=args.hf_split, max_documents=args.max_documents or None)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         return cli_error("prepare.py", e)
     return 0
 

@@ -540,6 +540,7 @@ def write_prepared(folder, tokens, eot, n_vocab, shard_tokens):
     (folder / "meta.json").write_text(json.dumps({
         "version": prep.PREPARE_VERSION, "dtype": tokens.dtype.name, "eot_token": eot, "tokenizer": "char",
         "n_vocab": n_vocab, "sources": ["random"], "splits": {s: {"tokens": len(tokens)} for s in prep.SPLITS},
+        "unigram_entropy_train_nats": 1.0,
         "shards": shards}))
 
 

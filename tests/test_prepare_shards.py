@@ -372,3 +372,91 @@ def test_an_old_layout_folder_is_refused_then_rebuilt(tmp_path):
         loader.load_data(str(out))
     prep.prepare_default(str(out), verbose=False)
     assert "train.bin" not in os.listdir(out) and prep.load_meta(str(out))["version"] == prep.PREPARE_VERSION
+
+
+# -----------------------------------------------------------------------------
+# found by probing: inputs, the output folder, meta.json, workers, the data a resume reads
+
+def worker_that_dies(job):
+    os._exit(9)  # as a worker killed by the OOM killer
+
+
+def test_a_dead_worker_ends_the_prepare_with_one_line_instead_of_a_hang():
+    with prep.worker_pool(2) as pool:
+        with pytest.raises(RuntimeError, match=r"^a worker process died \(killed, or out of memory\?\)"):
+            list(prep.in_order(worker_that_dies, range(4), pool, 2))
+
+
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    texts = ["one\u2028two", "three\x85four", "five\u2029", "six"]
+    path = tmp_path / "u.jsonl"
+    path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    assert [row["text"] for _, row in prep.read_jsonl(str(path))] == texts
+
+
+def test_an_input_given_twice_is_refused(corpus, tmp_path, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(open(corpus[1]).read())
+    err = one_line_error(prep.main, [str(folder), str(folder / "a.jsonl"), "--out", str(tmp_path / "o")], capsys,
+                         "prepare.py")
+    assert "a.jsonl is given twice" in err
+
+
+def test_an_output_folder_holding_other_data_is_refused_untouched(corpus, tmp_path, capsys):
+    for name, files in (("foreign", {"meta.json": '{"mine": 1}', "train.bin": "x"}),
+                        ("nanogpt", {"train.bin": "x", "val.bin": "y"})):
+        out = tmp_path / name
+        out.mkdir()
+        for file, text in files.items():
+            (out / file).write_text(text)
+        err = one_line_error(prep.main, [corpus[1], "--out", str(out)], capsys, "prepare.py")
+        assert "refusing to" in err and "choose another --out" in err
+        assert {f: (out / f).read_text() for f in files} == files
+
+
+def test_a_failing_prepare_keeps_the_previous_one(corpus, tmp_path, capsys):
+    out = prep.prepare([corpus[1]], str(tmp_path / "out"), verbose=False)
+    before = prep.load_meta(out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": \n')
+    for argv in ([str(bad)], [corpus[1], "--val_tokens", "100000000"], [corpus[1], "--seed", "-1"]):
+        err = one_line_error(prep.main, [*argv, "--out", out], capsys, "prepare.py")
+        assert "bad.jsonl:2" in err or "--val_tokens" in err or "--seed must be >= 0" in err
+        assert prep.load_meta(out) == before
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(dtype="float16"), "dtype 'float16', but prepare writes uint16 for n_vocab=4096"),
+    (dict(tokenizer="gpt2"), "tokenizer gpt2 has n_vocab=50257 and eot_token=50256, meta.json says 4096 and 4095"),
+    (dict(unigram_entropy_train_nats="abc"), "meta.json is corrupt (ValueError"),
+    (dict(unigram_entropy_train_nats=None), "meta.json is corrupt (TypeError"),
+    (dict(sources=["code", "code"]), "sources distinct"),
+])
+def test_a_hand_edited_meta_json_is_one_line_naming_it(corpus, tmp_path, edit, message):
+    out = prep.prepare([corpus[1]], str(tmp_path / "out"), verbose=False)
+    meta_path = os.path.join(out, "meta.json")
+    meta = json.load(open(meta_path)) | edit
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(ValueError) as e:
+        loader.load_data(out)
+    assert message in str(e.value) and "meta.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_val_split_shorter_than_a_window_is_refused(sharded):
+    with pytest.raises(ValueError, match=r"the val split has [\d,]+ tokens, fewer than block_size \+ 1 = 100001"):
+        loader.open_data(sharded[0], ModelConfig(block_size=100000))
+
+
+def test_resume_on_another_prepared_corpus_is_refused_init_from_starts_its_data_over(sharded, tmp_path):
+    one, many = sharded  # the same documents, other shard size: another prepare (fingerprint)
+    settings = SMALL | dict(data_dir=one, max_steps=4, out_dir=str(tmp_path), stop_at_step=2)
+    train.train(settings)
+    with pytest.raises(ValueError, match="this data_dir holds another prepared corpus"):
+        train.train(dict(out_dir=str(tmp_path), resume=True, data_dir=many))
+    forked = train.train(dict(init_from=str(tmp_path / "tiny" / "ckpt.pt"), data_dir=many, out_dir=str(tmp_path),
+                              run_name="forked", max_steps=3, progress=False, sample=False))
+    from tooling.checkpoint import load_checkpoint
+    state = load_checkpoint(forked["ckpt_path"])["state"]  # one step (4 windows) read from the new data's first window
+    assert forked["step"] == 3 and state["data_position"] == 4
+    assert state["data_fingerprint"] == prep.load_meta(many)["fingerprint"] != prep.load_meta(one)["fingerprint"]

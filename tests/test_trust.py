@@ -398,7 +398,7 @@ def test_a_wrong_tokenizer_is_refused_before_training(tmp_path, data_dir, capsys
     (data / "meta.json").write_text(json.dumps(dict(meta, tokenizer="gpt2-8192")))
     err = one_line_error(train.main, argv(**SMALL, data_dir=str(data), out_dir=str(tmp_path), max_steps=2), capsys,
                          "train.py")
-    assert "tokenizer 'gpt2-8192'" in err and "meta.json" in err
+    assert "tokenizer gpt2-8192 has n_vocab=8192" in err and "meta.json" in err
     assert not (tmp_path / "tiny" / "log.jsonl").exists()
 
 

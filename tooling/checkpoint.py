@@ -353,6 +353,7 @@ class TrainState:
     lr_scaling_params: int = 0  # [X16] N: stored parameters at initialisation, token embedding included
     seqs_per_step: int = 0  # the global batch: a resume on any number of processes keeps it
     decay_start: Optional[int] = None  # the step the LR starts to decay: a decay branch forks before it
+    data_fingerprint: Optional[str] = None  # the prepared corpus data_position counts windows of (meta.json's)
 
     def advance(self, tokens, windows, flops, passes):
         self.step, self.tokens_seen, self.data_position = self.step + 1, self.tokens_seen + tokens, \

@@ -112,17 +112,18 @@ def resolve_device(name):
 
 
 def read_jsonl(path):
-    """Yield (line number, object) for every non-blank line of a JSON-lines file; a malformed line
-    raises ValueError naming the file and the line."""
+    """Yield (line number, object) for every non-blank line of a JSON-lines file, streamed (lines end at
+    \n, \r\n or \r only: U+2028 and the like are valid inside a JSON string); a malformed line raises
+    ValueError naming the file and the line."""
     try:
         with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+                yield lineno, record
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not valid UTF-8 ({e})") from None
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None

@@ -136,9 +136,20 @@ def check_branch_source(source, path):
                          "checkpoint (save_steps, or a run with decay_fraction=0)")
 
 
-def check_data_budget(stream, state, max_steps, seqs_per_step, log):
-    """[S] trains without repetition: a decay branch that would reread its held-back data is refused;
-    a stable phase that wraps into a second epoch says so."""
+def check_data_budget(stream, state, max_steps, seqs_per_step, log, resume=False):
+    """The data position is a count of another corpus's windows when the data folder holds another prepare than
+    the checkpoint read: a resume is refused, a run from init_from reads the new data from its start. [S]
+    trains without repetition: a decay branch that would reread its held-back data is refused; a stable
+    phase that wraps into a second epoch says so."""
+    fingerprint = getattr(stream, "fingerprint", None)
+    if state.data_fingerprint not in (None, fingerprint):
+        if resume:
+            raise ValueError(f"this data_dir holds another prepared corpus (fingerprint {str(fingerprint)[:12]}) "
+                             f"than the one the run read ({state.data_fingerprint[:12]}): resume on that data, "
+                             "or start a new run from the checkpoint with init_from")
+        state.data_position = 0
+        log("note: init_from read another prepared corpus; this run reads its own data from the first window")
+    state.data_fingerprint = fingerprint
     needed = state.data_position + (max_steps - state.step) * seqs_per_step
     if needed <= stream.n_windows:
         return
