@@ -74,8 +74,9 @@ def resolve_attended(cfg, attended=None, avg_doc_len=None):
             raise ValueError(f"attended must be a finite number > 0, got {attended}")
         return float(attended)
     doc_len = cfg.block_size if avg_doc_len is None else avg_doc_len
-    if not (math.isfinite(doc_len) and doc_len >= 1):
-        raise ValueError(f"avg_doc_len must be a finite number >= 1, got {doc_len}")
+    if not (math.isfinite(doc_len) and 1 <= doc_len <= cfg.block_size):
+        raise ValueError(f"avg_doc_len must be a finite number in [1, block_size={cfg.block_size}] (a document "
+                         f"seen in a window is at most that long), got {doc_len}")
     return causal_attended(doc_len)
 
 

@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from sample import check_n_passes
 from tooling import common
-from tooling.common import cli_error, number, write_atomic
+from tooling.common import cli_error, number, resolve_device, write_atomic
 from model import scaled
 from tooling.checkpoint import load_model
 
@@ -563,6 +563,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     try:
+        device = resolve_device(args.device)  # one line for an unknown or absent device, before any work
+        if args.plot:  # the figures' folder, made (or refused) before the probes run
+            os.makedirs(args.plot, exist_ok=True)
         model, ckpt = load_model(args.ckpt)
         check_n_passes(model.config, args.n_passes)
         data_dir = resolve_data_dir(args.data_dir or ckpt.get("data_dir"))
@@ -573,7 +576,7 @@ def main(argv=None):
         if int(idx.max()) >= model.config.vocab_size:
             raise ValueError(f"data in {data_dir} has token id {int(idx.max())} >= the model's "
                              f"vocab_size={model.config.vocab_size}: wrong data_dir for this checkpoint?")
-        model.to(args.device)
+        model.to(device)
         result = run_probes(model, idx, visits=tuple(args.visits), n_passes=args.n_passes,
                             batch_size=args.batch_size, attn_topk=args.attn_topk, kl_threshold=args.kl_threshold,
                             progress=not args.json)

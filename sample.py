@@ -168,7 +168,7 @@ def main(argv=None):
                         help="softmax temperature; 0 is greedy decoding (default: %(default)s)")
     parser.add_argument("--top_k", type=number(int, 1), default=200,
                         help="sample among the top_k most likely tokens (default: %(default)s)")
-    parser.add_argument("--seed", type=number(int, 0), default=1337,
+    parser.add_argument("--seed", type=number(int, 0, 2 ** 63 - 1), default=1337,
                         help="random seed: the same seed gives the same text "
                                                                "(default: %(default)s)")
     parser.add_argument("--n_passes", type=number(int, 1), default=None,

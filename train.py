@@ -39,8 +39,7 @@ from muon import Muon
 from sample import data_tokenizer, sample_text
 from tooling import checkpoint, distributed, guards, memory, rundir
 from tooling.checkpoint import NonFiniteLoss, TrainState
-from tooling.common import cli_error
-from tooling.rundir import PeerFailure, RunDir, TrainingInterrupted
+from tooling.rundir import RunDir
 from tooling.settings import Settings
 
 # ----------------------------------------------------------------------------------------------------
@@ -489,17 +488,7 @@ def main(argv=None):
     if any(a in ("-h", "--help") for a in argv):
         print(SETTINGS.help())
         return 0
-    try:
-        train(SETTINGS.parse(argv))
-    except TrainingInterrupted as e:  # Ctrl-C, SIGTERM: rank 0 says where the checkpoint is
-        if distributed.rank() == 0:
-            print(f"\ntrain.py: {e}", file=sys.stderr)
-        return e.exit_status
-    except (ValueError, OSError, NonFiniteLoss, PeerFailure) as e:
-        return cli_error("train.py", e)
-    finally:
-        distributed.teardown()
-    return 0
+    return rundir.run_cli("train.py", lambda: train(SETTINGS.parse(argv)))  # one line however it ends
 
 
 if __name__ == "__main__":

@@ -918,6 +918,8 @@ def main(argv=None):
                                      ("--max_documents", args.max_documents, 0), ("--seed", args.seed, 0)):
             if value < minimum:
                 raise ValueError(f"{flag} must be >= {minimum:,}, got {value}")
+        if args.workers > 4 * (os.cpu_count() or 1):
+            raise ValueError(f"--workers must be at most 4 x the {os.cpu_count()} CPUs here, got {args.workers}")
         if args.val_fraction is not None and not 0.0 < args.val_fraction < 1.0:
             raise ValueError(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
         if args.val_fraction is not None and args.val_tokens:

@@ -218,11 +218,11 @@ def test_cli_json_and_table(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--preset", "smelt-200m-s95", "--world_size", "0"], "world_size must be >= 1"),
-    (["--preset", "smelt-200m-s95", "--micro_batch", "0"], "micro_batch must be >= 1"),
-    (["--preset", "smelt-200m-s95", "--gpu_gb", "-80"], "gpu_gb must be > 0"),
+    (["--preset", "smelt-200m-s95", "--world_size", "0"], "argument --world_size: 0: must be >= 1"),
+    (["--preset", "smelt-200m-s95", "--micro_batch", "0"], "argument --micro_batch: 0: must be >= 1"),
+    (["--preset", "smelt-200m-s95", "--gpu_gb", "-80"], "argument --gpu_gb: -80: must be > 0"),
     (["--preset", "smelt-200m-s95", "--optimizer", "sgd"], "invalid choice: 'sgd'"),
-    (["--preset", "smelt-200m-s95", "--world_size", "two"], "invalid int value: 'two'"),
+    (["--preset", "smelt-200m-s95", "--world_size", "two"], "argument --world_size: expected an integer, got 'two'"),
     (["config/no_such_config.py"], "config file not found"),
 ])
 def test_cli_mistakes_are_one_line_and_exit_2(argv, message, capsys):

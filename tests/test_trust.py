@@ -31,7 +31,8 @@ import probe
 import sample
 import train
 from conftest import REPO, one_line_error
-from tooling import checkpoint, convert_checkpoint, guards, plots, rundir
+from data import prepare as prep
+from tooling import checkpoint, convert_checkpoint, guards, memory, plots, rundir
 
 SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_loops=2, block_size=32,
              batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=2, progress=False, sample=False)
@@ -231,6 +232,13 @@ def test_a_flipped_byte_is_refused_naming_the_tensor(trained, tmp_path, data_dir
     assert "tensor " in err and "does not have the bytes it was written with" in err, err
     err = one_line_error(train.main, argv(out_dir=str(run.parent), run_name="run", resume=True), capsys, "train.py")
     assert "does not have the bytes it was written with" in err
+    # the converter does not launder it with fresh checksums, and has nothing to do on an intact current file
+    err = one_line_error(convert_checkpoint.main, [str(run / "ckpt.pt"), str(tmp_path / "c.pt")], capsys,
+                         "tooling.convert_checkpoint")
+    assert "does not have the bytes it was written with" in err and not (tmp_path / "c.pt").exists()
+    err = one_line_error(convert_checkpoint.main, [str(trained / "ckpt.pt"), str(tmp_path / "c.pt")], capsys,
+                         "tooling.convert_checkpoint")
+    assert "already in the current format" in err and not (tmp_path / "c.pt").exists()
 
 
 def test_a_flipped_byte_in_a_shard_is_refused_naming_the_file(sharded, tmp_path, capsys):
@@ -283,6 +291,20 @@ def test_sigterm_ends_a_run_like_ctrl_c(tmp_path, data_dir):
     step = checkpoint.load_checkpoint(run / "ckpt.pt")["state"]["step"]
     resumed = train.train(dict(out_dir=str(tmp_path), resume=True, max_steps=step + 2, progress=False))
     assert resumed["step"] == step + 2
+
+
+@pytest.mark.parametrize("signal_class, status, word", [(KeyboardInterrupt, 130, "interrupted"),
+                                                         (rundir.Terminated, 143, "terminated")])
+def test_ctrl_c_or_sigterm_before_training_is_one_line(tmp_path, data_dir, monkeypatch, capsys, signal_class,
+                                                       status, word):
+    """Ctrl-C or SIGTERM while the run is still loading or checking (before it holds its folder): one line."""
+    def stopped(*args, **kwargs):
+        raise signal_class()
+    monkeypatch.setattr(train.memory, "check_memory", stopped)
+    assert train.main(argv(**SMALL, data_dir=data_dir, out_dir=str(tmp_path), max_steps=2)) == status
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"train.py: {word} before training began; nothing was written"]
+    assert not (tmp_path / "tiny").exists()
 
 
 def test_locks(tmp_path, data_dir, monkeypatch, capsys):
@@ -504,10 +526,20 @@ BAD_SETTINGS = [  # (prog, argv, what the line must name); CKPT / DATA are fille
     ("grow.py", ["--schedule", "TYPO"], "unknown settings ['n_layr']"),
     ("tooling.plots", ["LOG", "--x", "time"], "argument --x: invalid choice"),
     ("tooling.plots", ["LOG", "--ou", "x.png"], "unrecognized arguments: --ou"),
+    ("train.py", ["--seed=1e30"], "seed=1000000000000000019884624838656: must be below 2**53"),
+    ("train.py", ["--max_steps=1e30"], "max_steps=1000000000000000019884624838656: must be below 2**53"),
+    ("train.py", ["--out_dir="], "out_dir='': must name a folder"),
+    ("sample.py", ["--ckpt", "CKPT", "--seed", "18446744073709551616"], "argument --seed: 18446744073709551616"),
+    ("probe.py", ["--ckpt", "CKPT", "--device", "tpu"], "unknown device 'tpu'"),
+    ("probe.py", ["--ckpt", "CKPT", "--plot", "TYPO"], "File exists"),
+    ("tooling.memory", ["config/x_d8_loop2.py", "--gpu_gb", "nan"], "argument --gpu_gb: nan: must be a finite"),
+    ("tooling.memory", ["config/x_d8_loop2.py", "--world_size", "0"], "argument --world_size: 0: must be >= 1"),
+    ("prepare.py", ["--seed", "-1", "--out", "DIR"], "--seed must be >= 0, got -1"),
+    ("prepare.py", ["--workers", "100000", "--out", "DIR"], "--workers must be at most 4 x the"),
 ]
 MAINS = {"train.py": train.main, "sample.py": sample.main, "probe.py": probe.main, "grow.py": grow.main,
          "eval_core.py": eval_core.main, "tooling.plots": plots.main, "ladder.py": ladder.main, "fit.py power": fit.main,
-         "match.py": match.main}
+         "match.py": match.main, "tooling.memory": memory.main, "prepare.py": prep.main}
 
 
 @pytest.mark.parametrize("prog, args, named", BAD_SETTINGS, ids=[f"{p} {' '.join(a)}" for p, a, _ in BAD_SETTINGS])

@@ -40,8 +40,6 @@ def plain(value):
 
 def convert(old):
     """An older checkpoint dict -> the current layout (the run's state under "state")."""
-    if old.get("format") == checkpoint.FORMAT:
-        return old
     new = {k: plain(v) for k, v in old.items() if k not in OLD_STATE + ("data_position", "rng", "checksums")}
     position = old.get("data_position") or {}
     if "state" in old:  # already a TrainState (of fields): only plain data now
@@ -62,6 +60,13 @@ def main(argv=None):
     p.add_argument("new", help="where to write the converted checkpoint")
     args = p.parse_args(argv)
     try:
+        current = torch.load(args.old, map_location="cpu", weights_only=True)  # safe: is it current already?
+    except Exception:
+        current = None
+    try:
+        if isinstance(current, dict) and current.get("format") == checkpoint.FORMAT:
+            checkpoint.verify_checksums(current, args.old)  # never re-stamp a corrupt file with fresh checksums
+            raise ValueError(f"{args.old} is already in the current format ({checkpoint.FORMAT}): nothing to convert")
         old = torch.load(args.old, map_location="cpu", weights_only=False)  # knowingly: see the docstring
         if not isinstance(old, dict) or "model" not in old or "model_config" not in old:
             raise ValueError(f"{args.old} is not a loopstudy checkpoint (needs 'model_config' and 'model')")

@@ -46,6 +46,10 @@ def check_train_config(c):
                  "unembedding_weight_decay", "muon_momentum_warmup", "global_batch", "seed"):
         if getattr(c, name) < 0:
             bad(c, name, "must be >= 0")
+    if c.seed >= 2 ** 63:
+        bad(c, "seed", "must be below 2**63 (torch.manual_seed's range)")
+    if not c.out_dir:
+        bad(c, "out_dir", "must name a folder")
     for name in ("matrix_lr", "adamw_matrix_lr", "embedding_lr", "unembedding_lr", "router_lr", "scalar_lr",
                  "adam_eps"):
         if not getattr(c, name) > 0:

@@ -412,10 +412,13 @@ def main(argv=None):
     parser = common.parser("tooling.memory", description="Per-GPU memory of training a config (or an [S] preset "
                            "and its matched twin) under DDP and FSDP2.")
     match.add_model_arguments(parser)
-    parser.add_argument("--world_size", type=int, default=8, help="GPUs (default 8)")
-    parser.add_argument("--gpu_gb", type=float, default=80, help="memory of one GPU in GiB (default 80)")
-    parser.add_argument("--micro_batch", type=int, help="sequences per GPU (default: the config's batch_size, else 1)")
-    parser.add_argument("--grad_accum", type=int, help="micro-batches per step (default: the config's, else 1)")
+    parser.add_argument("--world_size", type=common.number(int, 1, 2 ** 20), default=8, help="GPUs (default 8)")
+    parser.add_argument("--gpu_gb", type=common.number(float, 0, 2 ** 20, open_low=True), default=80,
+                        help="memory of one GPU in GiB (default 80)")
+    parser.add_argument("--micro_batch", type=common.number(int, 1, 2 ** 30),
+                        help="sequences per GPU (default: the config's batch_size, else 1)")
+    parser.add_argument("--grad_accum", type=common.number(int, 1, 2 ** 30),
+                        help="micro-batches per step (default: the config's, else 1)")
     parser.add_argument("--optimizer", choices=("muon", "adamw"),
                         help="muon (Muon + AdamW) or adamw (default: the config's, else muon)")
     parser.add_argument("--activation_checkpointing", action="store_true", help="checkpoint every executed block")

@@ -19,12 +19,13 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 
 from model import GPT, ModelConfig
 from tooling import checkpoint, distributed, guards
-from tooling.common import TEMP_MARK, write_atomic
+from tooling.common import TEMP_MARK, cli_error, write_atomic
 
 # per command: never carried over from the checkpoint a run forks (init_from) / continues (resume). Paths
 # are never taken from a checkpoint: a run writes where its command says (out_dir, run_name), and reads
@@ -133,6 +134,30 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_cli(prog, run):
+    """train.py's command line around run(): one line and an exit status for every way it can end. Ctrl-C or
+    SIGTERM during training: where the checkpoint is and how to resume (rank 0), 130 / 143; before the run
+    folder is held (loading, checks): that nothing was written; a bad setting, file, peer or loss: one line,
+    2. The process group is torn down in every case."""
+    try:
+        with sigterm_as_interrupt():
+            run()
+    except TrainingInterrupted as e:
+        if distributed.rank() == 0:
+            print(f"\n{prog}: {e}", file=sys.stderr)
+        return e.exit_status
+    except KeyboardInterrupt as e:  # before training began: nothing of the run was written
+        if distributed.rank() == 0:
+            print(f"\n{prog}: {'terminated' if isinstance(e, Terminated) else 'interrupted'} before training "
+                  "began; nothing was written", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    except (ValueError, OSError, checkpoint.NonFiniteLoss, PeerFailure) as e:
+        return cli_error(prog, e)
+    finally:
+        distributed.teardown()
+    return 0
 
 
 @contextlib.contextmanager

@@ -99,6 +99,8 @@ class Settings:
             if isinstance(value, float) and value.is_integer():  # --max_tokens=1e6
                 value = int(value)
             ok, expected = isinstance(value, int) and not isinstance(value, bool), "int"
+            if ok and abs(value) >= 2 ** 53:  # beyond what a float (1e30) says exactly, and any count we run
+                raise ValueError(f"{where} {key}={value!r}: must be below 2**53")
         elif isinstance(default, float):
             ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "float"
             value = float(value) if ok else value
