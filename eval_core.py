@@ -717,8 +717,8 @@ def load_token_split(data_dir, split="val"):
         load_meta = None
     if load_meta is not None:
         meta = load_meta(data_dir)
-        tokens = load_split(data_dir, split)
-        spans = load_sources(data_dir, split)
+        tokens = load_split(data_dir, split, meta)
+        spans = load_sources(data_dir, split, meta)
         return tokens, meta, [(int(s) + 1, int(e)) for s, e in spans[:, :2] if e - s > 1]
     meta_path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(meta_path):

@@ -412,7 +412,8 @@ def load_val_tokens(data_dir, eot_token=None):
     except ImportError as e:
         raise ValueError(f"cannot load held-out tokens: data.prepare is not available ({e})") from e
     try:
-        meta, tokens = load_meta(data_dir), load_split(data_dir, "val")
+        meta = load_meta(data_dir)
+        tokens = load_split(data_dir, "val", meta)
     except FileNotFoundError as e:
         raise ValueError(f"no validation split in data directory {data_dir!r} ({e}); "
                          f"prepare it with data/prepare.py or pass --data_dir") from e

@@ -153,13 +153,13 @@ def load_data(data_dir):
     sidecars; clear errors (file named) for missing or corrupt files."""
     if not data_dir:
         data_dir = prep.prepare_default(prep.DEFAULT_OUT)
-    meta = prep.load_meta(data_dir)
-    train_tokens, val_tokens = prep.load_split(data_dir, "train"), prep.load_split(data_dir, "val")
+    meta = prep.load_meta(data_dir)  # checked once; the splits are opened from it
+    train_tokens, val_tokens = prep.load_split(data_dir, "train", meta), prep.load_split(data_dir, "val", meta)
     if not len(val_tokens) or not len(train_tokens):
         raise ValueError(f"{data_dir}: the {'val' if len(train_tokens) else 'train'} split is empty; re-run "
                          f"data/prepare.py with more documents")
     val_sources = None
     if len(meta.get("sources", [])) > 1:
-        val_sources = prep.token_source_ids(prep.load_sources(data_dir, "val"), len(val_tokens))
+        val_sources = prep.token_source_ids(prep.load_sources(data_dir, "val", meta), len(val_tokens))
     return Data(data_dir, meta, train_tokens, val_tokens, val_sources, float(meta["unigram_entropy_train_nats"]))
 

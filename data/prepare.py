@@ -77,7 +77,7 @@ from tqdm import tqdm
 
 if __package__ in (None, ""):  # run as a script: python data/prepare.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tooling.common import TEMP_MARK, cli_error, current_umask, read_jsonl, write_atomic
+from tooling.common import TEMP_MARK, cli_error, current_umask, first_line, read_jsonl, write_atomic
 from tooling.common import parser as common_parser  # write_atomic is also imported from here (ladder.py)
 from data.tokenizer import ENDOFTEXT, get_tokenizer
 
@@ -226,11 +226,6 @@ def read_hf(name, config=None, split="train"):
         if not isinstance(text, str):
             raise ValueError(f"--hf {name}: row {row_index}: 'text' must be a string, got {type(text).__name__}")
         yield text, str(source)
-
-
-def first_line(error):
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 class Corpus:
@@ -794,12 +789,12 @@ def load_meta(data_dir):
     return meta
 
 
-def load_split(data_dir, split):
+def load_split(data_dir, split, meta=None):
     """The token shards of data_dir's split ('train' or 'val') as one read-only ShardedTokens, after
-    load_meta's checks (no pass over the tokens)."""
+    load_meta's checks (no pass over the tokens; meta: load_meta's result when the caller has it)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    meta = load_meta(data_dir)
+    meta = meta or load_meta(data_dir)
     shards = meta["shards"][split]
     return ShardedTokens([os.path.join(data_dir, s["file"]) for s in shards], [s["tokens"] for s in shards], meta["dtype"])
 
@@ -844,13 +839,13 @@ def read_spans(data_dir, split, meta):
     return np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
 
 
-def load_sources(data_dir, split):
+def load_sources(data_dir, split, meta=None):
     """int64 (n_docs, 4) [start, end, source_id, doc_index] of the split, checked against its shards (every
-    document starts with eot) and the source names load_meta(data_dir)['sources']."""
+    document starts with eot) and the source names load_meta(data_dir)['sources'] (meta: as load_split)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    meta = load_meta(data_dir)
-    spans, tokens, eot = read_spans(data_dir, split, meta), load_split(data_dir, split), int(meta["eot_token"])
+    meta = meta or load_meta(data_dir)
+    spans, tokens, eot = read_spans(data_dir, split, meta), load_split(data_dir, split, meta), int(meta["eot_token"])
     shard_of = np.searchsorted(tokens.shard_starts, spans[:, 0], side="right") - 1
     for k, shard in enumerate(tokens.shards):  # one gather per shard: the token at each document's start
         rows = np.flatnonzero(shard_of == k)
@@ -874,7 +869,7 @@ def verify(data_dir, verbose=True):
     with eot, the sidecars tiling each split. Returns meta; ValueError naming the file otherwise."""
     meta = load_meta(data_dir)
     for split in SPLITS:
-        load_sources(data_dir, split)  # spans tile the split, each document starts with eot
+        load_sources(data_dir, split, meta)  # spans tile the split, each document starts with eot
         for shard in tqdm(meta["shards"][split], desc=f"verifying {split}", unit="shard", leave=False,
                           disable=None if verbose else True):
             path = os.path.join(data_dir, shard["file"])
