@@ -1638,8 +1638,9 @@ def plan_flops(cfg, grown, config, first, last, grow_step, step_tokens):
 
 
 def smallest_train_split(stable_tokens, branch_tokens, fraction):
-    """The fewest train tokens n whose regions, cut as data.loader.Data.stream cuts them (the last
-    int(n x fraction) held back), hold stable_tokens before the cut and branch_tokens after it."""
+    """The fewest train tokens n whose regions, cut at n - int(n x fraction) (data.loader.held_back_start on
+    a single shard; with several, its cut moves to the nearest shard boundary), hold stable_tokens before
+    the cut and branch_tokens after it."""
     def holds(n):
         held = int(n * fraction)
         return n - held >= stable_tokens and held >= branch_tokens
@@ -1694,15 +1695,17 @@ def data_needs(config, cfg, stable_windows, branch_windows, fraction_set):
     if extra > 0.01 * plain and branch_need:
         out["problems"].append(f"branch_data_fraction {f:g} leaves {extra / plain:.1%} of the data unread; "
                                f"{branch_need / plain:.6f} fits these runs exactly")
-    from data import prepare as prep
+    from data import loader, prepare as prep
     try:
-        n = int(prep.load_meta(config.data_dir or prep.DEFAULT_OUT)["splits"]["train"]["tokens"])
+        meta = prep.load_meta(config.data_dir or prep.DEFAULT_OUT)
+        n = int(meta["splits"]["train"]["tokens"])
     except (FileNotFoundError, ValueError, KeyError):
         out["notes"].append(f"data_dir {config.data_dir or '(the embedded corpus)'} is not prepared here: "
-                            f"prepare at least {smallest:,} train tokens (data/prepare.py)")
+                            f"prepare at least {smallest:,} train tokens (data/prepare.py; the tail's start moves "
+                            "to the nearest shard boundary, by up to half a shard: prepare that much more)")
         return out
     out["prepared_train_tokens"] = n
-    cut = n - int(n * f)
+    cut = loader.held_back_start([s["tokens"] for s in meta["shards"]["train"]], f)  # as Data.stream cuts it
     have = ((cut - 1) // T, (n - cut - 1) // T)  # windows in the stable region and in the tail
     if have[0] < stable_windows:
         out["problems"].append(f"{config.data_dir or 'the embedded corpus'} holds {n:,} train tokens: its stable region "

@@ -460,3 +460,19 @@ def test_resume_on_another_prepared_corpus_is_refused_init_from_starts_its_data_
     state = load_checkpoint(forked["ckpt_path"])["state"]  # one step (4 windows) read from the new data's first window
     assert forked["step"] == 3 and state["data_position"] == 4
     assert state["data_fingerprint"] == prep.load_meta(many)["fingerprint"] != prep.load_meta(one)["fingerprint"]
+
+
+def test_the_ladder_plan_cuts_a_prepared_folder_as_training_does(sharded):
+    """ladder --plan checks a prepared folder's regions with the cut Data.stream makes (the held-back tail
+    starting at a shard boundary), not with the single-shard formula."""
+    import ladder
+    from types import SimpleNamespace
+    many = sharded[1]
+    data, T, f = loader.load_data(many), 32, 0.3
+    stable, branch = data.stream(T, 0, f), data.stream(T, 0, f, branch=True)
+    config = SimpleNamespace(block_size=T, branch_data_fraction=f, data_dir=many)
+    fits = ladder.data_needs(config, config, stable.n_windows, branch.n_windows, True)
+    beyond = ladder.data_needs(config, config, stable.n_windows + 1, branch.n_windows + 1, True)
+    assert stable.stop != len(data.train_tokens) - int(len(data.train_tokens) * f)  # the cut did move
+    region = lambda plan: [p for p in plan["problems"] if "train tokens: its" in p]  # noqa: E731 (the folder's regions)
+    assert region(fits) == [] and len(region(beyond)) == 2
