@@ -54,9 +54,31 @@ seed bootstrap (resample Vanilla's seeds, perturb the other points by the measur
 The loss table compares equal depth, not equal compute: the report prints each architecture's tokens and
 FLOPs relative to Vanilla's at every depth.
 
+[X] data-constrained protocol (kind "repeat", x-cpu-repeat; [X] Section 5 and Appendix D: 100M unique tokens x
+10 epochs, Operator-1 to Loop-12, a weight-decay sweep on the same grid). Every run reads the first
+unique_tokens tokens of the train split for `epochs` epochs (train.py --unique_tokens); the Operator-1
+family (the [X] code's Operator-1 recipe, K = passes of its tied core) at each stored depth and each
+weight decay of a grid (matrices, embedding and lm head alike, as the [X] code), first seed; then every
+other seed at each depth's best weight decay for the K in seeded_passes (K = 1 and the largest: the two
+ends the answer compares; the others are judged against the pooled seed spread). The global LR (matrix
+LR, the embedding and lm head keeping [X]'s ratios to it) comes from a sweep at K = 1 and the first depth,
+carried to every K unchanged ([X] D.3: a tied core's optima move little with K) and across depths by
+[X16] with the [X] code's Operator-1 beta (-0.6: 0.0554 at d6 to 0.04 at d8). x-cpu-repeat's design,
+fixed before its run: U = 100k byte tokens x 10 epochs (1.0M tokens per run) makes stored parameters
+per bit of unique text (about 2.2 bits per byte token) span 0.30 (d3) .. 1.9 (d6), inside [X]'s range
+(120M..1.4B parameters on 100M GPT-2 tokens of ~4.8 bits: 0.25 .. 2.9), so the largest sizes can
+memorise the corpus and the smallest cannot; TPP 1.3..21 (the [X] grid: 0.7..8). Weight decays 0.4..3.2
+(2x apart: [X] picked 0.4..1.6 over its sizes with ~4x our steps; the decay per step is lr x wd). Budget:
+82 runs, 1.75e14 FLOPs, about 57 min on 2 workers at the 2.0-2.8e10 FLOP/s per worker x-cpu-mini ran at
+(at most 75 min). The report: the WD grid, each K's frontier at its best WD per size, the best K per
+budget with seed-bootstrap agreement, whether it grows with compute, the compute at which K >= 2 reaches
+the best WD-tuned K = 1 loss ([X]: 1/2.2 of it), and a regression of log WD* on log stored parameters and
+log executed layers ([X]: WD* follows stored parameters).
+
 Presets (python ladder.py --list prints each with its runs and planned compute):
   smelt-micro / x-micro     seconds; tests/test_ladder.py runs them end to end. Numbers mean nothing.
   smelt-cpu-mini, x-cpu-mini   the miniatures above, two CPU workers (1 thread each), about an hour each.
+  x-repeat-micro / x-cpu-repeat   the data-constrained ladder: seconds (tests) / about an hour.
   smelt-gpu-1node/2node,    sized for one / two 8-GPU nodes (documented, not run here); they read
   x-gpu-1node/2node         data/cache/fineweb_gpt2 (prepare it with data/prepare.py), see GPU_DATA.
 
@@ -120,6 +142,15 @@ X_MODEL = dict(norm_gain=False, qk_norm=True, embed_norm=True, init="x")
 #   python data/prepare.py --hf HuggingFaceFW/fineweb-edu --hf_config sample-10BT --tokenizer gpt2 \
 #       --val_tokens 10000000 --workers 16 --out data/cache/fineweb_gpt2   (docs/data.md; the x_d8 configs' folder)
 GPU_DATA = "data/cache/fineweb_gpt2"
+# [X] Operator-1's recipe (the [X] code's ladder_scripts/operator_1.sh, config/x_d8_operator1.py): prelude-core-
+# coda with the boundary operator before every core pass and the coda, a tied core (K passes = Loop-K)
+X_OPERATOR1 = dict(X_MODEL, layout="pcc", boundary="both", inject_before_coda=True, tie_core=True, boundary_alpha=1.0,
+                   residual_multiplier=0.5, output_multiplier=1.0, embed_init_std=0.11313708499,
+                   uniform_init_scale=0.353553390593, document_mask=False)
+X_OPERATOR1_TRAIN = dict(optimizer="muon", muon_variant="x", grad_clip=0.0, adam_betas=[0.8, 0.98], adam_eps=1e-10,
+                         warmup_steps=0, decay_fraction=0.8, decay_shape="linear", min_lr_fraction=0.0)
+# [X]'s global LR: the embedding and lm head LRs keep their ratio to the matrix LR (d8: 0.0362 / 0.0032 to 0.04)
+X_GLR_TIED = dict(embedding_lr=0.905096679919, unembedding_lr=0.08)
 X_ARCHS = ("vanilla", "operator-1", "loop-2", "untied-2", "loop-grow", "untied-grow")
 SEEDS = [1337, 1338, 1339]  # the reference architecture runs all; the others the first
 
@@ -184,6 +215,26 @@ PRESETS = {
         mlp_multiple=32, archs=X_ARCHS, tpp=10, grow_to=4, rewarm_fraction=0.05,
         train=dict(optimizer="muon", batch_size=16, warmup_fraction=0.05, decay_fraction=0.3, eval_tokens=1 << 15),
         seeds=SEEDS, lr_sweep=dict(key="matrix_lr", values=[0.01, 0.02, 0.04]), seed=1337, threads=1, workers=2),
+    # ---- [X] data-constrained: a few unique tokens read for many epochs (kind "repeat")
+    "x-repeat-micro": dict(
+        kind="repeat", about="pipeline check in seconds (tests); the numbers mean nothing",
+        data=dict(tokenizer="gpt2-257"),
+        model=dict(BYTES | X_OPERATOR1, block_size=32), depths=[3, 4], width_per_depth=8, head_dim=8, mlp_multiple=8,
+        passes=[1, 2], unique_tokens=2000, epochs=2,
+        train=dict(X_OPERATOR1_TRAIN, batch_size=4, muon_momentum_warmup=2, eval_tokens=512),
+        lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04], extend=0, tied=X_GLR_TIED, weight_decay=0.2),
+        lr_scaling_beta=-0.6, weight_decays=[0.1, 0.4], seeds=SEEDS[:2], seeded_passes=[1, 2], seed=1337,
+        bootstrap=50, threads=1),
+    "x-cpu-repeat": dict(
+        kind="repeat", about="[X] data-constrained in miniature: the Operator-1 family K 1..4 x depths 3..6, "
+                             "100k unique tokens x 10 epochs, a WD grid at every point, 3 seeds at K 1 and 4",
+        data=dict(tokenizer="gpt2-257"),
+        model=dict(BYTES | X_OPERATOR1, block_size=128), depths=[3, 4, 5, 6], width_per_depth=12, head_dim=12,
+        mlp_multiple=32, passes=[1, 2, 3, 4], unique_tokens=100_000, epochs=10,
+        train=dict(X_OPERATOR1_TRAIN, batch_size=16, muon_momentum_warmup=75, eval_tokens=1 << 15),
+        lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04, 0.08], tied=X_GLR_TIED, weight_decay=0.8),
+        lr_scaling_beta=-0.6, weight_decays=[0.4, 0.8, 1.6, 3.2], seeds=SEEDS, seeded_passes=[1, 4], seed=1337,
+        bootstrap=400, threads=1, workers=2),
     "x-gpu-1node": dict(
         kind="x", about="one 8-GPU node (documented, not run): the paper's width 128 x depth, d6..d10",
         model=dict(dict(vocab_size=50304, eot_token=50256) | X_MODEL, block_size=2048), depths=[6, 7, 8, 9, 10],
@@ -1283,6 +1334,278 @@ def _band(band, i):
 
 
 # ----------------------------------------------------------------------------------------------------
+# [X] data-constrained ladders (kind "repeat"): U unique tokens read for `epochs` epochs by every run
+
+
+def repeat_config(preset, passes, depth):
+    """The Operator-1 family at one stored depth: Operator-1 (K = 1) or Loop-K (its core run K times, tied)."""
+    cfg, _ = x_config(preset, "operator-1", depth)
+    return ModelConfig.from_dict(dict(model_settings(cfg), n_passes=passes))
+
+
+def repeat_spec(preset, data, passes, depth, wd, lr, seed, role, world=None):
+    """One run: `epochs` x unique_tokens tokens (whole steps), weight decay wd on every matrix, the
+    embedding and the lm head ([X] code); the global LR lr at the first depth, carried to the others by
+    [X16] with the preset's beta (N = stored parameters, the first depth's as anchor)."""
+    cfg = repeat_config(preset, passes, depth)
+    step_tokens = tokens_per_step(preset, world)
+    steps = max(4, math.ceil(preset["epochs"] * preset["unique_tokens"] / step_tokens))
+    sweep = preset["lr_sweep"]
+    anchor = grow.stored_params(repeat_config(preset, 1, preset["depths"][0]))
+    settings = dict(preset["train"], **model_settings(cfg), max_steps=steps, eval_interval=steps, seed=seed,
+                    unique_tokens=preset["unique_tokens"], weight_decay=wd, embedding_weight_decay=wd,
+                    unembedding_weight_decay=wd, lr_anchor_params=anchor, lr_scaling_beta=preset["lr_scaling_beta"],
+                    **{sweep["key"]: lr}, **{k: float(f"{lr * r:.12g}") for k, r in sweep.get("tied", {}).items()})
+    acc = match.accounting(cfg)
+    n_s = acc["params_stored"]
+    meta = dict(depth=depth, width=cfg.n_embd, passes=passes, wd=wd, lr=lr, seed=seed, N=compute_active(cfg), N_s=n_s,
+                executed_layers=acc["executed_layers"], tokens=steps * step_tokens, F=train.flops_per_token(cfg),
+                lr_scaled=lr * train.lr_scaling(n_s, anchor, preset["lr_scaling_beta"]),
+                epochs=steps * step_tokens / preset["unique_tokens"])
+    run_id = f"k{passes}-d{depth}-wd{wd:g}-{sweep['key']}{lr:g}-s{seed}"
+    return RunSpec(run_id, f"k{passes}", f"d{depth}", role, settings, meta)
+
+
+def repeat_specs(preset, data, lrs=None, world=None):
+    """Without lrs: the LR sweep (K = 1 at the first depth, the sweep's weight decay, each value); with
+    lrs ({"k1": value}): the grid, every K x depth x weight decay, first seed."""
+    seed = preset["seeds"][0]
+    if lrs is None:
+        key, values = sweep_values(preset)
+        return [repeat_spec(preset, data, 1, preset["depths"][0], preset["lr_sweep"]["weight_decay"], v, seed, "sweep",
+                            world) for v in values]
+    return [repeat_spec(preset, data, k, d, wd, lrs["k1"], seed, "run", world)
+            for k in preset["passes"] for d in preset["depths"] for wd in preset["weight_decays"]]
+
+
+def repeat_seed_specs(preset, data, lrs, results, world=None):
+    """Every seed but the first, for each K in seeded_passes at every depth, at the weight decay that K's
+    first-seed grid runs found best there (None while those runs are missing). results=None: the plan,
+    at the middle weight decay (a run's budget does not depend on it)."""
+    grid = repeat_specs(preset, data, lrs, world)
+    specs = []
+    for k in preset["seeded_passes"]:
+        for d in preset["depths"]:
+            points = [s for s in grid if s.meta["passes"] == k and s.meta["depth"] == d]
+            if results is None:
+                wd = preset["weight_decays"][len(preset["weight_decays"]) // 2]
+            elif any(results.get(s.run_id) is None for s in points):
+                return None
+            else:
+                wd = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta["wd"]
+            specs += [repeat_spec(preset, data, k, d, wd, lrs["k1"], seed, "seed", world) for seed in preset["seeds"][1:]]
+    return specs
+
+
+def repeat_rows(results, roles):
+    """runs.csv rows of a repeat ladder (roles: {run_id: the role the ladder gives it})."""
+    rows = []
+    for r in results:
+        m = r["meta"]
+        rows.append(dict(K=m["passes"], depth=m["depth"], width=m["width"], wd=m["wd"], seed=m["seed"],
+                         role=roles.get(r["run_id"], r["role"]), C=r["flops"], D=r["tokens"], F=m["F"], N=m["N"],
+                         N_s=m["N_s"], executed=m["executed_layers"], epochs=m["epochs"], lr=m["lr_scaled"],
+                         loss=r["val_loss"], train_loss=r.get("final_train_loss"), run_id=r["run_id"],
+                         seconds=r["seconds"]))
+    return rows
+
+
+def interpolated_optimum(xs, losses):
+    """(x*, edge): the minimiser of a parabola in log x through the best grid point and its two
+    neighbours (the grid point itself when it is at an edge of the grid: edge -1 / +1, else 0)."""
+    order = np.argsort(xs)
+    x, y = np.log(np.asarray(xs, dtype=float)[order]), np.asarray(losses, dtype=float)[order]
+    i = int(np.argmin(y))
+    if i in (0, len(x) - 1):
+        return float(np.exp(x[i])), (-1 if i == 0 else 1) if len(x) > 1 else 0
+    a, b, _ = np.polyfit(x[i - 1:i + 2], y[i - 1:i + 2], 2)
+    return float(np.exp(-b / (2 * a))), 0
+
+
+def envelope(points, budget):
+    """The best loss a family reaches with at most `budget` FLOPs: its points (C, L) (one per stored
+    size), log-C linear between neighbouring sizes; inf below its smallest compute."""
+    C, L = (np.array(v, dtype=float) for v in zip(*sorted(points)))
+    best = np.min(L[C <= budget * (1 + 1e-9)], initial=np.inf)
+    if C[0] <= budget <= C[-1] and len(C) > 1:
+        best = min(best, float(np.interp(np.log(budget), np.log(C), L)))
+    return best
+
+
+def reach_compute(points, target):
+    """The least compute at which a family's envelope reaches loss <= target (log-C linear between
+    neighbouring sizes), or nan when it never does."""
+    pts = sorted(points)
+    if pts[0][1] <= target:
+        return pts[0][0]
+    for (c0, l0), (c1, l1) in zip(pts, pts[1:]):
+        if l1 <= target < l0:
+            return float(np.exp(np.log(c0) + (target - l0) / (l1 - l0) * (np.log(c1) - np.log(c0))))
+        if min(l0, l1) <= target:
+            return c1
+    return float("nan")
+
+
+def repeat_analysis(frontier, budgets):
+    """frontier: {K: [(C, L)] at the best weight decay of each stored size} -> (best K per budget,
+    L* and C* of K = 1's best point, the least compute at which a K >= 2 family reaches L*)."""
+    best = []
+    for b in budgets:
+        env = {k: envelope(p, b) for k, p in frontier.items()}
+        k = min(env, key=env.get)
+        best.append(k if np.isfinite(env[k]) else None)
+    c_star, l_star = min(frontier[1], key=lambda p: p[1])
+    reach = [reach_compute(p, l_star) for k, p in frontier.items() if k > 1]
+    reach = [r for r in reach if np.isfinite(r)]
+    return best, l_star, c_star, (min(reach) if reach else float("nan"))
+
+
+def wd_regression(cells):
+    """log WD* = a + b log N_s + c log executed layers over (N_s, executed, WD*) cells -> (b, c, their
+    standard errors), None when the cells cannot separate the two (fewer than 4, or collinear)."""
+    if len(cells) < 4:
+        return None
+    X = np.array([[1.0, np.log(n), np.log(e)] for n, e, _ in cells])
+    y = np.log([w for *_, w in cells])
+    coef, _, rank, _ = np.linalg.lstsq(X, y, rcond=None)
+    if rank < 3:
+        return None
+    dof = len(y) - 3
+    resid = y - X @ coef
+    s2 = float(resid @ resid) / dof if dof > 0 else float("nan")
+    se = np.sqrt(np.diag(s2 * np.linalg.inv(X.T @ X)))
+    return float(coef[1]), float(coef[2]), float(se[1]), float(se[2])
+
+
+def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
+    """The data-constrained ladder's report -> (text, dict, figure data): the weight-decay grid, each K's
+    frontier at its best weight decay per stored size (seed means and spread), the best K per budget and
+    whether it grows with compute, the compute at which looping reaches the best WD-tuned K = 1 loss, and
+    whether the best weight decay follows stored parameters or executed depth; bands from a seed bootstrap."""
+    U, epochs = preset["unique_tokens"], preset["epochs"]
+    lines = [f"== {preset['name']}: [X] data-constrained: {U:,} unique tokens x {epochs} epochs per run, the Operator-1 "
+             f"family (K = passes of a tied core) at width {preset['width_per_depth']} x stored depth"]
+    out = {"preset": preset["name"], "points": rows}
+    if sweep:
+        lines += sweep[0]
+        out["lr_sweep"] = sweep[1]
+        lines.append(f"  the carried LR scales by [X16] with beta {preset['lr_scaling_beta']:g} (the [X] code's Operator-1 "
+                     f"ladder) from d{preset['depths'][0]}; embedding / lm head LRs keep [X]'s ratios to it")
+    first = [r for r in rows if r["role"] != "seed" and r["seed"] == preset["seeds"][0]]
+    Ks, depths = sorted({r["K"] for r in first}), sorted({r["depth"] for r in first})
+    wds = sorted({r["wd"] for r in first})
+    if not first:
+        lines.append("no finished runs yet")
+        return "\n".join(lines), out, None
+    lines.append(f"epochs read {min(r['epochs'] for r in rows):.2f}..{max(r['epochs'] for r in rows):.2f}; tokens per "
+                 f"run {rows[0]['D']:,}; training FLOPs {min(r['C'] for r in rows):.3g}..{max(r['C'] for r in rows):.3g}")
+    grid = {(r["K"], r["depth"], r["wd"]): r for r in first}
+    lines.append("validation loss, first seed, by weight decay (* = the best at that K and stored depth; WD* = the "
+                 "parabola's minimum in log WD, '<' / '>' = at the grid's edge)")
+    lines.append(f"  {'K':>2} {'depth':>5} {'N_s':>8} {'exec':>4} " + " ".join(f"{f'wd {w:g}':>9}" for w in wds)
+                 + f" {'WD*':>8} {'train':>7} {'gap':>7}")
+    wd_star, best_wd = {}, {}
+    for k in Ks:
+        for d in depths:
+            cells = [grid.get((k, d, w)) for w in wds]
+            have = [(w, c["loss"]) for w, c in zip(wds, cells) if c]
+            if not have:
+                continue
+            bw = min(have, key=lambda p: p[1])[0]
+            best_wd[k, d] = bw
+            x, edge = interpolated_optimum(*zip(*have))
+            wd_star[k, d] = (x, edge)
+            ref = grid[k, d, bw]
+            gap = ref["loss"] - ref["train_loss"] if ref.get("train_loss") is not None else float("nan")
+            lines.append(f"  {k:>2} {d:>5} {ref['N_s']:>8,} {ref['executed']:>4} " +
+                         " ".join(f"{c['loss']:8.4f}{'*' if c and c['wd'] == bw else ' '}" if c else f"{'-':>9}"
+                                  for c in cells)
+                         + f" {('<' if edge < 0 else '>' if edge > 0 else '') + format(x, '.3g'):>8} "
+                           f"{ref['train_loss'] if ref.get('train_loss') is not None else float('nan'):7.4f} {gap:7.4f}")
+    lines.append("  train = the mean training loss of the run's last tenth (on the repeated data), gap = val - train "
+                 "(> 0: the run fits its unique tokens better than fresh text)")
+    # each K's frontier at its best weight decay per size, every seed of that point
+    pts = {}
+    for (k, d), w in best_wd.items():
+        reps = [r for r in rows if r["K"] == k and r["depth"] == d and r["wd"] == w]
+        pts[k, d] = (float(np.mean([r["C"] for r in reps])), [r["loss"] for r in reps])
+    spreads = [(len(v), np.std(v, ddof=1)) for _, v in pts.values() if len(v) > 1]
+    sigma = float(np.sqrt(sum((n - 1) * s ** 2 for n, s in spreads) / sum(n - 1 for n, _ in spreads))) if spreads else 0.0
+    out["seed_spread"] = dict(pooled_std=sigma, points=len(spreads))
+    lines.append(f"frontier: each K at its best weight decay per stored depth (mean over seeds; n = seeds); pooled seed "
+                 f"std {sigma:.4f} nats over {len(spreads)} points with several seeds")
+    lines.append(f"  {'K':>2} " + " ".join(f"{f'd{d} C':>9} {'loss':>6} {'n':>1}" for d in depths))
+    for k in Ks:
+        cells = []
+        for d in depths:
+            c = pts.get((k, d))
+            cells.append(f"{c[0]:9.3g} {np.mean(c[1]):6.4f} {len(c[1])}" if c else f"{'-':>18}")
+        lines.append(f"  {k:>2} " + " ".join(cells))
+    frontier = {k: [(pts[k, d][0], float(np.mean(pts[k, d][1]))) for d in depths if (k, d) in pts] for k in Ks}
+    out["frontier"] = {str(k): v for k, v in frontier.items()}
+    if 1 not in frontier or len(frontier) < 2:
+        lines.append("the comparison needs K = 1 and another K: nothing to compare yet")
+        return "\n".join(lines), out, None
+    allC = [c for p in frontier.values() for c, _ in p]
+    budgets = np.geomspace(min(allC), max(allC), 9)
+    best, l_star, c_star, reach = repeat_analysis(frontier, budgets)
+    # seed bootstrap: resample the seeds of every point that has several; move the others by N(0, sigma^2)
+    rng = np.random.default_rng(seed)
+    draws_best, draws_ratio = [], []
+    for _ in range(n_boot):
+        f = {k: [] for k in Ks}
+        for (k, d), (c, losses) in sorted(pts.items()):
+            v = np.asarray(losses)
+            mean = float(np.mean(v[rng.integers(len(v), size=len(v))])) if len(v) > 1 else \
+                float(v[0] + sigma * rng.standard_normal())
+            f[k].append((c, mean))
+        b, _, cs, re = repeat_analysis({k: v for k, v in f.items() if v}, budgets)
+        draws_best.append(b)
+        draws_ratio.append(cs / re)
+    lines.append("best K per training budget (the lowest loss any size of that K reaches with at most that compute; "
+                 f"share of {n_boot} seed-bootstrap draws that agree)")
+    share = [np.mean([db[i] == best[i] for db in draws_best]) if n_boot else float("nan") for i in range(len(budgets))]
+    lines.append("  budget  " + " ".join(f"{b:>8.3g}" for b in budgets))
+    lines.append("  best K  " + " ".join(f"{'-' if k is None else k:>8}" for k in best))
+    lines.append("  agree   " + " ".join(f"{s:>8.2f}" for s in share))
+    defined = [k for k in best if k is not None]
+    grows = defined[-1] > defined[0]
+    grow_share = np.mean([[k for k in db if k is not None][-1] > [k for k in db if k is not None][0]
+                          for db in draws_best]) if n_boot else float("nan")
+    lines.append(f"  the best K {'grows' if grows else 'does not grow'} with compute: {defined[0]} at the smallest budget, "
+                 f"{defined[-1]} at the largest (it grows in {grow_share:.2f} of the draws)")
+    ratio = c_star / reach
+    lo, hi = (np.nanpercentile(draws_ratio, [2.5, 97.5]) if n_boot and np.isfinite(draws_ratio).any()
+              else (float("nan"), float("nan")))
+    reached = np.mean(np.isfinite(draws_ratio)) if n_boot else float("nan")
+    lines.append(f"best WD-tuned K = 1 loss L* = {l_star:.4f} at C = {c_star:.3g}; looping (K >= 2, WD-tuned per size) "
+                 + (f"reaches it at C = {reach:.3g}: {ratio:.2f}x less compute [95% band {_fmt(lo, '.2f')}, "
+                    f"{_fmt(hi, '.2f')}; reached in {reached:.2f} of the draws] ([X]: 2.2x)"
+                    if np.isfinite(reach) else "never reaches it in the measured range"))
+    out.update(budgets=budgets, best_K=best, best_K_agree=share, best_K_grows=grows, best_K_grows_share=grow_share,
+               L_star=l_star, C_star=c_star, loop_reach_C=reach, loop_compute_ratio=ratio, loop_ratio_band=[lo, hi])
+    # the best weight decay: stored parameters or executed depth?
+    inside = [(grid[k, d, best_wd[k, d]]["N_s"], grid[k, d, best_wd[k, d]]["executed"], wd_star[k, d][0])
+              for k, d in wd_star if wd_star[k, d][1] == 0]
+    reg = wd_regression(inside)
+    lines.append(f"best weight decay: log WD* = a + b log N_s + c log executed layers over the {len(inside)} (K, depth) "
+                 f"points whose optimum is inside the grid ({len(wd_star) - len(inside)} at an edge left out)")
+    if reg is None:
+        lines.append("  too few points inside the grid (or stored and executed depth not separable): undecided")
+    else:
+        b, c, sb, sc = reg
+        lines.append(f"  b (stored) = {b:.2f} +- {sb:.2f}, c (executed) = {c:.2f} +- {sc:.2f} ([X]: WD* follows stored "
+                     "parameters: b > 0, c ~ 0)")
+        out["wd_regression"] = dict(b_stored=b, c_executed=c, b_se=sb, c_se=sc, points=len(inside))
+    lines.append("  WD* by K (rows) and stored depth (columns): " + "; ".join(
+        f"K={k}: " + " ".join(f"{('<' if wd_star[k, d][1] < 0 else '>' if wd_star[k, d][1] > 0 else '')}"
+                              f"{wd_star[k, d][0]:.3g}" if (k, d) in wd_star else "-" for d in depths) for k in Ks))
+    out["wd_star"] = {f"K{k}-d{d}": dict(wd=v[0], edge=v[1]) for (k, d), v in wd_star.items()}
+    figures = dict(frontier=frontier, pts=pts, l_star=l_star, grid=grid, Ks=Ks, depths=depths, wds=wds, wd_star=wd_star)
+    return "\n".join(lines), out, figures
+
+
+# ----------------------------------------------------------------------------------------------------
 # The plan, the whole ladder
 
 
@@ -1295,13 +1618,13 @@ def build(preset, data=None, lrs=None, world=None):
     if preset["kind"] == "smelt":
         cells = smelt_cells(preset)
         specs = smelt_specs(preset, cells, data, lrs, world)
-    elif preset["kind"] == "x":
+    elif preset["kind"] in ("x", "repeat"):
         cells = None
-        specs = x_specs(preset, data, lrs, world)
+        specs = (x_specs if preset["kind"] == "x" else repeat_specs)(preset, data, lrs, world)
     else:
         raise ValueError(f"preset {preset['name']}: unknown kind {preset['kind']!r}")
     for s in specs:  # epochs of the stable region read (a branch: by its stable part; its decay reads < 1)
-        if data.stable_tokens:
+        if data.stable_tokens and "epochs" not in s.meta:  # (a repeat ladder's runs: epochs of their unique tokens)
             read = s.meta["branch_step"] * tokens_per_step(preset, world) if s.role == "branch" else s.meta["tokens"]
             s.meta["epochs"] = read / data.stable_tokens
     return specs, cells
@@ -1315,8 +1638,11 @@ def full_plan(preset, data=None, world=None):
     if preset.get("lr_sweep") is None:
         return sweep, cells
     key, values = sweep_values(preset)
-    archs = preset["archs"] if preset["kind"] == "x" else ("baseline", "smelt")
-    rest, _ = build(preset, data, lrs={a: values[len(values) // 2] for a in archs}, world=world)
+    archs = preset["archs"] if preset["kind"] == "x" else ("baseline", "smelt") if preset["kind"] == "smelt" else ("k1",)
+    lrs = {a: values[len(values) // 2] for a in archs}
+    rest, _ = build(preset, data, lrs=lrs, world=world)
+    if preset["kind"] == "repeat":  # the extra seeds at the middle weight decay (their budget does not depend on it)
+        rest += repeat_seed_specs(preset, data, lrs, None, world)
     ids = {s.run_id for s in sweep}
     return sweep + [s for s in rest if s.run_id not in ids], cells
 
@@ -1405,6 +1731,10 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
     else:
         specs, _ = build(preset, data, lrs)
         results.update(run([s for s in specs if s.run_id not in results or results[s.run_id] is None]))
+        if preset["kind"] == "repeat":  # then the extra seeds at each point's best weight decay
+            seeds = repeat_seed_specs(preset, data, lrs, results) or []
+            results.update(run(seeds))
+            specs += seeds
         if preset.get("lr_sweep"):
             sweep = sweep_table(preset, results, sweep_specs, lrs)
     if not _is_master():
@@ -1412,6 +1742,8 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
     finished = [results[s.run_id] for s in specs if results.get(s.run_id)]
     if preset["kind"] == "smelt":
         rows = smelt_rows(finished)
+    elif preset["kind"] == "repeat":
+        rows = repeat_rows(finished, {s.run_id: s.role for s in specs})
     else:
         rows = x_rows([r for r in finished if r["role"] in ("run", "sweep")])
     text, report, figures = report_from_rows(preset, rows, cells, sweep, lrs, bootstrap, progress)
@@ -1440,6 +1772,8 @@ def report_from_rows(preset, rows, cells, sweep, lrs, bootstrap=None, progress=T
     n_boot = preset.get("bootstrap", 0) if bootstrap is None else bootstrap
     if preset["kind"] == "smelt":
         return smelt_report(preset, cells, rows, n_boot, seed=preset["seed"], progress=progress, sweep=sweep)
+    if preset["kind"] == "repeat":
+        return repeat_report(preset, rows, sweep, n_boot=n_boot, seed=preset["seed"])
     return x_report(preset, rows, sweep, n_boot=min(n_boot or 400, 400), lrs=lrs)
 
 
@@ -1487,6 +1821,8 @@ def make_plots(preset, out_dir, figures, specs, results, prefix=""):
 
     def path(name):
         return os.path.join(out_dir, prefix + name)
+    if preset["kind"] == "repeat":
+        return repeat_plots(preset, figures, path)
     if preset["kind"] == "x":
         f = figures
         if plots.plot_loss_vs_compute(f["runs"], f["fits"], path("loss_vs_compute.png"),
@@ -1514,6 +1850,21 @@ def make_plots(preset, out_dir, figures, specs, results, prefix=""):
                                          title=f"{preset['name']}: validation loss of the stable runs and their "
                                                "decay branches (first seed, largest scale)"):
         written.append(path("decay_branches.png"))
+    return written
+
+
+def repeat_plots(preset, f, path):
+    """A repeat ladder's figures: each K's frontier (loss vs compute at its best weight decay per size) and
+    the weight-decay curves at every stored depth."""
+    written = []
+    if plots.plot_repeat_frontier(f["frontier"], f["pts"], f["l_star"], path("frontier.png"),
+                                  title=f"{preset['name']}: each K at its best weight decay per stored size"):
+        written.append(path("frontier.png"))
+    curves = {f"K={k}": {d: [(w, f["grid"][k, d, w]["loss"]) for w in f["wds"] if (k, d, w) in f["grid"]]
+                         for d in f["depths"]} for k in f["Ks"]}
+    if plots.plot_wd_curves(curves, path("weight_decay.png"),
+                            title=f"{preset['name']}: validation loss vs weight decay (first seed)"):
+        written.append(path("weight_decay.png"))
     return written
 
 

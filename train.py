@@ -62,6 +62,8 @@ class TrainConfig:
     # data
     data_dir: str = ""  # a data/prepare.py folder; "" -> the embedded corpus (prepared on first use)
     branch_data_fraction: float = 0.1  # tail of the train split held back for decay branches
+    unique_tokens: int = 0  # > 0: train on the first this many tokens of the split only, reread for as many
+    #   epochs as the run needs ([X] data-constrained: 100M unique tokens x 10 epochs); 0 -> all of it
     seed: int = 1337  # model init, data order, random passes
     # batch: one optimizer step reads batch_size * grad_accum * world_size sequences of block_size tokens
     batch_size: int = 16  # sequences per micro-batch per process
@@ -138,7 +140,7 @@ HELP_GROUPS = {title: keys.split() for title, keys in {  # --help shows these fi
     "boundary_alpha block_size optimizer matrix_lr embedding_lr unembedding_lr weight_decay warmup_steps "
     "decay_fraction max_steps batch_size grad_accum data_dir out_dir run_name eval_interval seed",
     "growth, random passes, decay branches, LR scaling": "grow_at grow_to grow_untie grow_rewarm_steps "
-    "n_passes_choices init_from decay_branch decay_tokens branch_data_fraction save_steps max_tokens "
+    "n_passes_choices init_from decay_branch decay_tokens branch_data_fraction unique_tokens save_steps max_tokens "
     "lr_anchor_params lr_scaling_beta",
     "distributed and precision": "global_batch device dtype parallel reshard_after_forward activation_checkpointing "
     "collective_timeout_s",
@@ -406,7 +408,8 @@ def train(overrides=None):
     with run.hold(config.resume and source, config.overwrite), run.on_interrupt(lambda: state.step if state else 0):
         data = open_data(config.data_dir, model_config, world, rank == 0)
         tokenizer = data_tokenizer(data.meta, data.data_dir, model_config)  # checked now, sampled with at the end
-        stream = data.stream(model_config.block_size, config.seed, config.branch_data_fraction, config.decay_branch)
+        stream = data.stream(model_config.block_size, config.seed, config.branch_data_fraction, config.decay_branch,
+                             config.unique_tokens)
         model, optimizers, state = build_model(config, model_config, source, device, world, stream.name, use_bf16)
         wrapped = distributed.wrap(model, device, world, config.parallel, config.compile)
         seqs_per_step = config.batch_size * config.grad_accum * world

@@ -100,12 +100,19 @@ class Data:
         """sha256 of the inputs and settings the folder was prepared from (meta.json), or None."""
         return self.meta.get("fingerprint")
 
-    def stream(self, seq_len, seed, branch_data_fraction, branch=False):
-        """The training windows: the stable region, or (a decay branch) the held-back tail."""
+    def stream(self, seq_len, seed, branch_data_fraction, branch=False, unique_tokens=0):
+        """The training windows: the stable region, or (a decay branch) the held-back tail; unique_tokens > 0:
+        only the region's first unique_tokens tokens (a run longer than they are rereads them)."""
         n = len(self.train_tokens)
         shard_sizes = [s["tokens"] for s in self.meta.get("shards", {}).get("train", [])] or [n]
         split = held_back_start(shard_sizes, branch_data_fraction)
         start, stop, name = (split, n, "branch") if branch else (0, split, "stable")
+        if unique_tokens:
+            if not seq_len + 1 <= unique_tokens <= stop - start:
+                raise ValueError(f"unique_tokens={unique_tokens:,}: must be in [block_size + 1, {stop - start:,}] "
+                                 f"(the {name} region of {self.data_dir or 'the embedded corpus'} holds "
+                                 f"{stop - start:,} tokens)")
+            stop = start + unique_tokens
         stream = TokenStream(self.train_tokens, seq_len, seed, start, stop, name)
         stream.fingerprint = self.fingerprint
         return stream

@@ -43,7 +43,7 @@ def check_train_config(c):
         bad(c, "max_steps", "must be >= 1 (or set max_tokens > 0)")
     for name in ("max_tokens", "stop_at_step", "warmup_steps", "grad_clip", "weight_decay", "decay_tokens",
                  "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len", "lr_anchor_params", "embedding_weight_decay",
-                 "unembedding_weight_decay", "muon_momentum_warmup", "global_batch", "seed"):
+                 "unembedding_weight_decay", "muon_momentum_warmup", "global_batch", "seed", "unique_tokens"):
         if getattr(c, name) < 0:
             bad(c, name, "must be >= 0")
     if c.seed >= 2 ** 63:

@@ -278,6 +278,52 @@ def plot_surface_frontiers(frontiers, sparsities, path, C_range=(1e18, 1e23), ti
     return _figure(path, draw)
 
 
+def plot_repeat_frontier(frontier, points, l_star, path, title=None):
+    """A data-constrained ladder: loss vs training compute for each K (passes), one point per stored
+    size at its best weight decay (error bar: the seed std where there are several seeds), lines
+    joining the sizes, and the best K = 1 loss as a horizontal line. frontier: {K: [(C, mean loss)]};
+    points: {(K, depth): (C, [loss per seed])}. Returns True when written, False without matplotlib."""
+    colours = _colours(sorted(frontier))
+
+    def draw(fig, ax):
+        for k in sorted(frontier):
+            C, L = (np.array(v, dtype=float) for v in zip(*sorted(frontier[k])))
+            ax.plot(C, L, "-", lw=1.2, color=colours[k], label=f"K={k}")
+            for (kk, _), (c, losses) in points.items():
+                if kk == k:
+                    err = np.std(losses, ddof=1) if len(losses) > 1 else 0.0
+                    ax.errorbar([c], [np.mean(losses)], yerr=[err], fmt="o", ms=4, color=colours[k], capsize=2)
+        ax.axhline(l_star, color="0.5", ls="--", lw=1, label=f"best K=1 loss {l_star:.4f}")
+        ax.set_xscale("log")
+        ax.set_xlabel("training compute C (FLOPs)")
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_title(title or "loss vs compute per K", fontsize=10)
+        _legend(ax, fontsize=7)
+    return _figure(path, draw)
+
+
+def plot_wd_curves(curves, path, title=None):
+    """Validation loss vs weight decay, one panel per group (e.g. K), a line per member (e.g. stored
+    depth). curves: {group: {member: [(wd, loss)]}}. Returns True when written, False without matplotlib."""
+    groups = list(curves)
+
+    def draw(fig, axes):
+        axes = np.atleast_1d(axes)
+        for ax, g in zip(axes, groups):
+            colours = _colours(curves[g])
+            for m, pts in curves[g].items():
+                if pts:
+                    w, L = (np.array(v, dtype=float) for v in zip(*sorted(pts)))
+                    ax.plot(w, L, "o-", ms=3, lw=1, color=colours[m], label=f"d{m}")
+            ax.set_xscale("log")
+            ax.set_xlabel("weight decay")
+            ax.set_title(str(g), fontsize=9)
+        axes[0].set_ylabel("validation loss (nats/token)")
+        _legend(axes[0], fontsize=7)
+        fig.suptitle(title or "loss vs weight decay", fontsize=10)
+    return _figure(path, draw, ncols=len(groups), figsize=(3 * len(groups), 3.5))
+
+
 # -----------------------------------------------------------------------------
 # Making and writing a figure
 
