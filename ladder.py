@@ -68,7 +68,10 @@ fixed before its run: U = 100k byte tokens x 10 epochs (1.0M tokens per run) mak
 per bit of unique text (about 2.2 bits per byte token) span 0.30 (d3) .. 1.9 (d6), inside [X]'s range
 (120M..1.4B parameters on 100M GPT-2 tokens of ~4.8 bits: 0.25 .. 2.9), so the largest sizes can
 memorise the corpus and the smallest cannot; TPP 1.3..21 (the [X] grid: 0.7..8). Weight decays 0.4..3.2
-(2x apart: [X] picked 0.4..1.6 over its sizes with ~4x our steps; the decay per step is lr x wd). Budget:
+(2x apart: [X] picked 0.4..1.6 over its sizes with ~4x our steps; the decay per step is lr x wd); a point
+whose best weight decay is at an edge of what it tried also runs the next value beyond (at most wd_extend
+= 2 steps), as the LR sweep does (this bracketing rule was added while the run was under way, when the
+first d3 results put K = 1's best at the grid's lower edge; no finished run changed). Budget:
 82 runs, 1.75e14 FLOPs, about 57 min on 2 workers at the 2.0-2.8e10 FLOP/s per worker x-cpu-mini ran at
 (at most 75 min). The report: the WD grid, each K's frontier at its best WD per size, the best K per
 budget with seed-bootstrap agreement, whether it grows with compute, the compute at which K >= 2 reaches
@@ -223,7 +226,7 @@ PRESETS = {
         passes=[1, 2], unique_tokens=2000, epochs=2,
         train=dict(X_OPERATOR1_TRAIN, batch_size=4, muon_momentum_warmup=2, eval_tokens=512),
         lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04], extend=0, tied=X_GLR_TIED, weight_decay=0.2),
-        lr_scaling_beta=-0.6, weight_decays=[0.1, 0.4], seeds=SEEDS[:2], seeded_passes=[1, 2], seed=1337,
+        lr_scaling_beta=-0.6, weight_decays=[0.1, 0.4], wd_extend=1, seeds=SEEDS[:2], seeded_passes=[1, 2], seed=1337,
         bootstrap=50, threads=1),
     "x-cpu-repeat": dict(
         kind="repeat", about="[X] data-constrained in miniature: the Operator-1 family K 1..4 x depths 3..6, "
@@ -1378,11 +1381,49 @@ def repeat_specs(preset, data, lrs=None, world=None):
             for k in preset["passes"] for d in preset["depths"] for wd in preset["weight_decays"]]
 
 
+def repeat_grid(preset, data, lrs, results, world=None):
+    """The grid and its weight-decay extensions: while a (K, depth)'s best first-seed weight decay is at an
+    edge of the values it tried, the next value beyond that edge (the grid's ratio) runs too, at most
+    wd_extend (2) steps beyond the grid on either side -> (specs, complete: every run finished and no
+    extension pending)."""
+    specs = repeat_specs(preset, data, lrs, world)
+    wds = preset["weight_decays"]
+    ratio, limit = wds[1] / wds[0], preset.get("wd_extend", 2)
+    while True:
+        extra, pending = [], False
+        for k in preset["passes"]:
+            for d in preset["depths"]:
+                points = [s for s in specs if s.meta["passes"] == k and s.meta["depth"] == d]
+                if any(results.get(s.run_id) is None for s in points):
+                    pending = True
+                    continue
+                tried = sorted(s.meta["wd"] for s in points)
+                best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta["wd"]
+                if best == tried[0] and best > wds[0] / ratio ** (limit - 0.5):
+                    value = best / ratio
+                elif best == tried[-1] and best < wds[-1] * ratio ** (limit - 0.5):
+                    value = best * ratio
+                else:
+                    continue
+                extra.append(repeat_spec(preset, data, k, d, float(f"{value:.12g}"), lrs["k1"], preset["seeds"][0],
+                                         "run", world))
+        specs += extra
+        if pending or any(results.get(s.run_id) is None for s in extra):
+            return specs, False
+        if not extra:
+            return specs, True
+
+
 def repeat_seed_specs(preset, data, lrs, results, world=None):
     """Every seed but the first, for each K in seeded_passes at every depth, at the weight decay that K's
-    first-seed grid runs found best there (None while those runs are missing). results=None: the plan,
-    at the middle weight decay (a run's budget does not depend on it)."""
-    grid = repeat_specs(preset, data, lrs, world)
+    first-seed runs found best there (None while those runs or an extension are missing). results=None:
+    the plan, at the middle weight decay (a run's budget does not depend on it)."""
+    if results is None:
+        grid = repeat_specs(preset, data, lrs, world)
+    else:
+        grid, complete = repeat_grid(preset, data, lrs, results, world)
+        if not complete:
+            return None
     specs = []
     for k in preset["seeded_passes"]:
         for d in preset["depths"]:
@@ -1731,7 +1772,15 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
     else:
         specs, _ = build(preset, data, lrs)
         results.update(run([s for s in specs if s.run_id not in results or results[s.run_id] is None]))
-        if preset["kind"] == "repeat":  # then the extra seeds at each point's best weight decay
+        if preset["kind"] == "repeat":  # the weight-decay extensions, then the extra seeds at each best one
+            while True:
+                specs, complete = repeat_grid(preset, data, lrs, results)
+                todo = [s for s in specs if results.get(s.run_id) is None]
+                if complete or not todo:
+                    break
+                results.update(run(todo))
+                if any(results.get(s.run_id) is None for s in todo):  # --fit-only: not trained
+                    break
             seeds = repeat_seed_specs(preset, data, lrs, results) or []
             results.update(run(seeds))
             specs += seeds
