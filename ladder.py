@@ -114,7 +114,7 @@ import threading
 import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 from tqdm import tqdm
@@ -156,6 +156,15 @@ X_OPERATOR1_TRAIN = dict(optimizer="muon", muon_variant="x", grad_clip=0.0, adam
 X_GLR_TIED = dict(embedding_lr=0.905096679919, unembedding_lr=0.08)
 X_ARCHS = ("vanilla", "operator-1", "loop-2", "untied-2", "loop-grow", "untied-grow")
 SEEDS = [1337, 1338, 1339]  # the reference architecture runs all; the others the first
+# each [X] architecture's own recipe: config/x_d8_*.py (the [X] code's ladder scripts, d8 rows)
+X_RECIPES = {"vanilla": "x_d8_vanilla", "operator-1": "x_d8_operator1", "loop-2": "x_d8_loop2", "untied-2": "x_d8_untied2",
+             "loop-grow": "x_d8_loop_grow", "untied-grow": "x_d8_untied_grow"}
+# [X] Table 9, read off the [X] code's ladder scripts: tokens per stored parameter (train-token-limit / N_s) and
+# the [X16] LR exponent (the d6 -> d8 ratio of their LRs over that of N_s)
+X_TPP_STORED = {"vanilla": 5.05, "operator-1": 6.06, "loop-2": 6.06, "untied-2": 6.06, "loop-grow": 6.6,
+                "untied-grow": 7.24}
+X_LR_BETA = {"vanilla": -0.8, "operator-1": -0.6, "loop-2": -0.6, "untied-2": -0.6, "loop-grow": -0.5,
+             "untied-grow": -0.6}
 
 SMELT_GPU_1NODE = dict(
     kind="smelt", about="one 8-GPU node (documented, not run): 4 scales x 3 sparsities, 6 branches",
@@ -185,7 +194,22 @@ PRESETS = {
                                                                             values=[2e-3, 4e-3], extend=0),
         bootstrap=20, seed=1337, threads=1),
     "smelt-cpu-mini": dict(
-        kind="smelt", about="[S] in miniature: 3 scales x 2 sparsities, 3 decay branches, 3 baseline seeds",
+        kind="smelt", about="[S] in miniature: 3 scales varying depth and width (F spans 10x) x 3 sparsities, "
+                            "3 decay branches, 2 baseline seeds",
+        data=dict(tokenizer="gpt2-257"),
+        model=dict(BYTES | SMELT_MODEL, head_dim=8, block_size=64),
+        # depth 2 -> 8 and width 32 -> 72 (the heads grow with the width at the top: 9 query heads on 3 KV heads)
+        scales={"L2w32": dict(n_layer=2, n_embd=32, expert_hidden=16),
+                "L4w56": dict(n_layer=4, n_embd=56, expert_hidden=28),
+                "L8w72": dict(n_layer=8, n_embd=72, expert_hidden=36, n_head=9, n_kv_head=3)},
+        cells=[(s, e) for s in ("L2w32", "L4w56", "L8w72") for e in (16, 32, 48)],
+        recipe="smelt", match_kwargs=SMELT_MATCH,
+        train=dict(optimizer="adamw", batch_size=16, warmup_steps=20, eval_tokens=1 << 15, branch_data_fraction=0.2),
+        branch_tpp=[3, 6, 12], decay_share=0.2, seeds=SEEDS[:2],
+        lr_sweep=dict(key="adamw_matrix_lr", values=[1.5e-3, 3e-3, 6e-3]),
+        bootstrap=2000, seed=1337, threads=1, workers=2),
+    "smelt-cpu-mini-v1": dict(  # the first design (its run: docs/ladder/smelt-cpu-mini-v1-*), kept to rebuild that report
+        kind="smelt", about="smelt-cpu-mini's first design: 3 scales x 2 sparsities, 3 decay branches, 3 baseline seeds",
         data=dict(tokenizer="gpt2-257"),
         model=dict(BYTES | SMELT_MODEL, head_dim=8, block_size=256),
         # compute-active non-embedding params 33k / 75k / 130k, F 5.5e5 / 8.4e5 / 1.2e6 FLOPs per token
@@ -205,13 +229,22 @@ PRESETS = {
     "x-micro": dict(
         kind="x", about="pipeline check in seconds (tests); the numbers mean nothing",
         data=dict(tokenizer="gpt2-257"),
-        model=dict(BYTES | X_MODEL, block_size=32), depths=[3, 4, 5], width_per_depth=8, head_dim=8,
-        mlp_multiple=8, archs=X_ARCHS, tpp=0.1, grow_to=4, rewarm_fraction=0.05,
-        train=dict(optimizer="muon", batch_size=4, warmup_fraction=0.1, decay_fraction=0.3, eval_tokens=512),
-        seeds=SEEDS[:2], lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04], extend=0), seed=1337,
-        threads=1),
+        model=dict(BYTES, block_size=32), depths=[3, 4, 5], width_per_depth=8, head_dim=8, mlp_multiple=8,
+        archs=X_ARCHS, recipes=True, tpp_stored={a: 0.05 + 0.01 * i for i, a in enumerate(X_ARCHS)}, lr_beta=X_LR_BETA,
+        grow_to=4, rewarm_fraction=0.05, train=dict(batch_size=4, eval_tokens=512, branch_data_fraction=0.0),
+        seeds=SEEDS[:2], seed_every_arch=True, lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04], extend=0, seeds=2),
+        multipliers="interpolated", seed=1337, threads=1),
     "x-cpu-mini": dict(
-        kind="x", about="[X] in miniature: 6 architectures x depths 3..6 at width 12 x depth, TPP 10 each, "
+        kind="x", about="[X] in miniature: 6 architectures x depths 3..6 at width 8 x depth, each with its [X] "
+                        "recipe, TPP and [X16] LR rule, no data repetition, 3 seeds each",
+        data=dict(tokenizer="gpt2-257"),
+        model=dict(BYTES, block_size=128), depths=[3, 4, 5, 6], width_per_depth=8, head_dim=8, mlp_multiple=8,
+        archs=X_ARCHS, recipes=True, tpp_stored=X_TPP_STORED, lr_beta=X_LR_BETA, grow_to=4, rewarm_fraction=0.02,
+        train=dict(batch_size=16, eval_tokens=1 << 15, branch_data_fraction=0.0), seeds=SEEDS, seed_every_arch=True,
+        lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04, 0.08], seeds=2), multipliers="interpolated", seed=1337,
+        threads=1, workers=2),
+    "x-cpu-mini-v1": dict(  # the first design (its run: docs/ladder/x-cpu-mini-v1-*), kept to rebuild that report
+        kind="x", about="x-cpu-mini's first design: 6 architectures x depths 3..6 at width 12 x depth, TPP 10 each, "
                         "3 Vanilla seeds",
         data=dict(tokenizer="gpt2-257"),
         model=dict(BYTES | X_MODEL, block_size=128), depths=[3, 4, 5, 6], width_per_depth=12, head_dim=12,
@@ -530,15 +563,13 @@ def best_lrs(preset, results, sweep_specs):
     key, values = sweep_values(preset)
     if key is None:
         return {}
-    best = {}
+    losses = {}
     for s in sweep_specs:
         r = results.get(s.run_id)
         if r is None:
             return None
-        value = s.settings[key]
-        if s.arch not in best or r["val_loss"] < best[s.arch][1]:
-            best[s.arch] = (value, r["val_loss"])
-    return {arch: value for arch, (value, _) in best.items()}
+        losses.setdefault(s.arch, {}).setdefault(s.settings[key], []).append(r["val_loss"])
+    return {arch: min(by, key=lambda v: np.mean(by[v])) for arch, by in losses.items()}  # the mean over its seeds
 
 
 def sweep_extension(preset, data, results, sweep_specs, world=None):
@@ -549,11 +580,12 @@ def sweep_extension(preset, data, results, sweep_specs, world=None):
     if key is None or len(values) < 2:
         return []
     ratio, limit = values[1] / values[0], preset["lr_sweep"].get("extend", 2)
-    tried = {}
+    seen = {}
     for s in sweep_specs:
         r = results.get(s.run_id)
         if r is not None:
-            tried.setdefault(s.arch, {})[s.settings[key]] = r["val_loss"]
+            seen.setdefault(s.arch, {}).setdefault(s.settings[key], []).append(r["val_loss"])
+    tried = {a: {v: float(np.mean(ls)) for v, ls in by.items()} for a, by in seen.items()}
     extra = []
     for arch, losses in tried.items():
         best, ordered = min(losses, key=losses.get), sorted(losses)
@@ -587,11 +619,12 @@ def bracketed_sweep(preset, data, run, world=None):
 def sweep_table(preset, results, sweep_specs, chosen):
     """The sweep's report lines and {arch: {value: loss}} (sweep_lines) from its results."""
     key, _ = sweep_values(preset)
-    losses = {}
+    seen = {}
     for s in sweep_specs:
         r = results.get(s.run_id)
-        losses.setdefault(s.arch, {})[s.settings[key]] = r["val_loss"] if r else None
-    return sweep_lines(key, losses, chosen)
+        seen.setdefault(s.arch, {}).setdefault(s.settings[key], []).append(r["val_loss"] if r else None)
+    losses = {a: {v: None if None in ls else float(np.mean(ls)) for v, ls in by.items()} for a, by in seen.items()}
+    return sweep_lines(key, losses, chosen)  # a value's loss: the mean over its seeds
 
 
 def sweep_lines(key, losses, chosen):
@@ -1038,6 +1071,24 @@ def _fmt(v, spec):
 # [X] ladders
 
 
+# what a ladder point sets itself (sizes, data, the run's length, the growth step); the recipe's other
+# step counts become fractions of the run (RECIPE_FRACTIONS)
+RECIPE_OWN = {"vocab_size", "n_logits", "eot_token", "block_size", "n_layer", "n_embd", "n_head", "head_dim", "n_prelude",
+              "n_core", "n_coda", "data_dir", "run_name", "batch_size", "grad_accum", "max_steps", "eval_interval", "grow_at"}
+RECIPE_FRACTIONS = ("warmup_steps", "muon_momentum_warmup", "grow_rewarm_steps")
+
+
+def x_recipe(arch):
+    """(model settings, train settings, {step count: fraction of the run}) of an [X] architecture's own
+    recipe, read from config/X_RECIPES[arch].py as train.py reads it."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", X_RECIPES[arch] + ".py")
+    given = {k: v for k, v in train.SETTINGS.parse([path]).items() if k not in RECIPE_OWN}
+    fractions = {k: given.pop(k) / train.SETTINGS.parse([path])["max_steps"] for k in RECIPE_FRACTIONS if k in given}
+    model_keys = {f.name for f in fields(ModelConfig)}
+    return ({k: v for k, v in given.items() if k in model_keys}, {k: v for k, v in given.items() if k not in model_keys},
+            fractions)
+
+
 def x_config(preset, arch, depth):
     """(ModelConfig at the start of training, grows: bool) of one ladder point."""
     width = preset["width_per_depth"] * depth
@@ -1045,7 +1096,8 @@ def x_config(preset, arch, depth):
     if width % hd:
         raise ValueError(f"preset {preset['name']}: width {width} at depth {depth} is not a multiple of head_dim {hd}")
     mult = preset["mlp_multiple"]
-    base = dict(preset["model"], n_layer=depth, n_embd=width, n_head=width // hd, head_dim=hd,
+    recipe = x_recipe(arch)[0] if preset.get("recipes") else {}
+    base = dict(preset["model"], **recipe, n_layer=depth, n_embd=width, n_head=width // hd, head_dim=hd,
                 mlp_hidden=mult * math.ceil(8 * width / 3 / mult))
     pcc = dict(layout="pcc", boundary="both")
     shapes = {
@@ -1059,6 +1111,36 @@ def x_config(preset, arch, depth):
     if arch not in shapes:
         raise ValueError(f"unknown [X] architecture {arch!r}; choose from {list(shapes)}")
     return ModelConfig.from_dict(dict(base, **shapes[arch])), arch.endswith("-grow")
+
+
+def x_point(preset, arch, cfg, step_tokens):
+    """(steps, train settings) of one ladder point: TPP x N (N compute-active, the cpu-mini v1 rule), or with
+    tpp_stored (the [X] rule) TPP_arch x N_s (stored parameters); with recipes the architecture's [X]
+    recipe, its step counts scaled to the run, its LRs carried up by [X16] from the first depth."""
+    t = dict(preset["train"])
+    warmup_fraction = t.pop("warmup_fraction", 0.05)
+    if preset.get("tpp_stored"):
+        steps = max(4, math.ceil(preset["tpp_stored"][arch] * grow.stored_params(cfg) / step_tokens))
+    else:
+        steps = max(4, math.ceil(preset["tpp"] * compute_active(cfg) / step_tokens))
+    if not preset.get("recipes"):
+        return steps, dict(t, warmup_steps=max(1, round(warmup_fraction * steps)))
+    _, recipe, fractions = x_recipe(arch)
+    settings = dict(recipe, **t, **{k: round(f * steps) for k, f in fractions.items()})
+    if preset.get("lr_beta"):
+        first, _ = x_config(preset, arch, preset["depths"][0])
+        settings.update(lr_anchor_params=grow.stored_params(first), lr_scaling_beta=preset["lr_beta"][arch])
+    return steps, settings
+
+
+def x_lr_settings(preset, arch, key, value):
+    """The swept LR and, with recipes, the embedding and lm head LRs at the recipe's ratios to it (a global LR)."""
+    if not key:
+        return {}
+    if not preset.get("recipes"):
+        return {key: value}
+    _, recipe, _ = x_recipe(arch)
+    return {key: value, **{k: float(f"{value * recipe[k] / recipe[key]:.12g}") for k in ("embedding_lr", "unembedding_lr")}}
 
 
 def growth_plan(preset, cfg, tokens, steps):
@@ -1091,10 +1173,9 @@ def x_specs(preset, data, lrs=None, world=None):
     """Every architecture at every depth trains tpp x its own N tokens ([X]: each ladder at its own budget,
     [X10]). Without lrs: only the first depth, once per swept LR (the sweep); with lrs (arch -> value)
     every depth at that value; the reference runs every seed."""
-    t = dict(preset["train"])
-    warmup_fraction = t.pop("warmup_fraction", 0.05)
     step_tokens = tokens_per_step(preset, world)
     key, values = sweep_values(preset)
+    sweep_seeds = (preset.get("lr_sweep") or {}).get("seeds", 1)
     specs = []
     for depth in preset["depths"]:
         if lrs is None and depth != preset["depths"][0]:
@@ -1102,25 +1183,25 @@ def x_specs(preset, data, lrs=None, world=None):
         for arch in preset["archs"]:
             cfg, grows = x_config(preset, arch, depth)
             n = compute_active(cfg)
-            steps = max(4, math.ceil(preset["tpp"] * n / step_tokens))
+            steps, t = x_point(preset, arch, cfg, step_tokens)
             tokens = steps * step_tokens
-            settings = dict(t, **model_settings(cfg), max_steps=steps, eval_interval=steps,
-                            warmup_steps=max(1, round(warmup_fraction * steps)))
+            settings = dict(t, **model_settings(cfg), max_steps=steps, eval_interval=steps)
             grow_step = rho = None
             if grows:
                 grow_step, rho = growth_plan(preset, cfg, tokens, steps)
+                rewarm = settings.get("grow_rewarm_steps") or round(preset["rewarm_fraction"] * steps)
                 settings.update(grow_at=float(grow_step), grow_to=preset["grow_to"], grow_untie=False,
-                                grow_rewarm_steps=max(1, round(preset["rewarm_fraction"] * steps)))
+                                grow_rewarm_steps=max(1, rewarm))
             acc = match.accounting(cfg)
             meta = dict(depth=depth, width=cfg.n_embd, N=n, N_s=acc["params_stored"], tokens=tokens, tpp=tokens / n,
                         F=x_flops_per_token(cfg, preset["grow_to"], grow_step, steps), grow_step=grow_step, rho=rho,
                         decay_start_step=decay_start(preset, steps), executed_layers=acc["executed_layers"],
                         stored_blocks=acc["stored_blocks"])
-            seeds = preset["seeds"] if arch == "vanilla" else preset["seeds"][:1]
+            seeds = preset["seeds"] if arch == "vanilla" or preset.get("seed_every_arch") else preset["seeds"][:1]
             lr_values = values if lrs is None else [lrs.get(arch) if key else None]
             for value in lr_values:
-                for seed in (seeds[:1] if lrs is None else seeds):
-                    lr = {key: value} if key else {}
+                for seed in (preset["seeds"][:sweep_seeds] if lrs is None else seeds):
+                    lr = x_lr_settings(preset, arch, key, value)
                     run_id = f"{arch}-d{depth}" + (f"-{key}{value:g}" if key else "") + f"-s{seed}"
                     specs.append(RunSpec(run_id, arch, f"d{depth}", "run" if lrs is not None else "sweep",
                                          dict(settings, **lr, seed=seed), dict(meta, seed=seed)))
@@ -1208,8 +1289,10 @@ def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400, lrs=None):
     """LR sweep, final losses at equal depth with the compute each architecture spent there, seed spread,
     shared-E power laws [X5]-[X7] and compute multipliers [X6] with seed-bootstrap bands -> (text, dict,
     figure data). lrs: {arch: the swept value carried up}, for the line on what carrying it up confounds."""
-    lines = [f"== {preset['name']}: [X] ladders at width {preset['width_per_depth']} x depth, TPP {preset['tpp']:g} "
-             "per compute-active non-embedding parameter for every architecture"]
+    budget = (f"TPP {preset['tpp']:g} per compute-active non-embedding parameter for every architecture"
+              if not preset.get("tpp_stored") else "each architecture's [X] TPP per stored parameter ("
+              + ", ".join(f"{a} {preset['tpp_stored'][a]:g}" for a in preset["archs"]) + ")")
+    lines = [f"== {preset['name']}: [X] ladders at width {preset['width_per_depth']} x depth, {budget}"]
     out = {"preset": preset["name"], "fits": {}, "multipliers": {}, "seed_spread": {}, "points": rows}
     archs = list(dict.fromkeys(r["arch"] for r in rows))
     depths = sorted({r["depth"] for r in rows})
@@ -1259,7 +1342,7 @@ def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400, lrs=None):
                                         seed=preset.get("seed", 0))
     ref_L = np.array([np.mean([l for c, l, d in points[ref] if d == dep]) for dep in depths])
     mult = multipliers(runs, fits, ref, ref_C, ref_L)
-    lines += multiplier_lines(mult, bands, ref, ref_C, out)
+    lines += multiplier_lines(mult, bands, ref, ref_C, out, show_fitted=preset.get("multipliers") != "interpolated")
     figures = dict(runs=runs, fits=fits, ref_C=ref_C, mult=mult, bands=bands)
     return "\n".join(lines), out, figures
 
@@ -1269,6 +1352,10 @@ def lr_confound_lines(preset, archs, lrs, ref):
     key = (preset.get("lr_sweep") or {}).get("key")
     if not key or not lrs:
         return []
+    if preset.get("lr_beta"):
+        return [f"  each LR is the mean-best over {preset['lr_sweep'].get('seeds', 1)} seeds at d{preset['depths'][0]}, "
+                "carried up by [X16] LR x (N_s / N_s,d%d)^beta with each architecture's [X] beta: " % preset["depths"][0]
+                + ", ".join(f"{a} {lrs[a]:g} (beta {preset['lr_beta'][a]:g})" for a in archs if a in lrs)]
     others = [a for a in archs if a != ref]
     return [f"  every LR is tuned at d{preset['depths'][0]} only and carried up unchanged (no [X16] rule): "
             + ", ".join(f"{a} {lrs[a]:g}" for a in archs if a in lrs)
@@ -1296,16 +1383,17 @@ def equal_depth_lines(rows, archs, depths, ref):
     return lines
 
 
-def multiplier_lines(mult, bands, ref, ref_C, out):
-    """[X6] interpolated (what [X] quotes) and fitted multipliers with their seed-bootstrap bands, the
-    fitted ones marked where extrapolated -> report lines; records into out["multipliers"]."""
+def multiplier_lines(mult, bands, ref, ref_C, out, show_fitted=True):
+    """[X6] interpolated (what [X] quotes) and (show_fitted) fitted multipliers with their seed-bootstrap
+    bands, the fitted ones marked where extrapolated -> report lines; records into out["multipliers"]."""
     lines = [f"[X6] compute multipliers vs {ref} at its budgets (its mean loss at each depth) [95% seed-bootstrap "
              "band]; '~' = the band includes 1 (within noise)",
              "  interpolated ([X]'s rule and the numbers [X] quotes): the arch's own points, log compute linear in "
-             f"loss; '-' = {ref}'s loss there is outside the arch's measured losses (never extrapolated)",
-             "  fitted: from the shared-E laws; 'x' = extrapolated (the arch's law read outside the compute it was "
-             "measured at)",
-             f"  {'':>12} {'':>12} " + " ".join(f"{c:>19.3g}" for c in ref_C)]
+             f"loss; '-' = {ref}'s loss there is outside the arch's measured losses (never extrapolated)"]
+    if show_fitted:
+        lines.append("  fitted: from the shared-E laws; 'x' = extrapolated (the arch's law read outside the compute it "
+                     "was measured at)")
+    lines.append(f"  {'':>12} {'':>12} " + " ".join(f"{c:>19.3g}" for c in ref_C))
     for a, (measured, fitted, extrapolated) in mult.items():
         band = bands.get(a) or {}
         records = []
@@ -1316,7 +1404,7 @@ def multiplier_lines(mult, bands, ref, ref_C, out):
                                 measured_hi=_finite(mhi), within_noise=within_noise(lo, hi, 1.0),
                                 measured_within_noise=within_noise(mlo, mhi, 1.0) if _finite(measured[i]) else None,
                                 extrapolated=bool(extrapolated[i])))
-        for name, key, mark in (("interpolated", "measured", None), ("fitted", "fitted", extrapolated)):
+        for name, key, mark in (("interpolated", "measured", None), ("fitted", "fitted", extrapolated))[:2 if show_fitted else 1]:
             cells = []
             for i, r in enumerate(records):
                 value, lo, hi = r[key], r[f"{key}_lo"], r[f"{key}_hi"]
@@ -1455,10 +1543,11 @@ def interpolated_optimum(xs, losses):
     """(x*, edge): the minimiser of a parabola in log x through the best grid point and its two
     neighbours (the grid point itself when it is at an edge of the grid: edge -1 / +1, else 0)."""
     order = np.argsort(xs)
-    x, y = np.log(np.asarray(xs, dtype=float)[order]), np.asarray(losses, dtype=float)[order]
+    grid = np.asarray(xs, dtype=float)[order]
+    x, y = np.log(grid), np.asarray(losses, dtype=float)[order]
     i = int(np.argmin(y))
     if i in (0, len(x) - 1):
-        return float(np.exp(x[i])), (-1 if i == 0 else 1) if len(x) > 1 else 0
+        return float(grid[i]), (-1 if i == 0 else 1) if len(x) > 1 else 0
     a, b, _ = np.polyfit(x[i - 1:i + 2], y[i - 1:i + 2], 2)
     return float(np.exp(-b / (2 * a))), 0
 

@@ -147,9 +147,11 @@ def test_x_micro_budgets_growth_fits_and_noise(x_micro):
     preset = ladder.get_preset("x-micro", archs=archs)
     rows = read_csv(os.path.join(out, "runs.csv"))
     seeds = len(preset["seeds"])
-    assert len(rows) == len(preset["depths"]) * (len(archs) - 1 + seeds)
-    for r in rows:  # every architecture at its own budget: TPP x its own compute-active N
-        assert float(r["tpp"]) == pytest.approx(preset["tpp"], rel=0.1) and float(r["D"]) >= preset["tpp"] * float(r["N"])
+    assert len(rows) == len(preset["depths"]) * len(archs) * seeds  # every architecture runs every seed
+    step_tokens = ladder.tokens_per_step(preset)
+    for r in rows:  # every architecture at its own budget: its [X] TPP x its own stored parameters, whole steps
+        assert 0 <= float(r["D"]) - preset["tpp_stored"][r["arch"]] * float(r["N_s"]) < step_tokens
+        assert float(r["epochs"]) < 1  # no data repetition
     by = {(r["arch"], int(r["depth"])): r for r in rows}
     for d in preset["depths"]:  # the looped models run more blocks per token: more compute at the same TPP
         assert float(by[("loop-2", d)]["C"]) > float(by[("vanilla", d)]["C"])
@@ -183,11 +185,18 @@ def test_x_report_says_what_it_compares_and_rebuilds_from_csv(x_micro, tmp_path)
     d = rows[0]["depth"]
     tokens = float(by[("loop-2", d)]["D"]) / float(by[("vanilla", d)]["D"])
     assert f"{tokens:.2f}/" in text and tokens > 1
-    # the LR carried up is a confound for every architecture but the reference, named with its value
-    lr_line = next(line for line in text.splitlines() if "carried up unchanged" in line)
-    assert all(f"{a} {report['lrs'][a]:g}" in lr_line for a in archs) and f"all {len(archs) - 1} other" in lr_line
-    # multipliers: the interpolated ones ([X]'s) first, the fitted ones marked where they extrapolate
-    assert "interpolated" in text and "'x' = extrapolated" in text
+    # each LR: the mean-best of the sweep's seeds, carried up by [X16] with the architecture's own beta
+    lr_line = next(line for line in text.splitlines() if "carried up by [X16]" in line)
+    assert all(f"{a} {report['lrs'][a]:g} (beta {ladder.X_LR_BETA[a]:g})" in lr_line for a in archs)
+    preset = ladder.get_preset("x-micro", archs=archs)
+    run = next(r for r in rows if r["arch"] == "untied-grow" and r["depth"] == str(preset["depths"][-1]))
+    settings = json.load(open(os.path.join(out, "runs", run["run_id"], "result.json")))["settings"]
+    first = ladder.x_config(preset, "untied-grow", preset["depths"][0])[0]
+    assert settings["lr_anchor_params"] == ladder.grow.stored_params(first) and settings["lr_scaling_beta"] == -0.6
+    assert settings["adam_betas"] == [0.8, 0.99] and settings["muon_variant"] == "x"  # its recipe, config/x_d8_*
+    assert settings["embedding_lr"] == pytest.approx(settings["matrix_lr"] * 0.0064 / 0.04)
+    # multipliers by interpolation only (the fitted ones are not printed)
+    assert "interpolated" in text and "'x' = extrapolated" not in text and " fitted " not in text
     for a in archs[1:]:
         for m in report["multipliers"][a]:
             assert m["extrapolated"] in (True, False)
@@ -215,25 +224,25 @@ def mask_bands(text):
 
 
 def test_committed_x_report_rebuilds_from_its_csv(tmp_path):
-    """docs/ladder/x-cpu-mini-report.txt is what `ladder.py --from-csv docs/ladder/x-cpu-mini-runs.csv`
+    """docs/ladder/x-cpu-mini-v1-report.txt is what `ladder.py --from-csv docs/ladder/x-cpu-mini-v1-runs.csv`
     writes (bands masked: their last digit is the CPU's)."""
     for name in ("runs.csv", "lr_sweep.csv"):
-        shutil.copy(committed(f"x-cpu-mini-{name}"), tmp_path / f"x-cpu-mini-{name}")
-    assert ladder.main(["--preset", "x-cpu-mini", "--from-csv", str(tmp_path / "x-cpu-mini-runs.csv"),
+        shutil.copy(committed(f"x-cpu-mini-v1-{name}"), tmp_path / f"x-cpu-mini-v1-{name}")
+    assert ladder.main(["--preset", "x-cpu-mini-v1", "--from-csv", str(tmp_path / "x-cpu-mini-v1-runs.csv"),
                         "--no-progress"]) == 0
-    text = (tmp_path / "x-cpu-mini-report.txt").read_text()
-    assert mask_bands(text) == mask_bands(open(committed("x-cpu-mini-report.txt")).read())
+    text = (tmp_path / "x-cpu-mini-v1-report.txt").read_text()
+    assert mask_bands(text) == mask_bands(open(committed("x-cpu-mini-v1-report.txt")).read())
     assert "loop-2 1.33/1.72 1.50/2.19 1.40/1.93 1.33/1.76" in text  # tokens / FLOPs vs vanilla at d3..d6
 
 
 def test_committed_smelt_report_prints_no_undefined_number(tmp_path):
-    """The smelt-cpu-mini baseline surface is degenerate: no CE Gain and no baseline TPP, neither a value
+    """The smelt-cpu-mini-v1 baseline surface is degenerate: no CE Gain and no baseline TPP, neither a value
     nor an interval; the matching is the matcher's tolerance; the grid cannot identify the surface."""
     for name in ("runs.csv", "lr_sweep.csv"):
-        shutil.copy(committed(f"smelt-cpu-mini-{name}"), tmp_path / f"smelt-cpu-mini-{name}")
-    report = ladder.rereport("smelt-cpu-mini", str(tmp_path / "smelt-cpu-mini-runs.csv"), bootstrap=20, log=quiet,
+        shutil.copy(committed(f"smelt-cpu-mini-v1-{name}"), tmp_path / f"smelt-cpu-mini-v1-{name}")
+    report = ladder.rereport("smelt-cpu-mini-v1", str(tmp_path / "smelt-cpu-mini-v1-runs.csv"), bootstrap=20, log=quiet,
                              progress=False)
-    text = (tmp_path / "smelt-cpu-mini-report.txt").read_text()
+    text = (tmp_path / "smelt-cpu-mini-v1-report.txt").read_text()
     assert "+1.0000" not in text and "[undefined" not in text and "undefined]" not in text
     assert "undefined at every budget and sparsity (the baseline surface is degenerate" in text
     assert all(g["value"] is None and g["lo"] is None for g in report["ce_gain"])
@@ -242,7 +251,7 @@ def test_committed_smelt_report_prints_no_undefined_number(tmp_path):
     assert "by construction: match.match accepts only a twin with F in [1.000, 1.050]" in text
     assert "F spans 2.3x" in text and "not identifiable by design" in text and "4 layers in every cell" in text
     assert report["grid"]["cells"] == 6 and 2.3 < report["grid"]["F_span"] < 2.4
-    committed_text = open(committed("smelt-cpu-mini-report.txt")).read()
+    committed_text = open(committed("smelt-cpu-mini-v1-report.txt")).read()
     for line in ("  undefined at every budget and sparsity", "by construction", "not identifiable by design"):
         assert line in committed_text
 
@@ -264,7 +273,7 @@ def test_plot_writes_figures_or_says_how_to_get_matplotlib(x_micro, tmp_path, mo
     assert not any(os.path.exists(p) for p in report["plots"])
 
 
-@pytest.mark.parametrize("name", ["smelt-cpu-mini", "x-cpu-mini"])
+@pytest.mark.parametrize("name", ["smelt-cpu-mini-v1", "x-cpu-mini-v1"])
 def test_cpu_mini_designs_sit_near_the_frontier(name):
     """Checked on the plan, before anything trains: TPP >= 10 for every run, the same TPP (within 2x)
     from the smallest to the largest point, at most 4 epochs, and no growth on the decay-start step."""
@@ -284,7 +293,7 @@ def test_cpu_mini_designs_sit_near_the_frontier(name):
             assert r["grow_step"] != r["decay_start_step"] and r["arch"].endswith("grow")
         elif r["arch"].endswith("grow"):
             pytest.fail(f"{r['run_id']} should grow")
-    if name == "x-cpu-mini":
+    if name == "x-cpu-mini-v1":
         depths = {r["cell"] for r in records if r["role"] == "run"}
         assert depths == {f"d{d}" for d in preset["depths"]}
         for d in preset["depths"]:  # three seeds of the reference at every point (first depth: in the sweep too)
@@ -356,7 +365,7 @@ def test_every_preset_builds_with_valid_train_settings(capsys):
     listing = capsys.readouterr().out
     for name in ladder.PRESETS:
         assert name in listing and "not buildable" not in listing
-    for name in ("smelt-gpu-1node", "x-gpu-2node", "x-cpu-mini", "smelt-cpu-mini"):
+    for name in ("smelt-gpu-1node", "x-gpu-2node", "x-cpu-mini", "x-cpu-mini-v1", "x-cpu-repeat", "smelt-cpu-mini", "smelt-cpu-mini-v1"):
         preset = ladder.get_preset(name)
         specs, _ = ladder.full_plan(preset, world=ladder.world_size(preset))
         for s in specs:
@@ -548,7 +557,7 @@ def test_plan_checks_the_prepared_data(tmp_path, data_dir):
     (["--plan", "config/x_d8_vanilla.py", "--workers", "2"], "--workers: not used with --plan"),
     (["--preset", "smelt-micro", "--json"], "--json: not used when training a ladder"),
     (["--preset", "smelt-micro", "--gpus", "8"], "--gpus: not used when training a ladder"),
-    (["--preset", "x-micro", "--from-csv", "docs/ladder/x-cpu-mini-runs.csv", "--out", "o"], "--out: not used with --from-csv"),
+    (["--preset", "x-micro", "--from-csv", "docs/ladder/x-cpu-mini-v1-runs.csv", "--out", "o"], "--out: not used with --from-csv"),
     (["--list", "--plot"], "--plot: not used with --list"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(argv, message, capsys, monkeypatch):
@@ -558,23 +567,23 @@ def test_bad_flags_are_one_line_naming_the_flag(argv, message, capsys, monkeypat
 
 def test_fit_only_without_runs_points_at_the_committed_csv(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    err = one_line_error(ladder.main, ["--preset", "x-cpu-mini", "--fit-only", "--plot", "--out", str(tmp_path)],
+    err = one_line_error(ladder.main, ["--preset", "x-cpu-mini-v1", "--fit-only", "--plot", "--out", str(tmp_path)],
                          capsys, "ladder.py")
-    assert "holds no finished runs" in err and "--from-csv docs/ladder/x-cpu-mini-runs.csv --plot" in err
+    assert "holds no finished runs" in err and "--from-csv docs/ladder/x-cpu-mini-v1-runs.csv --plot" in err
     err = one_line_error(ladder.main, ["--preset", "smelt-micro", "--fit-only", "--out", str(tmp_path)], capsys,
                          "ladder.py")
     assert "train them first" in err  # no committed runs.csv for the micro presets
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda lines: lines[:4] + [lines[3]] + lines[4:], "x-cpu-mini-runs.csv lines 4 and 5: the same row twice (equal run_id)"),
+    (lambda lines: lines[:4] + [lines[3]] + lines[4:], "x-cpu-mini-v1-runs.csv lines 4 and 5: the same row twice (equal run_id)"),
     (lambda lines: [lines[0], re.sub(r",2\.0807\d+,", ",nan,", lines[1])] + lines[2:],
-     "x-cpu-mini-runs.csv line 2, column 'loss': value must be finite, got 'nan'"),
+     "x-cpu-mini-v1-runs.csv line 2, column 'loss': value must be finite, got 'nan'"),
 ])
 def test_from_csv_refuses_a_repeated_run_and_a_nan(tmp_path, capsys, edit, message):
-    lines = open(committed("x-cpu-mini-runs.csv")).read().splitlines()
-    (tmp_path / "x-cpu-mini-runs.csv").write_text("\n".join(edit(lines)) + "\n")
-    err = one_line_error(ladder.main, ["--preset", "x-cpu-mini", "--from-csv", str(tmp_path / "x-cpu-mini-runs.csv"),
+    lines = open(committed("x-cpu-mini-v1-runs.csv")).read().splitlines()
+    (tmp_path / "x-cpu-mini-v1-runs.csv").write_text("\n".join(edit(lines)) + "\n")
+    err = one_line_error(ladder.main, ["--preset", "x-cpu-mini-v1", "--from-csv", str(tmp_path / "x-cpu-mini-v1-runs.csv"),
                                        "--no-progress"], capsys, "ladder.py")
     assert message in err
 
