@@ -11,26 +11,33 @@ Both papers' experiments in miniature, end to end: grid -> match -> LR sweep -> 
     # GPU presets (documented, not run here); every rank runs the same ladder, rank 0 writes results
     torchrun --standalone --nproc_per_node=8 ladder.py --preset x-gpu-1node
 
-Design principles of the cpu-mini presets (both papers), fixed before any run:
-  * Near the compute-optimal frontier: every run's budget is set in tokens per compute-active
-    non-embedding parameter (TPP = D / N, N = the block matmul parameters one token passes through,
-    every loop visit counted, active experts only: [X10]'s N_c without the lm head), >= 10 everywhere
-    and the same at every ladder point.
-  * A model that is mostly model: byte-level tokens (gpt2-257: the 256 GPT-2 byte tokens + eot, like
-    nanoGPT's shakespeare_char), so the embedding and head are a small share of the parameters.
-  * Per-architecture learning rate: a sweep of the hidden matrices' LR (3 values, 2x apart) at the
-    smallest ladder point; each architecture's best value is carried up its ladder unchanged (the [X]
-    rule (16) scales LR with N from sweeps at three depths, which a CPU miniature cannot afford). A
-    sweep must bracket its optimum: while an architecture's best value is at an edge of what it tried,
-    the next value beyond that edge (same ratio) is tried too, at most `extend` (2) times (the micro
-    presets: 0, so they train exactly their plan).
-  * Growth ([X] Loop-Grow / Untied-Grow, K 2 -> 4) at the step [X15] gives (rho* from the affine law
-    [X9] at the run's own TPP), never at the step the WSD decay starts.
-  * Noise: the reference architecture runs with 3 seeds at every point (init and data order change);
-    the report gives the seed spread and marks every multiplier / CE Gain whose 95% interval does not
-    exclude "no difference" as within noise.
-  * The embedded corpus is small: a run may read its data more than once; runs.csv and the report say
-    how many epochs each run reads (at most 4 by design).
+The first cpu-mini designs (x-cpu-mini-v1, smelt-cpu-mini-v1; their runs are in docs/ladder/*-v1-*), fixed
+before their runs: every run at TPP >= 10 per compute-active non-embedding parameter (N = the block matmul
+parameters one token passes through, every loop visit counted, active experts only: [X10]'s N_c without
+the lm head), the same at every point; byte-level tokens (gpt2-257, like nanoGPT's shakespeare_char); the
+hidden matrices' LR swept at the smallest point (3 values, 2x apart) and carried up unchanged; a sweep
+brackets its optimum (while the best is at an edge, the next value beyond it runs too, at most `extend`
+(2) times; the micro presets: 0); growth at the step [X15] gives, never on the WSD decay start; the
+reference with 3 seeds at every point; data read up to 4 times. Read against their results they could not
+answer their questions (one TPP for all, LRs not transferred, repetition, one seed off the reference; a
+4-layer SMELT grid whose F spans 2.3x), so the current designs, fixed before their runs:
+  * x-cpu-mini: each architecture with its own [X] recipe (config/x_d8_*.py: init, residual and output
+    multipliers, betas, warm-down, weight decay, Muon "x"; its step counts as fractions of the run), its
+    [X] TPP per stored parameter (Table 9, the [X] code's ladder scripts: Vanilla 5.05, Operator-1 /
+    Loop-2 / Untied-2 6.06, Loop-Grow 6.6, Untied-Grow 7.24), its global LR (matrix LR; embedding and
+    lm head at the recipe's ratios) from a sweep at d3 with 2 seeds per value (mean-best), carried up by
+    [X16] with its own beta (Vanilla -0.8, Loop-Grow -0.5, the others -0.6); width 8 x depth at depths
+    3..6, so that the largest run (Untied-Grow d6, 1.78M tokens) reads under one epoch of the embedded
+    corpus's 2.09M train tokens (branch_data_fraction 0: no branches here): no repetition anywhere; 3 seeds
+    for every architecture at every depth; multipliers by interpolation only. Budget: 96 runs, 6.3e13
+    FLOPs, about 30 min on 2 workers (at most 60).
+  * smelt-cpu-mini: 3 scales varying depth and width, L2w32 / L4w56 / L8w72 (F spans 10.3x; the top scale's
+    heads grow with its width, 9 query on 3 KV heads, so the twin matches the KV cache with 2) x 3
+    sparsities (16 / 32 / 48 experts, top-2): 9 cells ([S]: 4 x 3); block 64 so that attention does not
+    dominate F at the smallest width; branches at TPP 3 / 6 / 12 (the affordable range; every branch's
+    decay on held-back data read once, the stable phase up to 1.66 epochs); baseline and SMELT LRs each
+    from their own sweep at the first cell; 2 baseline seeds (the noise) and the twin's first; the cell
+    bootstrap as [S]. Budget: 114 runs, 6.6e13 FLOPs, about 55 min on 2 workers (at most 90).
 
 [S] SMELT protocol (kind "smelt"): every (scale, sparsity) cell has a MoE baseline; match.match() gives
 its SMELT twin with the same per-token training FLOPs, non-embedding params and KV cache ([S] Table 10
@@ -80,7 +87,8 @@ log executed layers ([X]: WD* follows stored parameters).
 
 Presets (python ladder.py --list prints each with its runs and planned compute):
   smelt-micro / x-micro     seconds; tests/test_ladder.py runs them end to end. Numbers mean nothing.
-  smelt-cpu-mini, x-cpu-mini   the miniatures above, two CPU workers (1 thread each), about an hour each.
+  smelt-cpu-mini, x-cpu-mini   the miniatures above, two CPU workers (1 thread each), under an hour each;
+  *-v1                      their first designs, kept to rebuild the reports of their runs.
   x-repeat-micro / x-cpu-repeat   the data-constrained ladder: seconds (tests) / about an hour.
   smelt-gpu-1node/2node,    sized for one / two 8-GPU nodes (documented, not run here); they read
   x-gpu-1node/2node         data/cache/fineweb_gpt2 (prepare it with data/prepare.py), see GPU_DATA.
