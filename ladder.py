@@ -1630,40 +1630,17 @@ def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
         lines.append(f"  the carried LR scales by [X16] with beta {preset['lr_scaling_beta']:g} (the [X] code's Operator-1 "
                      f"ladder) from d{preset['depths'][0]}; embedding / lm head LRs keep [X]'s ratios to it")
     first = [r for r in rows if r["role"] != "seed" and r["seed"] == preset["seeds"][0]]
-    Ks, depths = sorted({r["K"] for r in first}), sorted({r["depth"] for r in first})
-    wds = sorted({r["wd"] for r in first})
     if not first:
         lines.append("no finished runs yet")
         return "\n".join(lines), out, None
+    Ks, depths = sorted({r["K"] for r in first}), sorted({r["depth"] for r in first})
+    wds = sorted({r["wd"] for r in first})
     lines.append(f"epochs read {min(r['epochs'] for r in rows):.2f}..{max(r['epochs'] for r in rows):.2f}; tokens per "
                  f"run {rows[0]['D']:,}; training FLOPs {min(r['C'] for r in rows):.3g}..{max(r['C'] for r in rows):.3g}")
     grid = {(r["K"], r["depth"], r["wd"]): r for r in first}
-    lines.append("validation loss, first seed, by weight decay (* = the best at that K and stored depth; WD* = the "
-                 "parabola's minimum in log WD, '<' / '>' = at the grid's edge)")
-    lines.append(f"  {'K':>2} {'depth':>5} {'N_s':>8} {'exec':>4} " + " ".join(f"{f'wd {w:g}':>9}" for w in wds)
-                 + f" {'WD*':>8} {'train':>7} {'gap':>7}")
-    wd_star, best_wd = {}, {}
-    for k in Ks:
-        for d in depths:
-            cells = [grid.get((k, d, w)) for w in wds]
-            have = [(w, c["loss"]) for w, c in zip(wds, cells) if c]
-            if not have:
-                continue
-            bw = min(have, key=lambda p: p[1])[0]
-            best_wd[k, d] = bw
-            x, edge = interpolated_optimum(*zip(*have))
-            wd_star[k, d] = (x, edge)
-            ref = grid[k, d, bw]
-            gap = ref["loss"] - ref["train_loss"] if ref.get("train_loss") is not None else float("nan")
-            lines.append(f"  {k:>2} {d:>5} {ref['N_s']:>8,} {ref['executed']:>4} " +
-                         " ".join(f"{c['loss']:8.4f}{'*' if c and c['wd'] == bw else ' '}" if c else f"{'-':>9}"
-                                  for c in cells)
-                         + f" {('<' if edge < 0 else '>' if edge > 0 else '') + format(x, '.3g'):>8} "
-                           f"{ref['train_loss'] if ref.get('train_loss') is not None else float('nan'):7.4f} {gap:7.4f}")
-    lines.append("  train = the mean training loss of the run's last tenth (on the repeated data), gap = val - train "
-                 "(> 0: the run fits its unique tokens better than fresh text)")
-    # each K's frontier at its best weight decay per size, every seed of that point
-    pts = {}
+    table, best_wd, wd_star = repeat_wd_table(grid, Ks, depths, wds)
+    lines += table
+    pts = {}  # each K's frontier: its best weight decay at every stored size, every seed of that point
     for (k, d), w in best_wd.items():
         reps = [r for r in rows if r["K"] == k and r["depth"] == d and r["wd"] == w]
         pts[k, d] = (float(np.mean([r["C"] for r in reps])), [r["loss"] for r in reps])
@@ -1674,60 +1651,99 @@ def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
                  f"std {sigma:.4f} nats over {len(spreads)} points with several seeds")
     lines.append(f"  {'K':>2} " + " ".join(f"{f'd{d} C':>9} {'loss':>6} {'n':>1}" for d in depths))
     for k in Ks:
-        cells = []
-        for d in depths:
-            c = pts.get((k, d))
-            cells.append(f"{c[0]:9.3g} {np.mean(c[1]):6.4f} {len(c[1])}" if c else f"{'-':>18}")
+        cells = [f"{pts[k, d][0]:9.3g} {np.mean(pts[k, d][1]):6.4f} {len(pts[k, d][1])}" if (k, d) in pts else f"{'-':>18}"
+                 for d in depths]
         lines.append(f"  {k:>2} " + " ".join(cells))
     frontier = {k: [(pts[k, d][0], float(np.mean(pts[k, d][1]))) for d in depths if (k, d) in pts] for k in Ks}
     out["frontier"] = {str(k): v for k, v in frontier.items()}
     if 1 not in frontier or len(frontier) < 2:
         lines.append("the comparison needs K = 1 and another K: nothing to compare yet")
         return "\n".join(lines), out, None
+    lines += repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out)
+    lines += repeat_wd_lines(grid, best_wd, wd_star, Ks, depths, out)
+    figures = dict(frontier=frontier, pts=pts, l_star=out["L_star"], grid=grid, Ks=Ks, depths=depths, wds=wds)
+    return "\n".join(lines), out, figures
+
+
+def repeat_wd_table(grid, Ks, depths, wds):
+    """The weight-decay grid's lines (first seed) -> (lines, {(K, depth): best WD}, {(K, depth): (WD*, edge)})."""
+    lines = ["validation loss, first seed, by weight decay (* = the best at that K and stored depth; WD* = the "
+             "parabola's minimum in log WD, '<' / '>' = at the edge of what it tried)",
+             f"  {'K':>2} {'depth':>5} {'N_s':>8} {'exec':>4} " + " ".join(f"{f'wd {w:g}':>9}" for w in wds)
+             + f" {'WD*':>8} {'train':>7} {'gap':>7}"]
+    best_wd, wd_star = {}, {}
+    for k in Ks:
+        for d in depths:
+            cells = [grid.get((k, d, w)) for w in wds]
+            have = [(w, c["loss"]) for w, c in zip(wds, cells) if c]
+            if not have:
+                continue
+            bw = best_wd[k, d] = min(have, key=lambda p: p[1])[0]
+            x, edge = wd_star[k, d] = interpolated_optimum(*zip(*have))
+            ref = grid[k, d, bw]
+            train_loss = ref["train_loss"] if ref.get("train_loss") is not None else float("nan")
+            lines.append(f"  {k:>2} {d:>5} {ref['N_s']:>8,} {ref['executed']:>4} " +
+                         " ".join(f"{c['loss']:8.4f}{'*' if c['wd'] == bw else ' '}" if c else f"{'-':>9}" for c in cells)
+                         + f" {('<' if edge < 0 else '>' if edge > 0 else '') + format(x, '.3g'):>8} "
+                           f"{train_loss:7.4f} {ref['loss'] - train_loss:7.4f}")
+    lines.append("  train = the mean training loss of the run's last tenth (on the repeated data), gap = val - train "
+                 "(> 0: the run fits its unique tokens better than fresh text)")
+    return lines, best_wd, wd_star
+
+
+def repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out):
+    """The best K per budget, whether it grows, and the compute at which K >= 2 reaches K = 1's best loss,
+    with a seed bootstrap (every point with several seeds resampled; the others moved by N(0, sigma^2))."""
     allC = [c for p in frontier.values() for c, _ in p]
     budgets = np.geomspace(min(allC), max(allC), 9)
     best, l_star, c_star, reach = repeat_analysis(frontier, budgets)
-    # seed bootstrap: resample the seeds of every point that has several; move the others by N(0, sigma^2)
     rng = np.random.default_rng(seed)
     draws_best, draws_ratio = [], []
     for _ in range(n_boot):
-        f = {k: [] for k in Ks}
+        f = {}
         for (k, d), (c, losses) in sorted(pts.items()):
             v = np.asarray(losses)
             mean = float(np.mean(v[rng.integers(len(v), size=len(v))])) if len(v) > 1 else \
                 float(v[0] + sigma * rng.standard_normal())
-            f[k].append((c, mean))
-        b, _, cs, re = repeat_analysis({k: v for k, v in f.items() if v}, budgets)
+            f.setdefault(k, []).append((c, mean))
+        b, _, cs, re = repeat_analysis(f, budgets)
         draws_best.append(b)
         draws_ratio.append(cs / re)
-    lines.append("best K per training budget (the lowest loss any size of that K reaches with at most that compute; "
-                 f"share of {n_boot} seed-bootstrap draws that agree)")
-    share = [np.mean([db[i] == best[i] for db in draws_best]) if n_boot else float("nan") for i in range(len(budgets))]
-    lines.append("  budget  " + " ".join(f"{b:>8.3g}" for b in budgets))
-    lines.append("  best K  " + " ".join(f"{'-' if k is None else k:>8}" for k in best))
-    lines.append("  agree   " + " ".join(f"{s:>8.2f}" for s in share))
-    defined = [k for k in best if k is not None]
-    grows = defined[-1] > defined[0]
-    grow_share = np.mean([[k for k in db if k is not None][-1] > [k for k in db if k is not None][0]
-                          for db in draws_best]) if n_boot else float("nan")
-    lines.append(f"  the best K {'grows' if grows else 'does not grow'} with compute: {defined[0]} at the smallest budget, "
-                 f"{defined[-1]} at the largest (it grows in {grow_share:.2f} of the draws)")
+    share = [float(np.mean([db[i] == best[i] for db in draws_best])) if n_boot else float("nan")
+             for i in range(len(budgets))]
+    lines = ["best K per training budget (the lowest loss any size of that K reaches with at most that compute; "
+             f"agree = share of {n_boot} seed-bootstrap draws with the same best K)",
+             "  budget  " + " ".join(f"{b:>8.3g}" for b in budgets),
+             "  best K  " + " ".join(f"{'-' if k is None else k:>8}" for k in best),
+             "  agree   " + " ".join(f"{s:>8.2f}" for s in share)]
+    ends = lambda b: [k for k in b if k is not None]  # noqa: E731
+    grows = ends(best)[-1] > ends(best)[0]
+    grow_share = float(np.mean([ends(db)[-1] > ends(db)[0] for db in draws_best])) if n_boot else float("nan")
+    lines.append(f"  the best K {'grows' if grows else 'does not grow'} with compute: {ends(best)[0]} at the smallest "
+                 f"budget, {ends(best)[-1]} at the largest (it grows in {grow_share:.2f} of the draws)")
     ratio = c_star / reach
     lo, hi = (np.nanpercentile(draws_ratio, [2.5, 97.5]) if n_boot and np.isfinite(draws_ratio).any()
               else (float("nan"), float("nan")))
-    reached = np.mean(np.isfinite(draws_ratio)) if n_boot else float("nan")
-    lines.append(f"best WD-tuned K = 1 loss L* = {l_star:.4f} at C = {c_star:.3g}; looping (K >= 2, WD-tuned per size) "
-                 + (f"reaches it at C = {reach:.3g}: {ratio:.2f}x less compute [95% band {_fmt(lo, '.2f')}, "
-                    f"{_fmt(hi, '.2f')}; reached in {reached:.2f} of the draws] ([X]: 2.2x)"
+    reached = float(np.mean(np.isfinite(draws_ratio))) if n_boot else float("nan")
+    first_point = any(reach == min(c for c, _ in p) for k, p in frontier.items() if k > 1)
+    lines.append(f"best WD-tuned K = 1 loss L* = {l_star:.4f} at C* = {c_star:.3g}; looping (K >= 2, WD-tuned per size) "
+                 + (f"reaches it at C = {reach:.3g}{' (its smallest size: an upper bound)' if first_point else ''}: "
+                    f"C* / C = {ratio:.2f} [95% band {_fmt(lo, '.2f')}, {_fmt(hi, '.2f')}; reached in {reached:.2f} of "
+                    "the draws] (> 1: looping needs less compute; [X]: 2.2)"
                     if np.isfinite(reach) else "never reaches it in the measured range"))
     out.update(budgets=budgets, best_K=best, best_K_agree=share, best_K_grows=grows, best_K_grows_share=grow_share,
                L_star=l_star, C_star=c_star, loop_reach_C=reach, loop_compute_ratio=ratio, loop_ratio_band=[lo, hi])
-    # the best weight decay: stored parameters or executed depth?
+    return lines
+
+
+def repeat_wd_lines(grid, best_wd, wd_star, Ks, depths, out):
+    """Does the best weight decay follow stored parameters or executed depth? The regression over the points
+    whose optimum is inside what they tried, and WD* per K and depth."""
     inside = [(grid[k, d, best_wd[k, d]]["N_s"], grid[k, d, best_wd[k, d]]["executed"], wd_star[k, d][0])
               for k, d in wd_star if wd_star[k, d][1] == 0]
     reg = wd_regression(inside)
-    lines.append(f"best weight decay: log WD* = a + b log N_s + c log executed layers over the {len(inside)} (K, depth) "
-                 f"points whose optimum is inside the grid ({len(wd_star) - len(inside)} at an edge left out)")
+    lines = [f"best weight decay: log WD* = a + b log N_s + c log executed layers over the {len(inside)} (K, depth) "
+             f"points whose optimum is inside what they tried ({len(wd_star) - len(inside)} at an edge left out)"]
     if reg is None:
         lines.append("  too few points inside the grid (or stored and executed depth not separable): undecided")
     else:
@@ -1735,12 +1751,12 @@ def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
         lines.append(f"  b (stored) = {b:.2f} +- {sb:.2f}, c (executed) = {c:.2f} +- {sc:.2f} ([X]: WD* follows stored "
                      "parameters: b > 0, c ~ 0)")
         out["wd_regression"] = dict(b_stored=b, c_executed=c, b_se=sb, c_se=sc, points=len(inside))
+    mark = lambda e: "<" if e < 0 else ">" if e > 0 else ""  # noqa: E731
     lines.append("  WD* by K (rows) and stored depth (columns): " + "; ".join(
-        f"K={k}: " + " ".join(f"{('<' if wd_star[k, d][1] < 0 else '>' if wd_star[k, d][1] > 0 else '')}"
-                              f"{wd_star[k, d][0]:.3g}" if (k, d) in wd_star else "-" for d in depths) for k in Ks))
+        f"K={k}: " + " ".join(f"{mark(wd_star[k, d][1])}{wd_star[k, d][0]:.3g}" if (k, d) in wd_star else "-"
+                              for d in depths) for k in Ks))
     out["wd_star"] = {f"K{k}-d{d}": dict(wd=v[0], edge=v[1]) for (k, d), v in wd_star.items()}
-    figures = dict(frontier=frontier, pts=pts, l_star=l_star, grid=grid, Ks=Ks, depths=depths, wds=wds, wd_star=wd_star)
-    return "\n".join(lines), out, figures
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------------

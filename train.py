@@ -393,8 +393,7 @@ def grow_during_training(model, optimizers, config, device, world, use_bf16, log
 
 
 def train(overrides=None):
-    """Run one training run in this process. overrides: {setting: value} on top of the defaults (and, with
-    init_from / resume, on top of the checkpoint's own settings). Returns a summary dict."""
+    """One run in this process: overrides {setting: value} over the defaults (or the checkpoint's) -> its summary."""
     values, source, notes = rundir.resolve_run(SETTINGS, dict(overrides or {}))
     config, model_config = SETTINGS.build(TrainConfig, values), SETTINGS.build(ModelConfig, values)
     rank, world, device = distributed.setup(config.device, config.parallel, config.collective_timeout_s)

@@ -168,3 +168,18 @@ def test_smelt_cpu_mini_design_on_the_plan():
     assert max(F) / min(F) >= 10
     sweep, _ = ladder.build(preset)
     assert {s.arch for s in sweep} == {"baseline", "smelt"} and preset["bootstrap"] >= 1000
+
+
+def test_repeat_recipe_is_operator1s():
+    """x-cpu-repeat's Operator-1 settings are config/x_d8_operator1.py's (the recipe x-cpu-mini reads)."""
+    model, training, fractions = ladder.x_recipe("operator-1")
+    for key, value in ladder.X_OPERATOR1.items():
+        if key in model:
+            assert model[key] == value, key
+    for key, value in ladder.X_OPERATOR1_TRAIN.items():
+        if key in fractions:  # a step count: a fraction of the run
+            assert fractions[key] * 100 == value, key
+            continue
+        assert list(training[key]) == value if isinstance(value, list) else training[key] == value, key
+    assert fractions["warmup_steps"] == 0 and ladder.X_GLR_TIED == pytest.approx(
+        {k: training[k] / training["matrix_lr"] for k in ("embedding_lr", "unembedding_lr")})
