@@ -215,7 +215,8 @@ PRESETS = {
         train=dict(optimizer="adamw", batch_size=16, warmup_steps=20, eval_tokens=1 << 15, branch_data_fraction=0.2),
         branch_tpp=[3, 6, 12], decay_share=0.2, seeds=SEEDS[:2],
         lr_sweep=dict(key="adamw_matrix_lr", values=[1.5e-3, 3e-3, 6e-3]),
-        bootstrap=2000, seed=1337, threads=1, workers=2),
+        bootstrap=2000, seed=1337, threads=1, workers=2,
+        budget="written before the run: 114 runs, 6.6e13 FLOPs, about 55 min on 2 workers, at most 90"),
     "smelt-cpu-mini-v1": dict(  # the first design (its run: docs/ladder/smelt-cpu-mini-v1-*), kept to rebuild that report
         kind="smelt", about="smelt-cpu-mini's first design: 3 scales x 2 sparsities, 3 decay branches, 3 baseline seeds",
         data=dict(tokenizer="gpt2-257"),
@@ -250,7 +251,7 @@ PRESETS = {
         archs=X_ARCHS, recipes=True, tpp_stored=X_TPP_STORED, lr_beta=X_LR_BETA, grow_to=4, rewarm_fraction=0.02,
         train=dict(batch_size=16, eval_tokens=1 << 15, branch_data_fraction=0.0), seeds=SEEDS, seed_every_arch=True,
         lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04, 0.08], seeds=2), multipliers="interpolated", seed=1337,
-        threads=1, workers=2),
+        threads=1, workers=2, budget="written before the run: 96 runs, 6.3e13 FLOPs, about 30 min on 2 workers, at most 60"),
     "x-cpu-mini-v1": dict(  # the first design (its run: docs/ladder/x-cpu-mini-v1-*), kept to rebuild that report
         kind="x", about="x-cpu-mini's first design: 6 architectures x depths 3..6 at width 12 x depth, TPP 10 each, "
                         "3 Vanilla seeds",
@@ -278,7 +279,8 @@ PRESETS = {
         train=dict(X_OPERATOR1_TRAIN, batch_size=16, muon_momentum_warmup=75, eval_tokens=1 << 15),
         lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04, 0.08], tied=X_GLR_TIED, weight_decay=0.8),
         lr_scaling_beta=-0.6, weight_decays=[0.4, 0.8, 1.6, 3.2], seeds=SEEDS, seeded_passes=[1, 4], seed=1337,
-        bootstrap=400, threads=1, workers=2),
+        bootstrap=400, threads=1, workers=2,
+        budget="written before the run: 82 runs (plus bracketing), 1.75e14 FLOPs, about 57 min on 2 workers, at most 75"),
     "x-gpu-1node": dict(
         kind="x", about="one 8-GPU node (documented, not run): the paper's width 128 x depth, d6..d10",
         model=dict(dict(vocab_size=50304, eot_token=50256) | X_MODEL, block_size=2048), depths=[6, 7, 8, 9, 10],
@@ -1834,12 +1836,13 @@ def describe_presets(as_json=False):
             records = plan_records(preset, specs, world)
             flops = sum(r["flops"] or 0 for r in records if r["role"] != "branch") + \
                 sum(s.meta["F"] * s.settings["decay_tokens"] for s in specs if s.role == "branch")
-            presets[name] = dict(about=preset["about"], runs=records, flops=flops)
+            presets[name] = dict(about=preset["about"], runs=records, flops=flops, budget=preset.get("budget"))
             tpps = [r["tpp"] for r in records if r["tpp"]]
             epochs = [r["epochs"] for r in records if r["epochs"] is not None]
             what = (f"{len(specs)} runs, {flops:.2e} FLOPs" + (f" on {world} GPUs" if world > 1 else "")
                     + (f", TPP {min(tpps):.3g}..{max(tpps):.3g}" if tpps else "")
-                    + (f", epochs <= {max(epochs):.2f}" if epochs else ""))
+                    + (f", epochs <= {max(epochs):.2f}" if epochs else "")
+                    + (f" ({preset['budget']})" if preset.get("budget") else ""))
         except ValueError as e:
             what = f"not buildable: {e}"
             presets[name] = dict(about=preset["about"], error=str(e))

@@ -122,6 +122,9 @@ def test_cpu_repeat_design_on_the_plan():
     listing = json.loads(ladder.describe_presets(as_json=True))["presets"]["x-cpu-repeat"]
     runs = listing["runs"]
     assert listing["flops"] == pytest.approx(sum(r["flops"] for r in runs)) and len(runs) == 82
+    presets = json.loads(ladder.describe_presets(as_json=True))["presets"]
+    for name in ("x-cpu-repeat", "x-cpu-mini", "smelt-cpu-mini"):  # the budget written before the run
+        assert presets[name]["budget"].startswith("written before the run: ") and "min on 2 workers" in presets[name]["budget"]
     assert all(9.9 < r["epochs"] < 10.1 for r in runs)
     grid = [r for r in runs if r["role"] == "run"]
     assert len(grid) == len(preset["passes"]) * len(preset["depths"]) * len(preset["weight_decays"]) - 1  # 1: swept
