@@ -165,8 +165,8 @@ X_GLR_TIED = dict(embedding_lr=0.905096679919, unembedding_lr=0.08)
 X_ARCHS = ("vanilla", "operator-1", "loop-2", "untied-2", "loop-grow", "untied-grow")
 SEEDS = [1337, 1338, 1339]  # the reference architecture runs all; the others the first
 # each [X] architecture's own recipe: config/x_d8_*.py (the [X] code's ladder scripts, d8 rows)
-X_RECIPES = {"vanilla": "x_d8_vanilla", "operator-1": "x_d8_operator1", "loop-2": "x_d8_loop2", "untied-2": "x_d8_untied2",
-             "loop-grow": "x_d8_loop_grow", "untied-grow": "x_d8_untied_grow"}
+X_RECIPES = {"vanilla": "x_d8_vanilla", "operator-1": "x_d8_operator1", "loop-2": "x_d8_loop2",
+             "untied-2": "x_d8_untied2", "loop-grow": "x_d8_loop_grow", "untied-grow": "x_d8_untied_grow"}
 # [X] Table 9, read off the [X] code's ladder scripts: tokens per stored parameter (train-token-limit / N_s) and
 # the [X16] LR exponent (the d6 -> d8 ratio of their LRs over that of N_s)
 X_TPP_STORED = {"vanilla": 5.05, "operator-1": 6.06, "loop-2": 6.06, "untied-2": 6.06, "loop-grow": 6.6,
@@ -217,8 +217,9 @@ PRESETS = {
         lr_sweep=dict(key="adamw_matrix_lr", values=[1.5e-3, 3e-3, 6e-3]),
         bootstrap=2000, seed=1337, threads=1, workers=2,
         budget="written before the run: 114 runs, 6.6e13 FLOPs, about 55 min on 2 workers, at most 90"),
-    "smelt-cpu-mini-v1": dict(  # the first design (its run: docs/ladder/smelt-cpu-mini-v1-*), kept to rebuild that report
-        kind="smelt", about="smelt-cpu-mini's first design: 3 scales x 2 sparsities, 3 decay branches, 3 baseline seeds",
+    "smelt-cpu-mini-v1": dict(  # the first design (its run: docs/ladder/smelt-cpu-mini-v1-*), kept for its report
+        kind="smelt", about="smelt-cpu-mini's first design: 3 scales x 2 sparsities, 3 decay branches, "
+                            "3 baseline seeds",
         data=dict(tokenizer="gpt2-257"),
         model=dict(BYTES | SMELT_MODEL, head_dim=8, block_size=256),
         # compute-active non-embedding params 33k / 75k / 130k, F 5.5e5 / 8.4e5 / 1.2e6 FLOPs per token
@@ -251,7 +252,8 @@ PRESETS = {
         archs=X_ARCHS, recipes=True, tpp_stored=X_TPP_STORED, lr_beta=X_LR_BETA, grow_to=4, rewarm_fraction=0.02,
         train=dict(batch_size=16, eval_tokens=1 << 15, branch_data_fraction=0.0), seeds=SEEDS, seed_every_arch=True,
         lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04, 0.08], seeds=2), multipliers="interpolated", seed=1337,
-        threads=1, workers=2, budget="written before the run: 96 runs, 6.3e13 FLOPs, about 30 min on 2 workers, at most 60"),
+        threads=1, workers=2,
+        budget="written before the run: 96 runs, 6.3e13 FLOPs, about 30 min on 2 workers, at most 60"),
     "x-cpu-mini-v1": dict(  # the first design (its run: docs/ladder/x-cpu-mini-v1-*), kept to rebuild that report
         kind="x", about="x-cpu-mini's first design: 6 architectures x depths 3..6 at width 12 x depth, TPP 10 each, "
                         "3 Vanilla seeds",
@@ -280,7 +282,8 @@ PRESETS = {
         lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04, 0.08], tied=X_GLR_TIED, weight_decay=0.8),
         lr_scaling_beta=-0.6, weight_decays=[0.4, 0.8, 1.6, 3.2], seeds=SEEDS, seeded_passes=[1, 4], seed=1337,
         bootstrap=400, threads=1, workers=2,
-        budget="written before the run: 82 runs (plus bracketing), 1.75e14 FLOPs, about 57 min on 2 workers, at most 75"),
+        budget="written before the run: 82 runs (plus bracketing), 1.75e14 FLOPs, about 57 min on 2 workers, "
+               "at most 75"),
     "x-gpu-1node": dict(
         kind="x", about="one 8-GPU node (documented, not run): the paper's width 128 x depth, d6..d10",
         model=dict(dict(vocab_size=50304, eot_token=50256) | X_MODEL, block_size=2048), depths=[6, 7, 8, 9, 10],
@@ -1083,8 +1086,9 @@ def _fmt(v, spec):
 
 # what a ladder point sets itself (sizes, data, the run's length, the growth step); the recipe's other
 # step counts become fractions of the run (RECIPE_FRACTIONS)
-RECIPE_OWN = {"vocab_size", "n_logits", "eot_token", "block_size", "n_layer", "n_embd", "n_head", "head_dim", "n_prelude",
-              "n_core", "n_coda", "data_dir", "run_name", "batch_size", "grad_accum", "max_steps", "eval_interval", "grow_at"}
+RECIPE_OWN = {"vocab_size", "n_logits", "eot_token", "block_size", "n_layer", "n_embd", "n_head", "head_dim",
+              "n_prelude", "n_core", "n_coda", "data_dir", "run_name", "batch_size", "grad_accum", "max_steps",
+              "eval_interval", "grow_at"}
 RECIPE_FRACTIONS = ("warmup_steps", "muon_momentum_warmup", "grow_rewarm_steps")
 
 
@@ -1095,8 +1099,8 @@ def x_recipe(arch):
     given = {k: v for k, v in train.SETTINGS.parse([path]).items() if k not in RECIPE_OWN}
     fractions = {k: given.pop(k) / train.SETTINGS.parse([path])["max_steps"] for k in RECIPE_FRACTIONS if k in given}
     model_keys = {f.name for f in fields(ModelConfig)}
-    return ({k: v for k, v in given.items() if k in model_keys}, {k: v for k, v in given.items() if k not in model_keys},
-            fractions)
+    return ({k: v for k, v in given.items() if k in model_keys},
+            {k: v for k, v in given.items() if k not in model_keys}, fractions)
 
 
 def x_config(preset, arch, depth):
@@ -1150,7 +1154,8 @@ def x_lr_settings(preset, arch, key, value):
     if not preset.get("recipes"):
         return {key: value}
     _, recipe, _ = x_recipe(arch)
-    return {key: value, **{k: float(f"{value * recipe[k] / recipe[key]:.12g}") for k in ("embedding_lr", "unembedding_lr")}}
+    return {key: value, **{k: float(f"{value * recipe[k] / recipe[key]:.12g}")
+                           for k in ("embedding_lr", "unembedding_lr")}}
 
 
 def growth_plan(preset, cfg, tokens, steps):
@@ -1363,8 +1368,9 @@ def lr_confound_lines(preset, archs, lrs, ref):
     if not key or not lrs:
         return []
     if preset.get("lr_beta"):
-        return [f"  each LR is the mean-best over {preset['lr_sweep'].get('seeds', 1)} seeds at d{preset['depths'][0]}, "
-                "carried up by [X16] LR x (N_s / N_s,d%d)^beta with each architecture's [X] beta: " % preset["depths"][0]
+        first = preset["depths"][0]
+        return [f"  each LR is the mean-best over {preset['lr_sweep'].get('seeds', 1)} seeds at d{first}, carried up "
+                f"by [X16] LR x (N_s / N_s,d{first})^beta with each architecture's [X] beta: "
                 + ", ".join(f"{a} {lrs[a]:g} (beta {preset['lr_beta'][a]:g})" for a in archs if a in lrs)]
     others = [a for a in archs if a != ref]
     return [f"  every LR is tuned at d{preset['depths'][0]} only and carried up unchanged (no [X16] rule): "
@@ -1414,7 +1420,8 @@ def multiplier_lines(mult, bands, ref, ref_C, out, show_fitted=True):
                                 measured_hi=_finite(mhi), within_noise=within_noise(lo, hi, 1.0),
                                 measured_within_noise=within_noise(mlo, mhi, 1.0) if _finite(measured[i]) else None,
                                 extrapolated=bool(extrapolated[i])))
-        for name, key, mark in (("interpolated", "measured", None), ("fitted", "fitted", extrapolated))[:2 if show_fitted else 1]:
+        kinds = (("interpolated", "measured", None), ("fitted", "fitted", extrapolated))
+        for name, key, mark in kinds[:2 if show_fitted else 1]:
             cells = []
             for i, r in enumerate(records):
                 value, lo, hi = r[key], r[f"{key}_lo"], r[f"{key}_hi"]
@@ -1532,7 +1539,8 @@ def repeat_seed_specs(preset, data, lrs, results, world=None):
                 return None
             else:
                 wd = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta["wd"]
-            specs += [repeat_spec(preset, data, k, d, wd, lrs["k1"], seed, "seed", world) for seed in preset["seeds"][1:]]
+            specs += [repeat_spec(preset, data, k, d, wd, lrs["k1"], seed, "seed", world)
+                      for seed in preset["seeds"][1:]]
     return specs
 
 
@@ -1623,22 +1631,23 @@ def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
     whether it grows with compute, the compute at which looping reaches the best WD-tuned K = 1 loss, and
     whether the best weight decay follows stored parameters or executed depth; bands from a seed bootstrap."""
     U, epochs = preset["unique_tokens"], preset["epochs"]
-    lines = [f"== {preset['name']}: [X] data-constrained: {U:,} unique tokens x {epochs} epochs per run, the Operator-1 "
-             f"family (K = passes of a tied core) at width {preset['width_per_depth']} x stored depth"]
+    lines = [f"== {preset['name']}: [X] data-constrained: {U:,} unique tokens x {epochs} epochs per run, the "
+             f"Operator-1 family (K = passes of a tied core) at width {preset['width_per_depth']} x stored depth"]
     out = {"preset": preset["name"], "points": rows}
     if sweep:
         lines += sweep[0]
         out["lr_sweep"] = sweep[1]
-        lines.append(f"  the carried LR scales by [X16] with beta {preset['lr_scaling_beta']:g} (the [X] code's Operator-1 "
-                     f"ladder) from d{preset['depths'][0]}; embedding / lm head LRs keep [X]'s ratios to it")
+        lines.append(f"  the carried LR scales by [X16] with beta {preset['lr_scaling_beta']:g} (the [X] code's "
+                     f"Operator-1 ladder) from d{preset['depths'][0]}; embedding / lm head LRs keep [X]'s ratios to it")
     first = [r for r in rows if r["role"] != "seed" and r["seed"] == preset["seeds"][0]]
     if not first:
         lines.append("no finished runs yet")
         return "\n".join(lines), out, None
     Ks, depths = sorted({r["K"] for r in first}), sorted({r["depth"] for r in first})
     wds = sorted({r["wd"] for r in first})
+    C = [r["C"] for r in rows]
     lines.append(f"epochs read {min(r['epochs'] for r in rows):.2f}..{max(r['epochs'] for r in rows):.2f}; tokens per "
-                 f"run {rows[0]['D']:,}; training FLOPs {min(r['C'] for r in rows):.3g}..{max(r['C'] for r in rows):.3g}")
+                 f"run {rows[0]['D']:,}; training FLOPs {min(C):.3g}..{max(C):.3g}")
     grid = {(r["K"], r["depth"], r["wd"]): r for r in first}
     table, best_wd, wd_star = repeat_wd_table(grid, Ks, depths, wds)
     lines += table
@@ -1647,14 +1656,15 @@ def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
         reps = [r for r in rows if r["K"] == k and r["depth"] == d and r["wd"] == w]
         pts[k, d] = (float(np.mean([r["C"] for r in reps])), [r["loss"] for r in reps])
     spreads = [(len(v), np.std(v, ddof=1)) for _, v in pts.values() if len(v) > 1]
-    sigma = float(np.sqrt(sum((n - 1) * s ** 2 for n, s in spreads) / sum(n - 1 for n, _ in spreads))) if spreads else 0.0
+    dof = sum(n - 1 for n, _ in spreads)
+    sigma = float(np.sqrt(sum((n - 1) * s ** 2 for n, s in spreads) / dof)) if spreads else 0.0
     out["seed_spread"] = dict(pooled_std=sigma, points=len(spreads))
-    lines.append(f"frontier: each K at its best weight decay per stored depth (mean over seeds; n = seeds); pooled seed "
-                 f"std {sigma:.4f} nats over {len(spreads)} points with several seeds")
+    lines.append(f"frontier: each K at its best weight decay per stored depth (mean over seeds; n = seeds); pooled "
+                 f"seed std {sigma:.4f} nats over {len(spreads)} points with several seeds")
     lines.append(f"  {'K':>2} " + " ".join(f"{f'd{d} C':>9} {'loss':>6} {'n':>1}" for d in depths))
     for k in Ks:
-        cells = [f"{pts[k, d][0]:9.3g} {np.mean(pts[k, d][1]):6.4f} {len(pts[k, d][1])}" if (k, d) in pts else f"{'-':>18}"
-                 for d in depths]
+        cells = [f"{pts[k, d][0]:9.3g} {np.mean(pts[k, d][1]):6.4f} {len(pts[k, d][1])}" if (k, d) in pts
+                 else f"{'-':>18}" for d in depths]
         lines.append(f"  {k:>2} " + " ".join(cells))
     frontier = {k: [(pts[k, d][0], float(np.mean(pts[k, d][1]))) for d in depths if (k, d) in pts] for k in Ks}
     out["frontier"] = {str(k): v for k, v in frontier.items()}
@@ -1685,7 +1695,8 @@ def repeat_wd_table(grid, Ks, depths, wds):
             ref = grid[k, d, bw]
             train_loss = ref["train_loss"] if ref.get("train_loss") is not None else float("nan")
             lines.append(f"  {k:>2} {d:>5} {ref['N_s']:>8,} {ref['executed']:>4} " +
-                         " ".join(f"{c['loss']:8.4f}{'*' if c['wd'] == bw else ' '}" if c else f"{'-':>9}" for c in cells)
+                         " ".join(f"{c['loss']:8.4f}{'*' if c['wd'] == bw else ' '}" if c else f"{'-':>9}"
+                                  for c in cells)
                          + f" {('<' if edge < 0 else '>' if edge > 0 else '') + format(x, '.3g'):>8} "
                            f"{train_loss:7.4f} {ref['loss'] - train_loss:7.4f}")
     lines.append("  train = the mean training loss of the run's last tenth (on the repeated data), gap = val - train "
@@ -1728,7 +1739,8 @@ def repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out):
               else (float("nan"), float("nan")))
     reached = float(np.mean(np.isfinite(draws_ratio))) if n_boot else float("nan")
     first_point = any(reach == min(c for c, _ in p) for k, p in frontier.items() if k > 1)
-    lines.append(f"best WD-tuned K = 1 loss L* = {l_star:.4f} at C* = {c_star:.3g}; looping (K >= 2, WD-tuned per size) "
+    lines.append(f"best WD-tuned K = 1 loss L* = {l_star:.4f} at C* = {c_star:.3g}; looping (K >= 2, WD-tuned per "
+                 "size) "
                  + (f"reaches it at C = {reach:.3g}{' (its smallest size: an upper bound)' if first_point else ''}: "
                     f"C* / C = {ratio:.2f} [95% band {_fmt(lo, '.2f')}, {_fmt(hi, '.2f')}; reached in {reached:.2f} of "
                     "the draws] (> 1: looping needs less compute; [X]: 2.2)"
@@ -1794,7 +1806,7 @@ def full_plan(preset, data=None, world=None):
     if preset.get("lr_sweep") is None:
         return sweep, cells
     key, values = sweep_values(preset)
-    archs = preset["archs"] if preset["kind"] == "x" else ("baseline", "smelt") if preset["kind"] == "smelt" else ("k1",)
+    archs = {"x": preset.get("archs"), "smelt": ("baseline", "smelt")}.get(preset["kind"], ("k1",))
     lrs = {a: values[len(values) // 2] for a in archs}
     rest, _ = build(preset, data, lrs=lrs, world=world)
     if preset["kind"] == "repeat":  # the extra seeds at the middle weight decay (their budget does not depend on it)

@@ -24,14 +24,16 @@ def quiet(*args, **kwargs):
 def test_unique_tokens_reads_only_them_for_many_epochs(tmp_path, capsys):
     base = dict(n_layer=1, n_embd=16, n_head=2, n_expert=0, layout="plain", n_loops=1, vocab_size=257, eot_token=256,
                 block_size=16, batch_size=4, max_steps=30, eval_interval=30, eval_tokens=256, progress=False,
-                sample=False, out_dir=str(tmp_path), data_dir=ladder.data_plan(ladder.get_preset("x-repeat-micro")).data_dir)
+                sample=False, out_dir=str(tmp_path),
+                data_dir=ladder.data_plan(ladder.get_preset("x-repeat-micro")).data_dir)
     summary = train.train(dict(base, run_name="u", unique_tokens=500))
     lo, hi = summary["data_read"]
     assert lo == 0 and hi <= 500  # every window inside the first 500 tokens
     log = [json.loads(line) for line in open(os.path.join(tmp_path, "u", "log.jsonl"))]
     windows = (500 - 1) // 16
     assert log[-1]["epochs"] == pytest.approx(30 * 4 / windows)  # 30 steps of 4 windows over 31 windows
-    for bad, message in ((16, "unique_tokens=16: must be in [block_size + 1"), (10 ** 9, "unique_tokens=1,000,000,000")):
+    for bad, message in ((16, "unique_tokens=16: must be in [block_size + 1"),
+                         (10 ** 9, "unique_tokens=1,000,000,000")):
         err = one_line_error(train.main, [f"--unique_tokens={bad}", "--n_expert=0", "--max_steps=1", "--vocab_size=257",
                                           "--eot_token=256", f"--data_dir={base['data_dir']}", "--block_size=16",
                                           f"--out_dir={tmp_path}", "--run_name=bad", "--progress=False"],
@@ -54,7 +56,8 @@ def test_repeat_micro_end_to_end(repeat_micro):
     step_tokens = ladder.tokens_per_step(preset)
     steps = math.ceil(preset["epochs"] * preset["unique_tokens"] / step_tokens)
     for r in rows:  # every run: epochs x the unique tokens (whole steps), reading only those tokens
-        assert r["D"] == steps * step_tokens and r["epochs"] == pytest.approx(steps * step_tokens / preset["unique_tokens"])
+        assert r["D"] == steps * step_tokens
+        assert r["epochs"] == pytest.approx(steps * step_tokens / preset["unique_tokens"])
         result = json.load(open(os.path.join(out, "runs", r["run_id"], "result.json")))
         assert result["data_read"][1] <= preset["unique_tokens"]
         assert result["settings"]["weight_decay"] == result["settings"]["embedding_weight_decay"] == r["wd"]
@@ -124,7 +127,8 @@ def test_cpu_repeat_design_on_the_plan():
     assert listing["flops"] == pytest.approx(sum(r["flops"] for r in runs)) and len(runs) == 82
     presets = json.loads(ladder.describe_presets(as_json=True))["presets"]
     for name in ("x-cpu-repeat", "x-cpu-mini", "smelt-cpu-mini"):  # the budget written before the run
-        assert presets[name]["budget"].startswith("written before the run: ") and "min on 2 workers" in presets[name]["budget"]
+        budget = presets[name]["budget"]
+        assert budget.startswith("written before the run: ") and "min on 2 workers" in budget
     assert all(9.9 < r["epochs"] < 10.1 for r in runs)
     grid = [r for r in runs if r["role"] == "run"]
     assert len(grid) == len(preset["passes"]) * len(preset["depths"]) * len(preset["weight_decays"]) - 1  # 1: swept
