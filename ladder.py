@@ -1711,7 +1711,7 @@ def repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out):
     budgets = np.geomspace(min(allC), max(allC), 9)
     best, l_star, c_star, reach = repeat_analysis(frontier, budgets)
     rng = np.random.default_rng(seed)
-    draws_best, draws_ratio = [], []
+    draws_best, draws_ratio, draws_frontier = [], [], []
     for _ in range(n_boot):
         f = {}
         for (k, d), (c, losses) in sorted(pts.items()):
@@ -1720,6 +1720,7 @@ def repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out):
                 float(v[0] + sigma * rng.standard_normal())
             f.setdefault(k, []).append((c, mean))
         b, _, cs, re = repeat_analysis(f, budgets)
+        draws_frontier.append(f)
         draws_best.append(b)
         draws_ratio.append(cs / re)
     share = [float(np.mean([db[i] == best[i] for db in draws_best])) if n_boot else float("nan")
@@ -1729,11 +1730,21 @@ def repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out):
              "  budget  " + " ".join(f"{b:>8.3g}" for b in budgets),
              "  best K  " + " ".join(f"{'-' if k is None else k:>8}" for k in best),
              "  agree   " + " ".join(f"{s:>8.2f}" for s in share)]
-    ends = lambda b: [k for k in b if k is not None]  # noqa: E731
-    grows = ends(best)[-1] > ends(best)[0]
-    grow_share = float(np.mean([ends(db)[-1] > ends(db)[0] for db in draws_best])) if n_boot else float("nan")
-    lines.append(f"  the best K {'grows' if grows else 'does not grow'} with compute: {ends(best)[0]} at the smallest "
-                 f"budget, {ends(best)[-1]} at the largest (it grows in {grow_share:.2f} of the draws)")
+    # from the smallest budget at which two K are affordable (below it K = 1 wins by being the only one)
+    start = next((i for i, b in enumerate(budgets) if sum(np.isfinite(envelope(p, b)) for p in frontier.values()) > 1),
+                 len(budgets) - 1)
+    grows = best[-1] > best[start]
+    grow_share = float(np.mean([db[-1] > db[start] for db in draws_best])) if n_boot else float("nan")
+    lines.append(f"  the best K {'grows' if grows else 'does not grow'} with compute: {best[start]} at {budgets[start]:.3g} "
+                 f"(the smallest budget at which two K are affordable), {best[-1]} at the largest (it grows in "
+                 f"{grow_share:.2f} of the draws)")
+    lowest = {k: min(L for _, L in p) for k, p in frontier.items()}
+    draws_low = {k: [min(L for _, L in draw[k]) for draw in draws_frontier]
+                 for k in frontier}
+    lines.append("  the lowest loss each K reaches (its best stored size) [95% band]: " + ", ".join(
+        f"K={k} {v:.4f} [{_fmt(np.percentile(draws_low[k], 2.5) if n_boot else None, '.4f')}, "
+        f"{_fmt(np.percentile(draws_low[k], 97.5) if n_boot else None, '.4f')}]" for k, v in lowest.items()))
+    out["lowest_loss"] = {str(k): v for k, v in lowest.items()}
     ratio = c_star / reach
     lo, hi = (np.nanpercentile(draws_ratio, [2.5, 97.5]) if n_boot and np.isfinite(draws_ratio).any()
               else (float("nan"), float("nan")))

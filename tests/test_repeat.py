@@ -5,6 +5,7 @@ report, figures) and its report rebuilds from runs.csv byte for byte; the analys
 from synthetic ladders; the cpu-mini designs keep their principles on the plan, before anything trains."""
 
 import json
+import re
 import math
 import os
 import shutil
@@ -190,3 +191,16 @@ def test_repeat_recipe_is_operator1s():
         assert list(training[key]) == value if isinstance(value, list) else training[key] == value, key
     assert fractions["warmup_steps"] == 0 and ladder.X_GLR_TIED == pytest.approx(
         {k: training[k] / training["matrix_lr"] for k in ("embedding_lr", "unembedding_lr")})
+
+
+def test_committed_repeat_report_rebuilds_from_its_csv(tmp_path):
+    """docs/ladder/x-cpu-repeat-report.txt is what `ladder.py --from-csv docs/ladder/x-cpu-repeat-runs.csv`
+    writes (bootstrap bands masked: their last digit is the CPU's), and says what the README quotes."""
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ladder")
+    for name in ("runs.csv", "lr_sweep.csv"):
+        shutil.copy(os.path.join(docs, f"x-cpu-repeat-{name}"), tmp_path / f"x-cpu-repeat-{name}")
+    report = ladder.rereport("x-cpu-repeat", str(tmp_path / "x-cpu-repeat-runs.csv"), log=quiet)
+    text = (tmp_path / "x-cpu-repeat-report.txt").read_text()
+    mask = lambda t: re.sub(r"\[[-+0-9.,e ]*\]|\[95% band [^;]*;|agree .*|in [01]\.[0-9]+ of the draws", "", t)  # noqa: E731
+    assert mask(text) == mask(open(os.path.join(docs, "x-cpu-repeat-report.txt")).read())
+    assert report["wd_regression"]["points"] == 16 and report["best_K"][-1] == 4 and report["best_K_grows"]
