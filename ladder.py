@@ -1263,11 +1263,20 @@ def multipliers(runs, fits, ref, ref_C, ref_L):
     return out
 
 
+def depth_means(points):
+    """(C, L) of an architecture's points (C, L, depth), one mean per depth: an interpolated multiplier
+    reads a seed-averaged curve (two seeds at one compute would otherwise make a crossing of their own)."""
+    depths = sorted({d for *_, d in points})
+    return (np.array([np.mean([c for c, _, dd in points if dd == d]) for d in depths]),
+            np.array([np.mean([l for _, l, dd in points if dd == d]) for d in depths]))
+
+
 def multiplier_bootstrap(points, ref, sigma, n_draws=400, seed=0):
     """95% bands of the multipliers from the measured noise: each draw resamples the reference's seeds
-    at every depth (with replacement) and moves every other architecture's loss by N(0, sigma^2)
-    (sigma: the reference's pooled seed spread), refits, and recomputes both multipliers at the
-    reference's mean budgets. Returns (budgets, {arch: {"measured": (lo, hi), "fitted": (lo, hi)}})."""
+    at every depth (with replacement); another architecture's seeds are resampled alike where it has
+    several at a depth, otherwise its loss moves by N(0, sigma^2) (sigma: the reference's pooled seed
+    spread); then it refits and recomputes both multipliers (from the per-depth means) at the reference's
+    mean budgets. Returns (budgets, {arch: {"measured": (lo, hi), "fitted": (lo, hi)}})."""
     rng = np.random.default_rng(seed)
     ref_by_depth = {}
     for C, L, depth in points[ref]:
@@ -1279,16 +1288,25 @@ def multiplier_bootstrap(points, ref, sigma, n_draws=400, seed=0):
         chosen = {d: [reps[i] for i in rng.integers(len(reps), size=len(reps))] for d, reps in ref_by_depth.items()}
         runs = {ref: (np.array([c for d in depths for c, _ in chosen[d]]),
                       np.array([l for d in depths for _, l in chosen[d]]))}
+        drawn = {ref: [(c, l, d) for d in depths for c, l in chosen[d]]}
         for a, pts in points.items():
-            if a != ref:
+            if a == ref:
+                continue
+            if len({d for *_, d in pts}) == len(pts):  # one seed per depth: moved by the reference's spread
                 runs[a] = (np.array([c for c, _, _ in pts]), np.array([l for _, l, _ in pts]) +
                            sigma * rng.standard_normal(len(pts)))
+                drawn[a] = list(zip(runs[a][0], runs[a][1], [d for *_, d in pts]))
+            else:  # its own seeds resampled at every depth
+                drawn[a] = [p for d in sorted({d for *_, d in pts}) for reps in [[q for q in pts if q[2] == d]]
+                            for p in (reps[i] for i in rng.integers(len(reps), size=len(reps)))]
+                runs[a] = (np.array([c for c, _, _ in drawn[a]]), np.array([l for _, l, _ in drawn[a]]))
         try:
             fits = power_fits(runs, ref)
         except ValueError:
             continue
         ref_L = np.array([np.mean([l for _, l in chosen[d]]) for d in depths])
-        for a, (measured, fitted, _) in multipliers(runs, fits, ref, ref_C, ref_L).items():
+        means = {a: depth_means(p) for a, p in drawn.items()}
+        for a, (measured, fitted, _) in multipliers(means, fits, ref, ref_C, ref_L).items():
             draws[a][0].append(measured)
             draws[a][1].append(fitted)
     bands = {}
@@ -1356,7 +1374,7 @@ def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400, lrs=None):
     ref_C, bands = multiplier_bootstrap(points, ref, pooled or 0.0, n_draws=n_boot if pooled else 0,
                                         seed=preset.get("seed", 0))
     ref_L = np.array([np.mean([l for c, l, d in points[ref] if d == dep]) for dep in depths])
-    mult = multipliers(runs, fits, ref, ref_C, ref_L)
+    mult = multipliers({a: depth_means(p) for a, p in points.items()}, fits, ref, ref_C, ref_L)
     lines += multiplier_lines(mult, bands, ref, ref_C, out, show_fitted=preset.get("multipliers") != "interpolated")
     figures = dict(runs=runs, fits=fits, ref_C=ref_C, mult=mult, bands=bands)
     return "\n".join(lines), out, figures
@@ -1735,8 +1753,8 @@ def repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out):
                  len(budgets) - 1)
     grows = best[-1] > best[start]
     grow_share = float(np.mean([db[-1] > db[start] for db in draws_best])) if n_boot else float("nan")
-    lines.append(f"  the best K {'grows' if grows else 'does not grow'} with compute: {best[start]} at {budgets[start]:.3g} "
-                 f"(the smallest budget at which two K are affordable), {best[-1]} at the largest (it grows in "
+    lines.append(f"  the best K {'grows' if grows else 'does not grow'} with compute: {best[start]} at "
+                 f"{budgets[start]:.3g} (the smallest budget at which two K are affordable), {best[-1]} at the largest (it grows in "
                  f"{grow_share:.2f} of the draws)")
     lowest = {k: min(L for _, L in p) for k, p in frontier.items()}
     draws_low = {k: [min(L for _, L in draw[k]) for draw in draws_frontier]

@@ -204,3 +204,18 @@ def test_committed_repeat_report_rebuilds_from_its_csv(tmp_path):
     mask = lambda t: re.sub(r"\[[-+0-9.,e ]*\]|\[95% band [^;]*;|agree .*|in [01]\.[0-9]+ of the draws", "", t)  # noqa: E731
     assert mask(text) == mask(open(os.path.join(docs, "x-cpu-repeat-report.txt")).read())
     assert report["wd_regression"]["points"] == 16 and report["best_K"][-1] == 4 and report["best_K_grows"]
+
+
+def test_multipliers_read_seed_means_when_every_architecture_has_seeds():
+    """Two seeds at one compute must not make a crossing of their own: the interpolated multiplier reads
+    each architecture's per-depth means (1.91 at 1e12, 1.85 at 2e12 reach 1.90 at 1e12 x 2^(1/6))."""
+    ref = [(1e12, 1.95, 3), (1e12, 1.95, 3), (2e12, 1.90, 4), (2e12, 1.90, 4), (4e12, 1.85, 5), (4e12, 1.85, 5)]
+    arm = [(1e12, 1.93, 3), (1e12, 1.89, 3), (2e12, 1.86, 4), (2e12, 1.84, 4), (4e12, 1.80, 5), (4e12, 1.80, 5)]
+    C, L = ladder.depth_means(arm)
+    assert list(C) == [1e12, 2e12, 4e12] and L == pytest.approx([1.91, 1.85, 1.80])
+    measured = ladder.fit.compute_multiplier([2e12], [1.90], C, L)
+    assert measured[0] == pytest.approx(2 / 2 ** (1 / 6))
+    points = {"vanilla": ref, "b": arm}
+    _, bands = ladder.multiplier_bootstrap(points, "vanilla", 0.01, n_draws=50, seed=0)
+    lo, hi = bands["b"]["measured"]
+    assert lo[1] <= 2 / 2 ** (1 / 6) <= hi[1]
