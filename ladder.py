@@ -87,7 +87,7 @@ log executed layers ([X]: WD* follows stored parameters).
 
 Presets (python ladder.py --list prints each with its runs and planned compute):
   smelt-micro / x-micro     seconds; tests/test_ladder.py runs them end to end. Numbers mean nothing.
-  smelt-cpu-mini, x-cpu-mini   the miniatures above, two CPU workers (1 thread each), under an hour each;
+  smelt-cpu-mini, x-cpu-mini   the miniatures above, two CPU workers (1 thread each), about an hour each;
   *-v1                      their first designs, kept to rebuild the reports of their runs.
   x-repeat-micro / x-cpu-repeat   the data-constrained ladder: seconds (tests) / about an hour.
   smelt-gpu-1node/2node,    sized for one / two 8-GPU nodes (documented, not run here); they read
