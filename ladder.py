@@ -109,6 +109,7 @@ delete their own ckpt.pt when finished unless --keep-checkpoints (stable checkpo
 import argparse
 import collections
 import contextlib
+import functools
 import glob
 import json
 import math
@@ -1092,12 +1093,14 @@ RECIPE_OWN = {"vocab_size", "n_logits", "eot_token", "block_size", "n_layer", "n
 RECIPE_FRACTIONS = ("warmup_steps", "muon_momentum_warmup", "grow_rewarm_steps")
 
 
+@functools.lru_cache(maxsize=None)
 def x_recipe(arch):
     """(model settings, train settings, {step count: fraction of the run}) of an [X] architecture's own
-    recipe, read from config/X_RECIPES[arch].py as train.py reads it."""
+    recipe, read from config/X_RECIPES[arch].py as train.py reads it (once per process; callers only read)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", X_RECIPES[arch] + ".py")
-    given = {k: v for k, v in train.SETTINGS.parse([path]).items() if k not in RECIPE_OWN}
-    fractions = {k: given.pop(k) / train.SETTINGS.parse([path])["max_steps"] for k in RECIPE_FRACTIONS if k in given}
+    recipe = train.SETTINGS.parse([path])
+    given = {k: v for k, v in recipe.items() if k not in RECIPE_OWN}
+    fractions = {k: given.pop(k) / recipe["max_steps"] for k in RECIPE_FRACTIONS if k in given}
     model_keys = {f.name for f in fields(ModelConfig)}
     return ({k: v for k, v in given.items() if k in model_keys},
             {k: v for k, v in given.items() if k not in model_keys}, fractions)
@@ -1373,7 +1376,7 @@ def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400, lrs=None):
         out["fits"][a] = f.to_dict()
     ref_C, bands = multiplier_bootstrap(points, ref, pooled or 0.0, n_draws=n_boot if pooled else 0,
                                         seed=preset.get("seed", 0))
-    ref_L = np.array([np.mean([l for c, l, d in points[ref] if d == dep]) for dep in depths])
+    ref_L = depth_means(points[ref])[1]
     mult = multipliers({a: depth_means(p) for a, p in points.items()}, fits, ref, ref_C, ref_L)
     lines += multiplier_lines(mult, bands, ref, ref_C, out, show_fitted=preset.get("multipliers") != "interpolated")
     figures = dict(runs=runs, fits=fits, ref_C=ref_C, mult=mult, bands=bands)
@@ -1599,17 +1602,13 @@ def envelope(points, budget):
 
 
 def reach_compute(points, target):
-    """The least compute at which a family's envelope reaches loss <= target (log-C linear between
-    neighbouring sizes), or nan when it never does."""
-    pts = sorted(points)
-    if pts[0][1] <= target:
-        return pts[0][0]
-    for (c0, l0), (c1, l1) in zip(pts, pts[1:]):
-        if l1 <= target < l0:
-            return float(np.exp(np.log(c0) + (target - l0) / (l1 - l0) * (np.log(c1) - np.log(c0))))
-        if min(l0, l1) <= target:
-            return c1
-    return float("nan")
+    """The least compute at which a family's envelope reaches loss <= target: its smallest size's when that
+    is already there, else [X6]'s crossing (fit.compute_multiplier: log C linear between neighbouring
+    sizes, never extrapolated), nan when it never does."""
+    C, L = (np.array(v, dtype=float) for v in zip(*sorted(points)))
+    if L[0] <= target:
+        return float(C[0])
+    return float(1.0 / fit.compute_multiplier([1.0], [target], C, L)[0])
 
 
 def repeat_analysis(frontier, budgets):
