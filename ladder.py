@@ -1085,11 +1085,11 @@ def _fmt(v, spec):
 # [X] ladders
 
 
-# what a ladder point sets itself (sizes, data, the run's length, the growth step); the recipe's other
-# step counts become fractions of the run (RECIPE_FRACTIONS)
+# what a ladder point sets itself (sizes, data, the batch, the run's length and evals, the growth step); the
+# recipe's other step counts become fractions of the run (RECIPE_FRACTIONS)
 RECIPE_OWN = {"vocab_size", "n_logits", "eot_token", "block_size", "n_layer", "n_embd", "n_head", "head_dim",
-              "n_prelude", "n_core", "n_coda", "data_dir", "run_name", "batch_size", "grad_accum", "max_steps",
-              "eval_interval", "grow_at"}
+              "n_prelude", "n_core", "n_coda", "data_dir", "run_name", "batch_size", "grad_accum", "global_batch",
+              "max_steps", "eval_interval", "final_eval_tokens", "grow_at"}
 RECIPE_FRACTIONS = ("warmup_steps", "muon_momentum_warmup", "grow_rewarm_steps")
 
 

@@ -14,7 +14,7 @@ One ModelConfig is the single source of truth for a model's shape; match.py read
 """
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -126,11 +126,11 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, ctx)
         if ctx.cache is not None:  # one cache entry per *executed* block: each visit has its own
             k, v = ctx.cache.update(ctx.attention_calls, k, v)
-        ctx.attention_calls += 1
+            ctx.attention_calls += 1
         if ctx.block_mask is not None:
             y = flex_document_attention(q, k, v, ctx.block_mask)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.sdpa_mask(q.dtype), is_causal=ctx.mask is None,
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.additive_mask, is_causal=ctx.mask is None,
                                                enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.o_proj(y)
@@ -151,32 +151,98 @@ class MLP(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x)), None  # SwiGLU
 
 
-def run_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None):
-    """The routed SwiGLU experts, sparse: assignment rows [offset_e, offset_e + counts[e]) of token_of
-    belong to expert e, which gathers only those tokens of x (N, n_embd), scales its hidden activation by
-    the router weight of each assignment (row_weights, optional: the narrow expert_hidden side costs
-    less than the n_embd output) and adds its output back to the tokens' rows. Returns (N, n_embd) in
-    x's dtype. With token_of = arange and no row weights this is the twin of kernels.moe_experts."""
-    sizes = counts.tolist()
-    out = torch.zeros_like(x)
-    x_sorted = x[token_of]  # one gather for all experts (a gather per expert costs a full-size backward each)
-    rows_of, weights_of = torch.split(token_of, sizes), [None] * len(sizes)
-    if row_weights is not None:
-        weights_of = torch.split(row_weights, sizes)
-    # unbind (not w[e]) so the backward stacks the per-expert gradients once instead of E full-size adds
-    experts = zip(w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))
-    for x_e, rows, weight, (gate, up, down) in zip(torch.split(x_sorted, sizes), rows_of, weights_of, experts):
-        h = F.silu(x_e @ gate.t()) * (x_e @ up.t())  # an expert without tokens runs on 0 rows: zero gradient
-        if weight is not None:
-            h = h * weight.unsqueeze(1).to(h.dtype)
-        out.index_add_(0, rows, (h @ down.t()).to(out.dtype))  # fp32 sum of bf16 outputs under autocast
-    return out
+@torch.library.custom_op(f"{__name__.replace('.', '_')}::grouped_mm", mutates_args=())  # one op per copy of this file
+def grouped_mm_any_dtype(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """F.grouped_mm as an op whose output shape torch.compile is told in any dtype (torch's own shape
+    function takes bf16 only): an fp32 model compiles too."""
+    return F.grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm_any_dtype.register_fake
+def _(a, b, offs):
+    return a.new_empty(a.size(0), b.size(-1)) if b.dim() == 3 else a.new_empty(offs.size(0), a.size(0), b.size(1))
+
+
+def _grouped_mm_backward(ctx, grad):
+    """d a = grad @ b[g]^T per group; d b[g] = a_g^T @ grad_g, computed as (grad_g^T @ a_g)^T: b is the
+    transposed view of a weight, and that product comes out in the weight's own layout (no copy)."""
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    return grouped_mm(grad, b.transpose(-2, -1), offs), grouped_mm(grad.t(), a, offs).transpose(-2, -1), None
+
+
+grouped_mm_any_dtype.register_autograd(_grouped_mm_backward,
+                                       setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+def grouped_mm(a, b, offs):
+    """Row group g of a (rows offs[g-1] to offs[g]) times b[g]; for a 2-D b, the products of the column
+    groups of a with the row groups of b, stacked (the weight gradients). torch's dropless grouped GEMM, as
+    torchtitan's MoE: one kernel on CUDA in bf16, a loop of matmuls inside on a CPU, no host read."""
+    return F.grouped_mm(a, b, offs=offs) if a.dtype == torch.bfloat16 else grouped_mm_any_dtype(a, b, offs)
+
+
+def padded_groups(counts, n, align):
+    """Room for the experts' row groups when each starts at a multiple of `align` rows and holds at least
+    `align` (torchtitan pads so for CUDA's grouped GEMM kernels; an expert without tokens multiplies zero
+    rows): (the row of each of the n expert-sorted assignments, offs, the number of rows). The last group
+    runs to the end of a buffer of fixed size n + align * E: no host read, and every step the same shapes."""
+    ends = counts.cumsum(0)
+    sizes = (counts.clamp(min=1) + align - 1) // align * align
+    position = torch.arange(n, device=counts.device)
+    expert = torch.searchsorted(ends, position, right=True)  # the expert of each sorted assignment
+    dest = (sizes.cumsum(0) - sizes - ends + counts)[expert] + position  # its group's start + its rank in it
+    n_rows = n + align * counts.numel()
+    offs = sizes.cumsum(0).int()
+    offs[-1] = n_rows
+    return dest, offs, n_rows
+
+
+def compute_dtype(device_type, dtype):
+    """The dtype matmuls run in on this device: autocast's when it is on, else `dtype`."""
+    on = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return torch.get_autocast_dtype(device_type) if on else dtype
+
+
+def zero_pad(t, pad):
+    """F.pad with zeros; t itself when nothing is padded (F.pad would copy it)."""
+    return F.pad(t, pad) if any(pad) else t
+
+
+def run_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None, group_align=None):
+    """The routed SwiGLU experts as three grouped GEMMs over expert-sorted rows, dropless: assignment rows
+    [offset_e, offset_e + counts[e]) of token_of belong to expert e; each row copies its token of x
+    (N, n_embd), its hidden activation is scaled by its router weight (row_weights, optional: the narrow
+    expert_hidden side costs less than the n_embd output) and its output is added back to its token.
+    Matmuls in the autocast dtype under autocast; returns (N, n_embd) in x's dtype. group_align: see
+    padded_groups (None: 8 rows on CUDA, 1 elsewhere). With token_of = arange and no row weights this is
+    the twin of kernels.moe_experts."""
+    n_tokens, n_embd = x.shape
+    dtype = compute_dtype(x.device.type, x.dtype)
+    align = (8 if x.is_cuda else 1) if group_align is None else group_align
+    offs = counts.cumsum(0).int()
+    if align > 1:  # padding rows read token n_tokens, a zero row, and carry router weight 0
+        dest, offs, n_rows = padded_groups(counts, token_of.numel(), align)
+        token_of = token_of.new_full((n_rows,), n_tokens).index_copy(0, dest, token_of)
+        if row_weights is not None:
+            row_weights = row_weights.new_zeros(n_rows).index_copy(0, dest, row_weights)
+    unit = 16 // dtype.itemsize  # grouped GEMM rows are 16-byte aligned: zero columns pad the rest
+    pad_embd, pad_hidden = -n_embd % unit, -w_gate.size(1) % unit
+    x_rows = zero_pad(x, (0, pad_embd, 0, int(align > 1))).index_select(0, token_of)
+    w_gate, w_up = (zero_pad(w, (0, pad_embd, 0, pad_hidden)).to(dtype).transpose(-2, -1) for w in (w_gate, w_up))
+    w_down = zero_pad(w_down, (0, pad_hidden, 0, pad_embd)).to(dtype).transpose(-2, -1)
+    # one cast per matmul, as autocast casts: the two gradients of x_rows add up in fp32
+    h = F.silu(grouped_mm(x_rows.to(dtype), w_gate, offs)) * grouped_mm(x_rows.to(dtype), w_up, offs)
+    if row_weights is not None:  # an expert without rows gets a zero gradient
+        h = h * row_weights.unsqueeze(1).to(h.dtype)
+    y = grouped_mm(h, w_down, offs)[:, :n_embd].to(x.dtype)  # fp32 sums of bf16 outputs under autocast
+    return x.new_zeros(n_tokens + int(align > 1), n_embd).index_add_(0, token_of, y)[:n_tokens]
 
 
 class MoE(nn.Module):
     """Top-k routed mixture of fine-grained SwiGLU experts. n_expert == top_k is [S1]'s fully activated
-    reference. Dispatch is sparse: assignments are sorted by expert, each expert runs only its tokens,
-    and the weighted outputs are added back to their tokens with index_add."""
+    reference. Dispatch is sparse and dropless: assignments are sorted by expert, the experts run as grouped
+    GEMMs over their own tokens only, and the weighted outputs are added back to their tokens."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -506,19 +572,17 @@ class ForwardContext:
     mask: Optional[torch.Tensor]  # None -> plain causal attention
     block_mask: object = None  # FlexAttention BlockMask of the same document mask (attention="flex")
     cache: Optional["KVCache"] = None
-    attention_calls: int = 0
-    additive_masks: dict = field(default_factory=dict)
+    additive_mask: Optional[torch.Tensor] = None  # the mask as SDPA's additive one (additive_mask())
+    attention_calls: int = 0  # counts the blocks run so far when a KV cache is filled
 
-    def sdpa_mask(self, dtype):
-        """The boolean mask as SDPA's additive one (0 / -inf, the conversion SDPA makes itself), built once
-        per forward and shared by its blocks: SDPA would convert it on every call and keep each copy for
-        the backward (4 x B x T^2 bytes per executed block in fp32)."""
-        if self.mask is None or self.mask.dtype != torch.bool:
-            return self.mask
-        if dtype not in self.additive_masks:
-            self.additive_masks[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device
-                                                     ).masked_fill_(~self.mask, float("-inf"))
-        return self.additive_masks[dtype]
+
+def additive_mask(mask, dtype):
+    """A boolean mask as SDPA's additive one (0 / -inf, the conversion SDPA makes itself), built once per
+    forward and shared by its blocks: SDPA would convert it on every call and keep each copy for the
+    backward (4 x B x T^2 bytes per executed block in fp32)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 class KVCache:
@@ -607,8 +671,8 @@ class GPT(nn.Module):
         if start + T > cfg.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size={cfg.block_size}")
         # the document mask [S]: causal attention that never crosses an eot boundary (document_mask=False:
-        # causal across documents, as [X] trains). On the FlexAttention path (CUDA) the block mask is always
-        # built, without a host sync to ask first whether a sequence holds a boundary; a CPU asks (free there).
+        # causal across documents, as [X] trains). Always built, as a FlexAttention block mask (CUDA) or a
+        # boolean one: asking first whether a sequence holds a boundary would be a host read.
         docs = document_ids(idx, cfg.eot_token) if cfg.document_mask else torch.zeros_like(idx)
         mask = block_mask = None
         if cache is not None:  # the new tokens' documents continue the cached ones
@@ -617,9 +681,10 @@ class GPT(nn.Module):
             mask = attention_mask(docs, cache.doc_ids, start)
         elif cfg.document_mask and cfg.uses_flex(idx.device.type):
             block_mask = flex_block_mask(docs)
-        elif cfg.document_mask and (idx.is_cuda or (docs[:, -1] != docs[:, 0]).any()):
+        elif cfg.document_mask:
             mask = attention_mask(docs, docs, 0)
-        ctx = ForwardContext(self.rope_cos[start:start + T], self.rope_sin[start:start + T], mask, block_mask, cache)
+        ctx = ForwardContext(self.rope_cos[start:start + T], self.rope_sin[start:start + T], mask, block_mask, cache,
+                             additive_mask(mask, compute_dtype(idx.device.type, self.wte.weight.dtype)))
 
         plan = self.plan if n_passes is None else execution_plan(cfg, n_passes)
         h = self.wte(idx)

@@ -53,8 +53,11 @@ class TrainConfig:
     out_dir: str = "out"  # the run lives in out_dir/run_name/
     run_name: str = ""  # "" -> the config file's name, "tiny" without one, "<source>_decay<step>" for a branch
     eval_interval: int = 50  # eval + checkpoint + log line every this many steps (and at the end)
+    log_interval: int = 10  # read the loss to the host (bar, non-finite check) every this many steps, and at evals
     eval_tokens: int = 8192  # validation tokens per eval (the same windows every eval, spread over the split)
+    final_eval_tokens: int = 0  # > 0: validation tokens of the eval at the last step (the papers' size: [X] 10M)
     save_steps: list = field(default_factory=list)  # extra checkpoints ckpt_step<N>.pt after these steps
+    save_checkpoints: bool = True  # False: write no checkpoint at all, only the log (benchmarks)
     overwrite: bool = False  # a new run into a folder that holds a run (log, checkpoints): delete them and
     #   start over; without it such a run is refused (resume=True continues it)
     progress: bool = True  # tqdm progress bar
@@ -138,7 +141,7 @@ TINY_MODEL = dict(vocab_size=4096, eot_token=4095, block_size=128, n_layer=4, n_
 HELP_GROUPS = {title: keys.split() for title, keys in {  # --help shows these first; the rest follow
     "the settings a learner changes": "n_layer n_embd n_head n_expert top_k layout n_loops n_passes tie_core boundary "
     "boundary_alpha block_size optimizer matrix_lr embedding_lr unembedding_lr weight_decay warmup_steps "
-    "decay_fraction max_steps batch_size grad_accum data_dir out_dir run_name eval_interval seed",
+    "decay_fraction max_steps batch_size grad_accum data_dir out_dir run_name eval_interval log_interval seed",
     "growth, random passes, decay branches, LR scaling": "grow_at grow_to grow_untie grow_rewarm_steps "
     "n_passes_choices init_from decay_branch decay_tokens branch_data_fraction unique_tokens save_steps max_tokens "
     "lr_anchor_params lr_scaling_beta",
@@ -282,15 +285,17 @@ def flops_per_token(cfg, n_passes=None, avg_doc_len=0):
 
 
 @torch.no_grad()
-def evaluate(model, data, config, autocast=contextlib.nullcontext(), rank=0, world=1):
-    """Token-weighted validation CE over config.eval_tokens of the val split (the same windows every eval, evenly
-    spread over the split so every source is in; split across ranks), per source when sources exist, bits
-    per byte (comparable across tokenizers), and router statistics for MoE. Every rank runs the same number
-    of forwards (under FSDP each is a collective); a rank out of windows runs one it does not count."""
+def evaluate(model, data, config, autocast=contextlib.nullcontext(), rank=0, world=1, final=False):
+    """Token-weighted validation CE over config.eval_tokens (final_eval_tokens, when set, at the last step) of
+    the val split (the same windows every eval, evenly spread over the split so every source is in; split
+    across ranks), per source when sources exist, bits per byte (comparable across tokenizers), and router
+    statistics for MoE. Every rank runs the same number of forwards (under FSDP each is a collective); a
+    rank out of windows runs one it does not count."""
     device, n_sources = next(model.parameters()).device, len(data.source_names) if data.val_sources is not None else 0
     seq_len, batch_size = model.config.block_size, config.batch_size
     total = (len(data.val_tokens) - 1) // seq_len
-    n_windows = max(1, min(config.eval_tokens // seq_len, total))
+    tokens = config.final_eval_tokens if final and config.final_eval_tokens else config.eval_tokens
+    n_windows = max(1, min(tokens // seq_len, total))
     starts = np.linspace(0, total - 1, n_windows).round().astype(np.int64) * seq_len  # spread over all sources
     sums = torch.zeros(2, 1 + n_sources, dtype=torch.float64, device=device)  # CE sums, token counts
     router = sums.new_zeros(3)  # balance, z_loss, batches
@@ -371,10 +376,11 @@ def build_model(config, model_config, source, device, world, region, use_bf16):
     return model, optimizers, state
 
 
-def grow_during_training(model, optimizers, config, device, world, use_bf16, log=print):
+def grow_during_training(model, optimizers, config, state, device, world, use_bf16, log=print):
     """[X] growth: more passes (tied) or copied cores (untied); optimizers rebuilt with every parameter's
     state carried over by name (grow.copy_optimizer_state decides what copies get). Returns the model
-    (grown in place; under FSDP a grown copy of the gathered model, sharded again) and its optimizers."""
+    (grown in place; under FSDP a grown copy of the gathered model, sharded again), its optimizers and the
+    module the step calls (distributed.wrap); the state records the growth."""
     saved = checkpoint.optimizer_state_by_name(optimizers)["state"]
     if distributed.is_sharded(model):  # grow the whole model, then shard it again
         weights = distributed.full_state(model.state_dict())
@@ -385,7 +391,8 @@ def grow_during_training(model, optimizers, config, device, world, use_bf16, log
     optimizers = prepare(model, config, device, world, use_bf16)
     checkpoint.load_optimizer_state(optimizers, grow.copy_optimizer_state(saved, param_map))
     log(f"grew to {model.config.passes} passes{'' if model.config.tie_core else ' (untied)'}")
-    return model, optimizers
+    state.grown = True
+    return model, optimizers, distributed.wrap(model, device, world, config)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -399,10 +406,10 @@ def train(overrides=None):
     rank, world, device = distributed.setup(config.device, config.parallel, config.collective_timeout_s)
     guards.derive_grad_accum(config, world, source)  # global_batch: the same step on any number of processes
     use_bf16, autocast = distributed.precision(config.dtype, device)
-    grown = guards.check_run(model_config, config, source)
+    grown = guards.check_run(model_config, config, source, device)
     defer_sync, memory_note = memory.check_memory(grow.shapes_of_run(model_config, config, grown), config, device,
                                                   use_bf16, world)
-    run = RunDir(os.path.join(config.out_dir, config.run_name), config.parallel == "fsdp", rank == 0, world)
+    run = RunDir.of(config, rank, world)
     log, state = tqdm.write if rank == 0 else (lambda *args: None), None
     with run.hold(config.resume and source, config.overwrite), run.on_interrupt(lambda: state.step if state else 0):
         data = open_data(config.data_dir, model_config, world, rank == 0)
@@ -410,14 +417,15 @@ def train(overrides=None):
         stream = data.stream(model_config.block_size, config.seed, config.branch_data_fraction, config.decay_branch,
                              config.unique_tokens)
         model, optimizers, state = build_model(config, model_config, source, device, world, stream.name, use_bf16)
-        wrapped = distributed.wrap(model, device, world, config.parallel, config.compile)
+        distributed.agree("data, step", dict(data=data.fingerprint, tokens=len(data.train_tokens), step=state.step))
+        wrapped = distributed.wrap(model, device, world, config)
         seqs_per_step = config.batch_size * config.grad_accum * world
         tokens_per_step = seqs_per_step * model_config.block_size
         schedule = plan_schedule(config, state, tokens_per_step)
         guards.check_data_budget(stream, state, schedule.max_steps, seqs_per_step, log, config.resume)
         log(rundir.run_header(run, model, data, stream, state.step, tokens_per_step, schedule.max_steps, world, device,
                               use_bf16, [*notes, memory_note]))
-        t0, first_position, flops_of, losses, window, passes_seen = time.time(), state.data_position, {}, [], [], []
+        t0, first_position, losses, window, passes_seen, unread = time.time(), state.data_position, [], [], [], []
         if source is None:  # the eval at step 0, logged with the first checkpoint
             state.last_eval = run.append_log(state.record(lr=0.0, train_loss=None, **evaluate(
                 model, data, config, autocast, rank, world), epochs=0.0, n_passes=model.config.passes,
@@ -426,11 +434,11 @@ def train(overrides=None):
                   desc=config.run_name, unit="step", dynamic_ncols=True) as bar:
             while state.step < schedule.max_steps:
                 if state.step == schedule.grow_step and not state.grown:  # [X] growth, once
-                    model, optimizers = grow_during_training(model, optimizers, config, device, world, use_bf16, log)
-                    wrapped, state.grown = distributed.wrap(model, device, world, config.parallel, config.compile), True
+                    model, optimizers, wrapped = grow_during_training(model, optimizers, config, state, device, world,
+                                                                      use_bf16, log)
                 lr = set_schedule(optimizers, schedule.lr_multiplier(state.step), schedule.muon_momentum(state.step))
                 n_passes = passes_of_step(config, state.step)  # None: the model's own K (or r)
-                step_loss = torch.zeros((), dtype=torch.float64, device=device)
+                unread.append(torch.zeros(2, dtype=torch.float64, device=device))  # the step's (CE, loss), read later
                 for micro in range(config.grad_accum):  # rank r reads its own slice of the global batch
                     x, y = stream.batch(state.data_position + (rank * config.grad_accum + micro) * config.batch_size,
                                         config.batch_size, device)
@@ -438,37 +446,36 @@ def train(overrides=None):
                     with distributed.no_sync(wrapped, model, skip=world > 1 and not last and defer_sync), autocast:
                         loss = wrapped(x, y, n_passes=n_passes)[1]  # the logits not kept through the backward
                         (loss / config.grad_accum).backward()
-                    step_loss += model.last_stats["ce"].double() / config.grad_accum  # the CE, without router losses
-                step_loss = distributed.all_reduce(step_loss).item() / world
-                if not (math.isfinite(step_loss) and math.isfinite(loss.item())):
-                    raise NonFiniteLoss(f"non-finite loss ({step_loss}) at step {state.step}")
+                    unread[-1] += torch.stack([model.last_stats["ce"], loss.detach()]).double() / config.grad_accum
                 if config.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
                 for opt in optimizers:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                k = n_passes or model.config.passes
-                if k not in flops_of:
-                    flops_of[k] = flops_per_token(model.config, n_passes, config.avg_doc_len) * tokens_per_step
-                state.advance(tokens_per_step, seqs_per_step, flops_of[k], k)
-                losses.append(step_loss), window.append(step_loss), passes_seen.append(k)
+                k, flops = n_passes or model.config.passes, flops_per_token(model.config, n_passes, config.avg_doc_len)
+                state.advance(tokens_per_step, seqs_per_step, flops * tokens_per_step, k)
+                passes_seen.append(k)
                 bar.update(1)
-                bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}")
-                stop = state.step == config.stop_at_step
-                if state.step % config.eval_interval == 0 or state.step == schedule.max_steps or stop:
-                    state.last_eval = state.record(lr=lr, train_loss=sum(window) / len(window),
-                                                   **evaluate(model, data, config, autocast, rank, world),
-                                                   epochs=state.data_position / stream.n_windows,
-                                                   n_passes=sum(passes_seen) / len(passes_seen),
-                                                   seconds=round(time.time() - t0, 3), **rundir.gpu_memory(device))
+                at_eval = state.step % config.eval_interval == 0 or state.step in (schedule.max_steps,
+                                                                                   config.stop_at_step)
+                if at_eval or state.step in config.save_steps or state.step % config.log_interval == 0:
+                    read, unread = guards.read_losses(unread, state.step, world), []  # non-finite: refused here
+                    losses, window = losses + read, window + read
+                    bar.set_postfix(loss=f"{read[-1]:.3f}", lr=f"{lr:.2e}")
+                if at_eval:
+                    state.last_eval = state.record(
+                        lr=lr, train_loss=sum(window) / len(window),
+                        **evaluate(model, data, config, autocast, rank, world, final=state.step == schedule.max_steps),
+                        epochs=state.data_position / stream.n_windows, n_passes=sum(passes_seen) / len(passes_seen),
+                        seconds=round(time.time() - t0, 3), **rundir.gpu_memory(device))
                     run.save(checkpoint.training_checkpoint(model, optimizers, config, state, **data.provenance))
                     run.append_log(state.last_eval)  # the checkpoint first, then its log line
                     window, passes_seen = [], []
-                    bar.set_postfix(loss=f"{step_loss:.3f}", val=f"{state.last_eval['val_loss']:.3f}")
+                    bar.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{state.last_eval['val_loss']:.3f}")
                 if state.step in config.save_steps:
                     run.save(checkpoint.training_checkpoint(model, optimizers, config, state, **data.provenance),
                              run.step_path(state.step))
-                if stop:
+                if state.step == config.stop_at_step:
                     break
         return finish(run, model, optimizers, config, state, data, stream, schedule, losses, first_position, t0, world,
                       tokenizer)
@@ -479,7 +486,7 @@ def finish(run, model, optimizers, config, state, data, stream, schedule, losses
     """After the loop: the summary (and an FSDP run's consolidated ckpt.pt), then a sample of the model."""
     summary, final_model = run.finish(model, optimizers, config, state, data, stream, schedule.max_steps, losses,
                                       first_position, time.time() - t0, world)
-    if run.master and config.sample and tokenizer is not None and final_model is not None:
+    if run.master and config.sample and run.saving and tokenizer is not None and final_model is not None:
         text = sample_text(final_model, tokenizer, max_new_tokens=64, temperature=0.8, top_k=200, seed=config.seed)
         print(f"sample (more with: python sample.py --ckpt {run.ckpt_path}):\n{text}")
     return summary

@@ -40,7 +40,7 @@ def build(name, parallel, device, world):
     optimizers = train.prepare(model, config, device, world, use_bf16=False)  # sharded under fsdp
     tokens = np.random.default_rng(0).integers(0, cfg.eot_token, 1 << 20).astype(np.uint16)
     stream = TokenStream(tokens, cfg.block_size, config.seed)
-    return config, model, distributed.wrap(model, device, world, parallel), optimizers, stream
+    return config, model, distributed.wrap(model, device, world, config), optimizers, stream
 
 
 def step(model, raw, optimizers, stream, position, config, rank, world):

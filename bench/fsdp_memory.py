@@ -13,8 +13,8 @@ categories beside the planner's, and their ratio.
 
 What the tracker cannot see (the planner's 10% headroom is for these): the CUDA context and NCCL buffers,
 the caching allocator's fragmentation, kernel workspaces (cuBLAS, FlexAttention), and the GPU attention
-kernels themselves: on this CPU SDPA runs its CPU kernel (no T x T matrix either). The MoE's tokens per
-expert are values, not shapes: the simulation routes them evenly (the bytes depend on their total only).
+kernels themselves: on this CPU SDPA runs its CPU kernel (no T x T matrix either). The MoE's grouped
+GEMMs have the same shapes whatever the routing, so fake tensors run them as they are.
 """
 import json
 import os
@@ -52,21 +52,6 @@ def runs():
     return out
 
 
-class EvenCounts:
-    """Stands for the tokens per expert (a tensor whose values FakeTensorMode does not have): even."""
-
-    def __init__(self, n, n_expert):
-        self.sizes = [n // n_expert + (e < n % n_expert) for e in range(n_expert)]
-
-    def tolist(self):
-        return self.sizes
-
-
-def even_experts(self, x, token_of, counts, weight_of):
-    return model_module.run_experts(x, token_of, EvenCounts(token_of.numel(), self.n_expert), self.w_gate,
-                                    self.w_up, self.w_down, weight_of)
-
-
 def tracked_peak(cfg, world, micro_batch, grad_accum=1, reshard_after_forward=True, optimizer="muon", steps=2):
     """{category: bytes} at the peak over `steps` training steps of one rank, from FSDPMemTracker (the 2nd
     step holds the optimizer state the 1st one created)."""
@@ -76,8 +61,6 @@ def tracked_peak(cfg, world, micro_batch, grad_accum=1, reshard_after_forward=Tr
     from torch.testing._internal.distributed.fake_pg import FakeStore
     cfg = replace(cfg, document_mask=False)  # the GPU's FlexAttention keeps no mask; SDPA here none either
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    original = model_module.MoE.experts
-    model_module.MoE.experts = even_experts
     try:
         mesh = init_device_mesh("cpu", (world,))  # outside FakeTensorMode
         with FakeTensorMode():
@@ -100,7 +83,6 @@ def tracked_peak(cfg, world, micro_batch, grad_accum=1, reshard_after_forward=Tr
                         opt.zero_grad(set_to_none=True)
             snapshot = tracker.get_tracker_snapshot("peak")
     finally:
-        model_module.MoE.experts = original
         dist.destroy_process_group()
     (device_snapshot,) = snapshot.values()
     return {getattr(k, "value", k): v for k, v in device_snapshot.items()}

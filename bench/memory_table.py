@@ -6,8 +6,8 @@ README table (match.py's memory planner; analytic, seconds, no GPU needed).
     python bench/memory_table.py --json     # one JSON line per model
     python bench/memory_table.py --cpu      # train.py's CPU estimate vs the peak RSS it measures (minutes)
 
-Micro-batches: the [X] d8 configs at their own batch_size (32 x 2048 tokens per GPU), activation
-checkpointing off, also after growth to K = 4 for the two growth configs; the [S] models at one
+Micro-batches: each config at its own batch_size per GPU, its accumulation at each number of GPUs (from
+global_batch), activation checkpointing off, also after growth to K = 4 for the two growth configs; the [S] models at one
 4096-token sequence per GPU, activation checkpointing on at 600M and 1.6B. Muon, bf16 autocast.
 
 --cpu runs train.py on this CPU (the tiny default at 8 x 1024, 2 x 4096 and 15 x 1024 tokens, and a dense
@@ -15,6 +15,7 @@ prelude-core-coda model at 8 x 1024; --steps steps, two evals) and prints, per r
 memory its header estimates (tooling.memory.check_memory: the process now + states, activations, mask,
 allocator retention) beside the peak RSS the run reached (ru_maxrss); the target is a ratio within 15% of 1.
 """
+import copy
 import glob
 import json
 import os
@@ -33,25 +34,35 @@ GPUS, GPU_GB = (8, 16), 80
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def batch_on(config, world):
+    """(micro-batch, grad_accum) of a config on `world` GPUs: with global_batch, grad_accum = global_batch /
+    (batch_size x world), and batch_size = global_batch / world where more GPUs than that would overshoot it."""
+    config = copy.copy(config)
+    if config.global_batch and config.batch_size * world > config.global_batch:
+        config.batch_size = config.global_batch // world
+    guards.derive_grad_accum(config, world)
+    return config.batch_size, config.grad_accum
+
+
 def models():
-    """(label, ModelConfig, micro-batch, grad_accum, activation checkpointing, optimizer) of every row: each
-    named config at its own batch on 8 GPUs (the [X] growth configs also after growth), each [S] preset at
-    one sequence per GPU with AdamW ([S] trains with AdamW)."""
+    """(label, ModelConfig, {GPUs: (micro-batch, grad_accum)}, activation checkpointing, optimizer) of every row:
+    each named config at its own batch (the [X] growth configs also after growth), each [S] preset at one
+    sequence per GPU with AdamW ([S] trains with AdamW)."""
     rows = []
     for path in sorted(glob.glob(os.path.join(REPO, "config", "*.py"))):
         values = train.SETTINGS.resolve(train.SETTINGS.parse([path]))
         config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(train.ModelConfig, values)
-        guards.derive_grad_accum(config, 8)
+        batches = {w: batch_on(config, w) for w in GPUS}
         for when, shape in grow.shapes_of_run(cfg, config):
-            rows.append((f"`{os.path.basename(path)}`{when}", shape, config.batch_size, config.grad_accum,
-                         config.activation_checkpointing, config.optimizer))
+            rows.append((f"`{os.path.basename(path)}`{when}", shape, batches, config.activation_checkpointing,
+                         config.optimizer))
     for scale, (*_, experts) in match.SCALES.items():
         for s in experts:
             base, doc_len = match.preset_baseline(f"smelt-{scale}-s{s}")
             twin, _ = match.match(base, "smelt", avg_doc_len=doc_len)
             checkpointing = scale in ("600m", "1.6b")
-            rows.append((f"smelt-{scale}-s{s} baseline", base, 1, 1, checkpointing, "adamw"))
-            rows.append((f"smelt-{scale}-s{s} SMELT", twin, 1, 1, checkpointing, "adamw"))
+            rows.append((f"smelt-{scale}-s{s} baseline", base, dict.fromkeys(GPUS, (1, 1)), checkpointing, "adamw"))
+            rows.append((f"smelt-{scale}-s{s} SMELT", twin, dict.fromkeys(GPUS, (1, 1)), checkpointing, "adamw"))
     return rows
 
 
@@ -94,19 +105,25 @@ def main(argv=None):
         print(f"| model | params | micro-batch x accumulation | AC | {columns} | FSDP max micro-batch x"
               + " / x".join(map(str, GPUS)) + " |")
         print("| --- | ---: | --- | --- |" + " ---: |" * (2 * len(GPUS) + 1))
-    for label, cfg, micro_batch, grad_accum, checkpointing, optimizer in models():
-        plans = [memory.memory_plan(cfg, w, micro_batch, optimizer, activation_checkpointing=checkpointing,
-                                    gpu_gb=GPU_GB, grad_accum=grad_accum) for w in GPUS]
+    for label, cfg, batches, checkpointing, optimizer in models():
+        plans = [memory.memory_plan(cfg, w, batches[w][0], optimizer, activation_checkpointing=checkpointing,
+                                    gpu_gb=GPU_GB, grad_accum=batches[w][1]) for w in GPUS]
         params = match.accounting(cfg)["params_total"]
         if args.json:
-            print(json.dumps(dict(bench="memory", model=label.replace("`", ""), params=params, micro_batch=micro_batch,
-                                  grad_accum=grad_accum,
+            print(json.dumps(dict(bench="memory", model=label.replace("`", ""), params=params,
+                                  micro_batch=batches[GPUS[0]][0], grad_accum=batches[GPUS[0]][1],
+                                  batch_by_gpus={w: batches[w] for w in GPUS},
                                   block_size=cfg.block_size, activation_checkpointing=checkpointing,
                                   **{f"{s}_x{p['world_size']}": p[s] for p in plans for s in ("ddp", "fsdp")})))
             continue
         cells = [f"{p[s]['total_gb_per_gpu']:.1f} {'yes' if p[s]['fits'] else '**no**'}" for p in plans
                  for s in ("ddp", "fsdp")]
-        print(f"| {label} | {params / 1e9:.2f}B | {micro_batch} x {cfg.block_size} x {grad_accum} | "
+        first = batches[GPUS[0]]
+        batch = f"{first[0]} x {cfg.block_size} x {first[1]}"
+        for w in GPUS[1:]:  # another number of GPUs that changes the batch
+            if batches[w] != first:
+                batch += f" (x{w}: {batches[w][0]} x {cfg.block_size} x {batches[w][1]})"
+        print(f"| {label} | {params / 1e9:.2f}B | {batch} | "
               f"{'on' if checkpointing else 'off'} | "
               + " | ".join(cells) + " | " + " / ".join(str(p["fsdp"]["max_micro_batch"]) for p in plans) + " |")
 

@@ -51,5 +51,8 @@ data_dir = "data/cache/smelt_gpt2_4096"  # your corpus: python data/prepare.py D
 parallel = "fsdp"
 reshard_after_forward = False  # each block gathered once per micro-batch, not per visit: 50 vs 152 GiB of all-gathers
 batch_size = 4
-grad_accum = 8
-global_batch = 256
+global_batch = 256  # sequences per step on any number of GPUs (grad_accum follows)
+# validation: [S] averages its loss over billions of held-out tokens from 39 sources; every eval here reads
+# 256 windows spread over the split (each source in), the last one up to 2B tokens (at most the split)
+eval_tokens = 1_048_576
+final_eval_tokens = 2_000_000_000

@@ -5,10 +5,13 @@
 # 2796 steps x 524,288 tokens = TPP 6 on N_s = 244.3M.
 # Data: FineWeb with the GPT-2 tokenizer; prepare it yourself (nothing is downloaded):
 #   python data/prepare.py fineweb_docs/ --tokenizer gpt2 --out data/cache/fineweb_gpt2
-# Global batch = batch_size * grad_accum * world_size = 16 x 2 x 8 GPUs = 256 sequences x 2048 tokens (the [X]
-# code's 32 x 1 x 8): two passes keep twice the activations, and at micro-batch 32 the run needs ~76 GiB
-# per GPU (python -m tooling.memory; PyTorch's FSDP2 memory tracker agrees within 4%,
-# bench/fsdp_memory.py), more than 80 GB GPUs leave after their 10% headroom. On one GPU use --grad_accum=16.
+# Global batch: 256 sequences x 2048 tokens on any number of GPUs (global_batch; the [X] code's 32 x 1 x 8):
+# grad_accum follows from the world size, 16 x 2 on 8 GPUs, 16 x 16 on one. Micro-batch 16: two passes keep
+# twice the activations, and at the [X] code's 32 the run needs ~76 GiB per GPU
+# (python -m tooling.memory; PyTorch's FSDP2 memory tracker agrees within 4%, bench/fsdp_memory.py), more
+# than 80 GB GPUs leave after their 10% headroom.
+# Validation: each eval reads eval_tokens (8,192: a cheap curve), the last one the [X] code's 10M tokens
+# (final_eval_tokens; data/prepare.py --val_tokens 10000000 holds them).
 # model (Table 1: RoPE, SwiGLU, QK-norm, no biases, no norm gains, RMSNorm after the embedding)
 vocab_size = 50304  # GPT-2 50257 padded to a multiple of 64, as the [X] code
 n_logits = 50257  # the padded rows are cut before the softmax, as the [X] code (logits[..., :vocab])
@@ -56,7 +59,8 @@ warmup_steps = 40
 decay_fraction = 1.0  # warmdown_ratio
 decay_shape = "linear"  # the [X] code's warm-down: 1 at its first step, 0 at the last
 min_lr_fraction = 0.0
-batch_size = 16
-grad_accum = 2
+batch_size = 16  # sequences per micro-batch per GPU
+global_batch = 256  # sequences per step on all GPUs together: grad_accum = 256 / (batch_size x GPUs)
 max_steps = 2796  # from the ladder script (not in the table above)
 eval_interval = 250
+final_eval_tokens = 10_000_000  # the last eval's validation tokens

@@ -134,11 +134,11 @@ def held_back_start(shard_sizes, fraction):
 def open_data(data_dir, model_config=None, world=1, master=True):
     """load_data, checked against the model that will read it (its vocabulary must hold the data's token
     ids and share its end-of-text token); with several processes and the embedded corpus, rank 0
-    prepares it first."""
+    prepares it first (a barrier through the store: a failure there ends the others, with its line)."""
     if world > 1 and not data_dir:
         if master:
             load_data("")
-        distributed.barrier()
+        distributed.barrier("the embedded corpus")
     data = load_data(data_dir)
     n_vocab, eot = data.meta["n_vocab"], data.meta["eot_token"]
     logits = model_config and (model_config.n_logits or model_config.vocab_size)  # the ids the model can predict

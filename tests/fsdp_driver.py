@@ -1,11 +1,13 @@
 """Run under torchrun by tests/test_train_fsdp.py: several FSDP training runs in one process group (one
 launch instead of one per run), then the measurements the test compares against one process.
 
-    torchrun --standalone --nproc_per_node=2 tests/fsdp_driver.py JOBS.json RESULTS.json
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_driver.py JOBS.json RESULTS.json [--compile_backend B]
 
 JOBS.json: [{"name": ..., "settings": {train overrides}, "then": [{more overrides}, ...]}]; "then" runs
 the same run again with those overrides (a resume). RESULTS.json (rank 0): per job the log records, the
-per-rank state bytes and the logits of the sharded model on a fixed batch."""
+per-rank state bytes and the logits of the sharded model on a fixed batch. --compile_backend: the backend
+of every torch.compile the runs make (--compile=True), e.g. aot_eager (no code generation)."""
+import functools
 import json
 import os
 import sys
@@ -39,6 +41,8 @@ def sharded_logits(summary, settings):
 
 def main():
     jobs_path, results_path = sys.argv[1:3]
+    if "--compile_backend" in sys.argv:
+        torch.compile = functools.partial(torch.compile, backend=sys.argv[sys.argv.index("--compile_backend") + 1])
     jobs = json.load(open(jobs_path))
     results = {}
     for job in jobs:
@@ -46,8 +50,8 @@ def main():
         for more in job.get("then", []):
             summaries.append(train.train(dict(out_dir=job["settings"]["out_dir"], resume=True, progress=False,
                                               sample=False) | more))
-        result = dict(summaries=[{k: s[k] for k in ("step", "ckpt_path", "resume_path", "log_path", "val_loss",
-                                                     "train_losses")} for s in summaries])
+        result = dict(summaries=[{k: s[k] for k in ("step", "tokens", "ckpt_path", "resume_path", "log_path",
+                                                     "val_loss", "train_losses")} for s in summaries])
         if job.get("measure"):
             logits, state_bytes = sharded_logits(summaries[-1], job["settings"])
             result.update(state_bytes=state_bytes)

@@ -43,7 +43,11 @@ def test_x_configs_train_with_the_x_codes_recipe(name):
     assert config.embedding_weight_decay == config.unembedding_weight_decay == config.weight_decay > 0
     assert config.grad_clip == 0.0 and config.decay_shape == "linear" and config.min_lr_fraction == 0.0
     assert not cfg.document_mask and (cfg.vocab_size, cfg.n_logits, cfg.eot_token) == (50304, 50257, 50256)
-    assert config.batch_size * config.grad_accum * 8 * cfg.block_size == 524288  # the [X] code's batch on 8 GPUs
+    from tooling import guards
+    for world in (1, 8):  # the [X] code's 524,288 tokens per step (32 x 1 x 8) on any number of GPUs
+        guards.derive_grad_accum(config, world)
+        assert config.batch_size * config.grad_accum * world * cfg.block_size == 524288
+    assert config.final_eval_tokens >= 10_000_000  # its validation size, at least at the last eval
 
 
 @pytest.mark.parametrize("name", ["smelt_200m_base.py", "smelt_200m_s95.py"])

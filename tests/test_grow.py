@@ -430,7 +430,7 @@ def test_x_d8_grow_configs_follow_x13_x14(name, tpp_ref, rho):
     exec(open(path).read(), {}, settings)
     assert (cfg.n_prelude, cfg.n_core, cfg.n_coda, cfg.n_passes, cfg.n_embd) == (2, 3, 3, 2, 1024)
     assert settings["grow_to"] == 4 and settings["grow_at"] == pytest.approx(1 - rho)
-    tokens_per_step = settings["batch_size"] * settings["grad_accum"] * 8 * cfg.block_size  # 8 GPUs -> 524,288
+    tokens_per_step = settings["global_batch"] * cfg.block_size  # on any number of GPUs -> 524,288
     assert tokens_per_step == 524288
     assert round(grow.grown_run_tokens(cfg, tpp_ref, rho) / tokens_per_step) == settings["max_steps"]
     # and the [X] d8 crossover is the [X15] optimum at that reference TPP, to the 2 decimals the code uses

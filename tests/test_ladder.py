@@ -491,7 +491,7 @@ def test_plan_of_the_x_configs_is_one_run_with_its_growth_step(monkeypatch):
         v = config_values(path)
         plan = ladder.recipe_plan(path)
         (r,) = plan["runs"]
-        step_tokens = v["batch_size"] * v["grad_accum"] * 8 * v["block_size"]  # 8 processes, no global_batch
+        step_tokens = v["global_batch"] * v["block_size"]  # 256 sequences on any number of processes
         assert r["role"] == "run" and r["run_name"] == name and r["steps"] == v["max_steps"]
         assert r["tokens"] == v["max_steps"] * step_tokens and plan["tokens_per_step"] == step_tokens
         cfg = ModelConfig(**{k: v[k] for k in train.SETTINGS.keys[ModelConfig]})

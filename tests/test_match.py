@@ -4,14 +4,16 @@ import json
 import os
 import re
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
-from conftest import one_line_error
+from conftest import loop_experts, one_line_error
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import match
+import model as model_module
 from match import accounting, flops_per_token, fully_activated, run_flops, sparsity
 from model import GPT, KVCache, ModelConfig
 
@@ -106,11 +108,14 @@ def test_looped_moe_touches_at_most_top_k_experts_per_visit():
 
 def counted_flops(cfg, n_passes=None, B=2, T=8):
     """FlopCounterMode on a real forward + backward. SDPA is forced onto the math path: the CPU flash
-    kernel is invisible to the counter, the math path's two bmms are seen (for the full T x T square)."""
+    kernel is invisible to the counter, the math path's two bmms are seen (for the full T x T square).
+    The counter has no formula for the MoE's grouped GEMMs: the experts run as their twin, the loop of
+    per-expert matmuls (conftest.loop_experts, held equal to model.run_experts in test_model)."""
     torch.manual_seed(3)
     model = GPT(cfg)
     idx = torch.randint(0, cfg.eot_token, (B, T))  # no eot: one document, plain causal (is_causal)
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, \
+            mock.patch.object(model_module, "run_experts", loop_experts):
         _, loss = model(idx, targets=idx, n_passes=n_passes)
         loss.backward()
     return counter.get_total_flops() / (B * T), model

@@ -357,7 +357,7 @@ def test_a_run_that_fits_memavailable_is_refused_by_its_cgroup(tmp_path, monkeyp
 
 def test_the_document_mask_is_converted_once_and_shared_by_every_block():
     """SDPA converts a boolean mask to an additive one on each call and keeps every copy for the backward;
-    the model converts it once per forward (ForwardContext.sdpa_mask): the same outputs and gradients as
+    the model converts it once per forward (model.additive_mask): the same outputs and gradients as
     SDPA's own conversion, one saved B x T^2 mask for all the executed blocks."""
     cfg = ModelConfig(**{**SMALL, "vocab_size": 96, "eot_token": 95, "block_size": 64, "n_embd": 32,
                          **ACTIVATION_LAYOUTS["pcc_tied_k2"]})
@@ -379,12 +379,12 @@ def test_the_document_mask_is_converted_once_and_shared_by_every_block():
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     import model as model_module
-    original = model_module.ForwardContext.sdpa_mask
+    original = model_module.additive_mask
     try:  # SDPA's own conversion: hand it the boolean mask
-        model_module.ForwardContext.sdpa_mask = lambda self, dtype: self.mask
+        model_module.additive_mask = lambda mask, dtype: mask
         reference = model(idx, targets=idx)[1]
     finally:
-        model_module.ForwardContext.sdpa_mask = original
+        model_module.additive_mask = original
     reference.backward()
     assert torch.allclose(loss, reference, rtol=1e-6)
     for name, p in model.named_parameters():

@@ -290,6 +290,46 @@ def test_moe_sparse_dispatch_equals_naive_reference(renormalize):
     assert router["counts"].sum() == 18 * 3
 
 
+@pytest.mark.parametrize("group_align", [1, 8])
+@pytest.mark.parametrize("width, hidden", [(32, 16), (33, 19)])  # 33, 19: not 16-byte rows, zero-padded
+@pytest.mark.parametrize("counts", [[7, 0, 13, 1, 16], [37, 0, 0, 0, 0], [0, 0, 0, 0, 37]])
+def test_grouped_experts_equal_the_per_expert_loop(counts, width, hidden, group_align):
+    """model.run_experts (grouped GEMMs, no host read) against conftest.loop_experts (one expert at a time):
+    outputs and every gradient, in fp32 within rounding and under bf16 autocast within one bf16 rounding,
+    with and without CUDA's group padding, experts with 0 and 1 tokens among them."""
+    from conftest import loop_experts
+    from model import run_experts
+    g = torch.Generator().manual_seed(sum(counts) + width)
+    n, n_tokens = sum(counts), 20
+    x = torch.randn(n_tokens, width, generator=g, requires_grad=True)
+    weights = [torch.randn(5, hidden, width, generator=g, requires_grad=True),
+               torch.randn(5, hidden, width, generator=g, requires_grad=True),
+               torch.randn(5, width, hidden, generator=g, requires_grad=True)]
+    token_of = torch.randint(0, n_tokens, (n,), generator=g)
+    row_weights = torch.rand(n, generator=g, requires_grad=True)
+    upstream = torch.randn(n_tokens, width, generator=g)
+    for bf16 in (False, True):
+        results = []
+        for experts in (loop_experts, lambda *a: run_experts(*a, group_align=group_align)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                y = experts(x, token_of, torch.tensor(counts), *weights, row_weights)
+            results.append([y, *torch.autograd.grad(y, [x, *weights, row_weights], upstream)])
+        for reference, grouped in zip(*results):
+            assert grouped.dtype == reference.dtype == torch.float32
+            scale = reference.abs().max().item() + 1e-12
+            assert (grouped - reference).abs().max().item() <= scale * (2 ** -8 if bf16 else 1e-6)
+
+
+def test_padded_groups_start_at_multiples_and_end_the_buffer():
+    """CUDA's layout: each expert's group starts at a multiple of 8 rows and holds at least 8, the
+    assignments keep their order inside it, and the last group runs to the fixed end of the buffer."""
+    from model import padded_groups
+    counts = torch.tensor([3, 0, 9, 1])
+    dest, offs, n_rows = padded_groups(counts, 13, 8)
+    assert n_rows == 13 + 8 * 4 and offs.tolist() == [8, 16, 32, n_rows] and offs.dtype == torch.int32
+    assert dest.tolist() == [0, 1, 2] + list(range(16, 25)) + [32]
+
+
 def test_balance_loss_minimum_for_uniform_router():
     moe = MoE(tiny(n_expert=8, top_k=2, expert_hidden=8))
     torch.nn.init.zeros_(moe.router.weight)  # uniform router probabilities

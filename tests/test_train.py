@@ -220,6 +220,48 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, mon
     assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
 
 
+def test_a_loss_read_late_is_still_refused_before_the_checkpoint(tmp_path, data_dir, monkeypatch):
+    """The loop reads the loss every log_interval steps and at evals: a loss that turns non-finite between
+    two reads (in the 4th step, "step 3" as the log counts the steps before it) is named by its own step,
+    and nothing is written after it."""
+    original, calls = GPT.forward, []
+
+    def poisoned_at_step_4(self, idx, targets=None, **kw):
+        logits, loss = original(self, idx, targets, **kw)
+        if targets is not None and self.training:
+            calls.append(1)
+            if len(calls) == 4:
+                loss = loss * float("inf")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned_at_step_4)
+    with pytest.raises(train.NonFiniteLoss, match=r"non-finite loss \(inf\) at step 3\. Stopped; the last good "
+                                                  r"checkpoint is kept: .*ckpt\.pt"):
+        run(data_dir, tmp_path, run_name="late", max_steps=8, eval_interval=2, log_interval=3)
+    assert len(calls) == 4  # the read after the 4th step refused before its eval and checkpoint
+    assert torch.load(os.path.join(tmp_path, "late", "ckpt.pt"), weights_only=True)["state"]["step"] == 2
+
+
+def test_what_a_cpu_cannot_train_is_refused_before_anything_is_written(tmp_path, data_dir, monkeypatch):
+    with pytest.raises(ValueError, match="attention='flex': FlexAttention has no backward on a CPU"):
+        run(data_dir, tmp_path, attention="flex", device="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tests run the kernels in the interpreter; a user would not
+    with pytest.raises(ValueError, match="triton=True: the Triton kernels compile for CUDA"):
+        run(data_dir, tmp_path, triton=True, device="cpu")
+    assert not os.path.exists(os.path.join(tmp_path, "tiny"))
+
+
+def test_a_run_without_checkpoints_writes_its_log_only(tmp_path, data_dir, capsys):
+    """save_checkpoints=False (a benchmark): every eval is logged, the step-0 line too, no checkpoint exists."""
+    summary = run(data_dir, tmp_path, max_steps=4, eval_interval=2, save_checkpoints=False, sample=True)
+    assert os.listdir(summary["run_dir"]) == ["log.jsonl"] and summary["ckpt_path"] is None
+    assert [json.loads(line)["step"] for line in open(summary["log_path"])] == [0, 2, 4]
+    out = capsys.readouterr().out
+    assert "checkpoint: none (save_checkpoints=False)" in out and "sample" not in out.split("checkpoint:")[1]
+    with pytest.raises(ValueError, match=r"save_steps=\[2\]: needs save_checkpoints=True"):
+        run(data_dir, tmp_path / "b", max_steps=4, save_steps=[2], save_checkpoints=False)
+
+
 def test_interrupted_checkpoint_write_keeps_previous(tmp_path, data_dir, monkeypatch):
     summary = run(data_dir, tmp_path, max_steps=2)
     before = open(summary["ckpt_path"], "rb").read()
@@ -435,6 +477,10 @@ def test_untied_model_cannot_be_asked_for_more_passes_than_cores(tmp_path, data_
     with pytest.raises(ValueError, match=r"an untied model has 2 cores, it cannot run \[3\] passes"):
         run(data_dir, tmp_path, layout="pcc", n_layer=3, n_expert=0, n_passes=2, tie_core=False,
             n_passes_choices=[1, 3])
+    with pytest.raises(ValueError, match=r"after growth the untied model has 2 cores, it cannot run \[3\] passes"):
+        run(data_dir, tmp_path, layout="pcc", n_layer=3, n_expert=0, n_passes=1, grow_at=2.0, grow_to=2,
+            grow_untie=True, n_passes_choices=[1, 3])  # tied before growth: it could, until the growth step
+    assert not os.path.exists(os.path.join(tmp_path, "tiny"))  # refused before anything was written
 
 
 def test_clear_messages_for_disk_full_bad_out_dir_and_broken_config(tmp_path, data_dir, monkeypatch, capsys):
@@ -541,7 +587,7 @@ def test_x_d8_recipe_trains_on_cpu_at_a_toy_width(tmp_path, data_dir):
     corpus = os.path.join(os.path.dirname(data_dir), "corpus.jsonl")
     gpt2 = prep.prepare([corpus], str(tmp_path / "gpt2"), tokenizer="gpt2", val_fraction=0.34, seed=0, verbose=False)
     overrides = train.SETTINGS.parse([os.path.join(REPO, "config", "x_d8_vanilla.py")])
-    overrides |= dict(n_embd=64, n_head=2, head_dim=32, block_size=64, batch_size=2, grad_accum=1, max_steps=4,
+    overrides |= dict(n_embd=64, n_head=2, head_dim=32, block_size=64, batch_size=2, global_batch=2, max_steps=4,
                       warmup_steps=1, eval_interval=2, eval_tokens=256, data_dir=gpt2, out_dir=str(tmp_path),
                       progress=False, sample=False)
     summary = train.train(overrides)

@@ -4,7 +4,8 @@ and a setting is wrong (README "Reliability"). Each test is a case a prober foun
 - paths inside a checkpoint are not followed: a moved or crafted run folder resumes where it is told;
 - a flipped byte in a checkpoint is refused, naming the tensor (ckpt.pt) or the file (ckpt.dcp/);
 - SIGTERM ends a run like Ctrl-C; a lock of another host says how to take it over; a frozen or killed
-  peer ends the others within the collective timeout with one line;
+  peer ends the others within the collective timeout with one line, at any collective; a failure or
+  refusal on one rank ends every rank within seconds, each with the one line naming that rank;
 - a new run never overwrites a run folder unless told to; a resume keeps its global batch;
 - bad settings of every CLI: one line naming the setting, exit status 2, nothing accepted in silence.
 """
@@ -328,20 +329,36 @@ def test_locks(tmp_path, data_dir, monkeypatch, capsys):
     assert not (run / "lock").exists()
 
 
-def start_two_processes(tmp_path, data_dir, extra=()):
-    """Two train.py processes of one run (what torchrun would start), with a short collective timeout."""
+def start_two_processes(tmp_path, data_dir, extra=(), rank_extra=((), ()), fault=(), timeout_s=5.0, max_steps=100000):
+    """Two train.py processes of one run (what torchrun would start); rank_extra: settings of one rank only;
+    fault: (rank, point, kind) of tests/fault_driver.py, run in train.py's place."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    script = [os.path.join("tests", "fault_driver.py"), *map(str, fault)] if fault else ["train.py"]
     processes = []
     for rank in (0, 1):
         env = subprocess_env() | dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
         processes.append(subprocess.Popen(
-            [sys.executable, "train.py", *argv(**SMALL, data_dir=data_dir, out_dir=str(tmp_path), max_steps=100000,
-                                               collective_timeout_s=5.0), *extra],
+            [sys.executable, *script, *argv(**SMALL, data_dir=data_dir, out_dir=str(tmp_path), max_steps=max_steps,
+                                            collective_timeout_s=timeout_s), *extra, *rank_extra[rank]],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     return processes
+
+
+def ended_in_one_line(process, tmp_path, t0):
+    """(the process's train.py line, seconds since t0) once it ended with status 2, one line, no traceback."""
+    _, err = process.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.startswith("train.py:")]
+    assert process.returncode == 2 and len(lines) == 1 and "Traceback" not in err, (process.returncode, err[-3000:])
+    return lines[0], time.time() - t0
+
+
+def assert_peer_line(line, tmp_path):
+    assert "another process of the run died or stopped answering at step" in line, line
+    assert "torchrun --nproc_per_node=2 train.py" in line and "--resume=True" in line, line
+    assert not (tmp_path / "tiny" / "lock").exists()
 
 
 @pytest.mark.parametrize("fault", ["frozen", "killed"])
@@ -350,17 +367,83 @@ def test_a_frozen_or_killed_peer_ends_the_run_within_the_timeout(fault, tmp_path
     try:
         wait_for_log(tmp_path / "tiny" / "log.jsonl", 2, first)
         os.kill(second.pid, signal.SIGSTOP if fault == "frozen" else signal.SIGKILL)
-        t0 = time.time()
-        _, err = first.communicate(timeout=120)
-        waited = time.time() - t0
+        line, waited = ended_in_one_line(first, tmp_path, time.time())
     finally:
         second.kill()
         second.communicate()
-    assert first.returncode == 2 and waited < 60, (first.returncode, waited, err[-2000:])
-    lines = [line for line in err.splitlines() if line.startswith("train.py:")]
-    assert len(lines) == 1 and "another process of the run died or stopped answering at step" in lines[0], err
-    assert "torchrun --nproc_per_node=2 train.py" in lines[0] and "--resume=True" in lines[0]
-    assert "Traceback" not in err and not (tmp_path / "tiny" / "lock").exists()
+    assert waited < 60, waited
+    assert_peer_line(line, tmp_path)
+
+
+@pytest.mark.parametrize("point", ["muon", "eval", "barrier", "dcp"])
+def test_a_peer_frozen_at_any_collective_ends_the_run_in_one_line(point, tmp_path, data_dir):
+    """Rank 1 stops itself (SIGSTOP) at one collective, once the first checkpoint is written: Muon's gathers
+    under FSDP, the evaluation, a sharded save's barrier, DCP's own collectives. These were where rank 0
+    ended with a traceback ("Application timeout caused pair closure", "could not write ...")."""
+    first, second = start_two_processes(tmp_path, data_dir, ["--parallel=fsdp"], fault=(1, point, "freeze"),
+                                        timeout_s=3.0)
+    try:
+        line, waited = ended_in_one_line(first, tmp_path, time.time())
+    finally:
+        second.kill()
+        second.communicate()
+    assert_peer_line(line, tmp_path)
+    assert "(step 2)" in line  # the checkpoint the fault came after
+
+
+def test_a_sharded_run_refuses_a_folder_its_ranks_do_not_share(tmp_path):
+    """A rank that does not see rank 0's lock (out_dir on a disk of its own node) would write its shards
+    elsewhere: refused, naming the lock; the same folder passes."""
+    (tmp_path / "lock").write_text("node-0 42 2026-12-01T00:00:00")
+    rundir.check_shared_folder(str(tmp_path), "node-0 42 2026-12-01T00:00:00", wait_s=0.1)
+    with pytest.raises(ValueError, match=r"lock \(rank 0's lock\) is not there for this process: .* every node"):
+        rundir.check_shared_folder(str(tmp_path), "node-0 43 2026-12-01T00:00:00", wait_s=0.1)
+
+
+def other_data(tmp_path):
+    """A data folder with another split of the same corpus: what a node with another copy of the data sees."""
+    from conftest import small_corpus
+    return prep.prepare([small_corpus(tmp_path)], str(tmp_path / "other"), val_fraction=0.3, seed=1, verbose=False)
+
+
+RANK_FAILURES = {  # (fault, parallel, rank_extra, what every rank's line says)
+    "data missing on rank 1": ((), "ddp", lambda tmp: ((), (f"--data_dir={tmp / 'absent'}",)),
+                               "rank 1: {tmp}/absent/meta.json not found"),
+    "data differs on rank 1": ((), "ddp", lambda tmp: ((), (f"--data_dir={other_data(tmp)}",)),
+                               "the processes of the run differ in data, step: rank 0 has data="),
+    "rank 1's disk full at a save": ((1, "write", "raise"), "fsdp", None,
+                                     "rank 1: could not write checkpoint {tmp}/tiny/ckpt.dcp: the disk is full"),
+    "rank 0's disk full at the log": ((0, "log", "raise"), "fsdp", None,
+                                      "rank 0: could not write the log {tmp}/tiny/log.jsonl: No space left on device"),
+    "rank 0 refuses the run folder": ((), "fsdp", None, "rank 0: {tmp}/tiny already holds a run (log.jsonl)"),
+    "rank 1 has too little memory": ((1, "memory", "low"), "ddp", None, "is available on rank 1 (cpu); lower"),
+}
+
+
+@pytest.mark.parametrize("case", RANK_FAILURES)
+def test_a_failure_on_one_rank_ends_every_rank_with_its_line(case, tmp_path, data_dir):
+    """A refusal or failure on one rank only, with the default collective timeout (600 s): both ranks end
+    within seconds, each with the one line naming the rank and the cause (or, for a decision made together,
+    the same refusal); no temp files or lock are left."""
+    fault, parallel, rank_extra, said = RANK_FAILURES[case]
+    if case == "rank 0 refuses the run folder":
+        (tmp_path / "tiny").mkdir()
+        (tmp_path / "tiny" / "log.jsonl").write_text("{}\n")
+    t0 = time.time()
+    processes = start_two_processes(tmp_path, data_dir, [f"--parallel={parallel}"], fault=fault, timeout_s=600.0,
+                                    max_steps=6, rank_extra=rank_extra(tmp_path) if rank_extra else ((), ()))
+    try:
+        ended = [ended_in_one_line(p, tmp_path, t0) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+            p.communicate()
+    for line, seconds in ended:
+        assert said.format(tmp=tmp_path) in line and seconds < 30, (line, seconds)
+    assert ended[0][0] == ended[1][0]  # the same line on every rank
+    run = tmp_path / "tiny"
+    if run.exists():
+        assert not (run / "lock").exists() and not list(run.glob(".*")), sorted(p.name for p in run.iterdir())
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ FORMAT = "loopstudy-checkpoint-2"  # plain data + tensors, per-tensor CRC-32s; 1
 
 
 class NonFiniteLoss(RuntimeError):
-    pass
+    every_rank = True  # found from all-reduced values: every rank raises it alike (distributed.everywhere)
 
 
 def check_finite(tensors, step, path, collective=False):
@@ -60,17 +60,32 @@ def check_finite(tensors, step, path, collective=False):
     if collective:  # on the weights' device: one reduction, then one host sync
         distributed.all_reduce(finite, op="min")
     if not finite.item():
-        raise NonFiniteLoss(f"the weights became non-finite at step {step} (after the update): {path} was not "
-                            "written; the last good checkpoint is kept. Lower the learning rates.")
+        error = NonFiniteLoss(f"the weights became non-finite at step {step} (after the update): {path} was not "
+                              "written; the last good checkpoint is kept. Lower the learning rates.")
+        error.every_rank = collective  # else this rank's own finding
+        raise error
 
 
-def disk_error(path, error):
-    """An OSError naming the checkpoint and the likely cause instead of torch's serializer message."""
+def dcp_failure(error):
+    """(rank, exception) of what caused DCP's CheckpointException, which every rank raises alike, listing
+    each failed rank's exception: a collective's error (a peer died or stopped answering) first, else the
+    lowest failed rank's; (None, error) when it lists none."""
+    failures = [(rank, cause) for rank, (cause, _) in sorted(error.failures.items())]
+    peers = [(rank, cause) for rank, cause in failures if distributed.peer_failure(cause)]
+    return (peers or failures or [(None, error)])[0]
+
+
+def disk_error(path, error, rank=None):
+    """An OSError naming the checkpoint and the likely cause instead of torch's serializer message; rank:
+    the rank that failed, named (the error every rank raises for it)."""
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
     full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "unexpected pos" in str(error) \
-        or free < 1 << 20
-    why = f"the disk is full ({free / 2**20:.0f} MB free)" if full else f"{type(error).__name__}: {error}"
-    return OSError(f"could not write checkpoint {path}: {why}; the previous checkpoint there is kept")
+        or (free < 1 << 20 and rank is None)
+    why = f"{type(error).__name__}: {first_line(error)}" if not full else "the disk is full" + \
+        (f" ({free / 2**20:.0f} MB free)" if rank is None else "")  # another rank's disk: its free space unknown here
+    who = f"rank {rank}: " if rank is not None else ""
+    result = OSError(f"{who}could not write checkpoint {path}: {why}; the previous checkpoint there is kept")
+    return distributed.everywhere(result) if rank is not None else result
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -182,7 +197,12 @@ def sharded_tensors(ckpt):
 
 def save_sharded(path, ckpt):
     """Every rank writes its shards of ckpt (model.state_dict() and optimizer state of DTensors) into a
-    temp directory beside path; rank 0 adds meta.pt, then swaps the directory into place."""
+    temp directory beside path; rank 0 adds meta.pt, then swaps the directory into place. Rank 0's own
+    steps are bracketed by distributed.barrier (a failure there ends the others with its line, without a
+    barrier after it to wait in); a write that fails on any rank inside DCP fails on every rank alike,
+    naming that rank. A collective's error (a peer died or stopped answering) is raised as it is, for
+    RunDir.on_interrupt; rank 0 removes the temp directory of a save that failed."""
+    from torch.distributed.checkpoint import CheckpointException
     import torch.distributed.checkpoint as dcp
     check_finite(ckpt["model"].values(), ckpt["state"]["step"], path, collective=True)
     path = os.path.abspath(path)
@@ -190,13 +210,20 @@ def save_sharded(path, ckpt):
     tmp = os.path.join(directory, f".{name}{TEMP_MARK}{ckpt['state']['step']}")
     old = os.path.join(directory, f".{name}.old")
     tensors, meta = sharded_tensors(ckpt)
+    master = dist.get_rank() == 0
     try:
-        if dist.get_rank() == 0:
+        if master:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        dist.barrier()
-        dcp.save(tensors, checkpoint_id=tmp)
-        if dist.get_rank() == 0:  # every file DCP wrote, with its checksum; then the rest of the checkpoint
+        distributed.barrier(f"the checkpoint {path}")
+        try:
+            dcp.save(tensors, checkpoint_id=tmp)
+        except CheckpointException as e:  # a BaseException: caught by name
+            rank, cause = dcp_failure(e)
+            if distributed.peer_failure(cause):
+                raise cause from None
+            raise disk_error(path, cause, rank if dist.get_world_size() > 1 else None) from None
+        if master:  # every file DCP wrote, with its checksum; then the rest of the checkpoint
             checksums = {f: file_crc(os.path.join(tmp, f)) for f in os.listdir(tmp)}
             meta = dict(meta, format=FORMAT, file_checksums=checksums)
             torch.save(meta, os.path.join(tmp, SHARDED_META))
@@ -206,9 +233,12 @@ def save_sharded(path, ckpt):
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
     except (OSError, RuntimeError) as e:
+        if master:  # the shards written so far (a rank that is still writing has failed or hangs)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if distributed.peer_failure(e) or getattr(e, "every_rank", False):
+            raise
         raise disk_error(path, e) from None
-    finally:
-        dist.barrier()
+    distributed.barrier(f"the checkpoint {path}")  # no rank goes on before it is in place
 
 
 def file_crc(path):
@@ -285,13 +315,19 @@ def load_sharded_tensors(meta, model, optimizers):
                 if name in meta["optimizer"]["state_keys"]:
                     state[name] = opt.state[p] = empty_optimizer_state(opt, params[name])
     model_state = model.state_dict()
+    from torch.distributed.checkpoint import CheckpointException
     with warnings.catch_warnings():  # one process resuming a sharded run is intended: DCP's warning is noise
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             dcp.load({"model": model_state, "optimizer": state}, checkpoint_id=meta["path"])
-        except Exception as e:  # DCP wraps every rank's failure; its first line says enough
-            raise ValueError(f"cannot load the sharded checkpoint {meta['path']}: "
-                             f"{str(e).strip().splitlines()[0][:300]}") from None
+        except (Exception, CheckpointException) as e:  # DCP lists every rank's failure (a BaseException)
+            rank, cause = dcp_failure(e) if isinstance(e, CheckpointException) else (None, e)
+            if distributed.peer_failure(cause):
+                raise cause from None
+            who = f"rank {rank}: {type(cause).__name__}: " if rank is not None and distributed.active() and \
+                dist.get_world_size() > 1 else ""
+            error = ValueError(f"cannot load the sharded checkpoint {meta['path']}: {who}{first_line(cause)}")
+            raise (distributed.everywhere(error) if isinstance(e, CheckpointException) else error) from None
     model.load_state_dict(model_state)
 
 

@@ -46,10 +46,14 @@ def stale_temp_files(path):
 def cli_error(prog, error):
     """A user mistake (missing file, bad value) as one line on stderr; returns exit status 2, the
     convention argparse uses for bad usage."""
-    message = error.strerror + f": {error.filename}" if isinstance(error, OSError) and error.filename \
-        and error.strerror else str(error)
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    print(f"{prog}: error: {error_message(error)}", file=sys.stderr)
     return 2
+
+
+def error_message(error):
+    """What cli_error says of an error: an OSError's reason and file, else its message."""
+    return error.strerror + f": {error.filename}" if isinstance(error, OSError) and error.filename \
+        and error.strerror else str(error)
 
 
 def first_line(error, limit=300):

@@ -1,5 +1,6 @@
 """
-The refusals a training run makes before it trains, each one line naming the setting.
+The refusals a training run makes before it trains, each one line naming the setting, and the one it makes
+while it trains: a non-finite loss (read_losses).
 
 Guards against: a value out of range accepted in silence (a learning rate <= 0 that never descends, a
 fraction above 1, a run name that is a path), setting combinations that cannot work (a decay branch
@@ -7,8 +8,15 @@ without its stable checkpoint, more random passes than an untied model has cores
 passes), and a decay branch that would reread data ([S] trains without repetition).
 """
 
+import math
+import os
 import re
 import unicodedata
+
+import torch
+
+from tooling import distributed
+from tooling.checkpoint import NonFiniteLoss
 
 RUN_NAME = r"[A-Za-z0-9_][A-Za-z0-9._+=-]*"  # a folder name that prints as itself on any terminal
 
@@ -36,14 +44,16 @@ def check_train_config(c):
     for name in ("out_dir", "data_dir", "init_from"):
         if unsafe_path(getattr(c, name)):
             bad(c, name, "holds a control, invisible or direction-changing character, or bytes that are not UTF-8")
-    for name in ("eval_interval", "eval_tokens", "batch_size", "grad_accum", "muon_ns_steps", "collective_timeout_s"):
+    for name in ("eval_interval", "log_interval", "eval_tokens", "batch_size", "grad_accum", "muon_ns_steps",
+                 "collective_timeout_s"):
         if getattr(c, name) < 1:
             bad(c, name, "must be >= 1")
     if c.max_steps < 1 and c.max_tokens <= 0:
         bad(c, "max_steps", "must be >= 1 (or set max_tokens > 0)")
-    for name in ("max_tokens", "stop_at_step", "warmup_steps", "grad_clip", "weight_decay", "decay_tokens",
-                 "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len", "lr_anchor_params", "embedding_weight_decay",
-                 "unembedding_weight_decay", "muon_momentum_warmup", "global_batch", "seed", "unique_tokens"):
+    for name in ("max_tokens", "final_eval_tokens", "stop_at_step", "warmup_steps", "grad_clip", "weight_decay",
+                 "decay_tokens", "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len", "lr_anchor_params",
+                 "embedding_weight_decay", "unembedding_weight_decay", "muon_momentum_warmup", "global_batch", "seed",
+                 "unique_tokens"):
         if getattr(c, name) < 0:
             bad(c, name, "must be >= 0")
     if c.seed >= 2 ** 63:
@@ -66,6 +76,8 @@ def check_train_config(c):
         bad(c, "branch_data_fraction", "must be in [0, 1)")
     if any(not isinstance(s, int) or s < 1 for s in c.save_steps):
         bad(c, "save_steps", "must be a list of steps >= 1")
+    if c.save_steps and not c.save_checkpoints:
+        bad(c, "save_steps", "needs save_checkpoints=True (save_checkpoints=False writes no checkpoint)")
     if any(not isinstance(k, int) or k < 1 for k in c.n_passes_choices):
         bad(c, "n_passes_choices", "must be a list of pass counts >= 1")
     if c.decay_branch and (not c.init_from or c.decay_tokens <= 0):
@@ -106,11 +118,19 @@ def derive_grad_accum(config, world, source=None):
     config.grad_accum = config.global_batch // per_step
 
 
-def check_run(cfg, config, source=None):
+def check_run(cfg, config, source=None, device=None):
     """What the settings ask of this model (cfg: its ModelConfig; source: the checkpoint it starts from, or
-    None), checked before anything is built: the pass counts, the document length the logged FLOPs assume.
-    Returns whether the model has already grown ([X]: the source's state says)."""
+    None) on this device, checked before anything is built: the pass counts, the document length the logged
+    FLOPs assume, what the device cannot train. Returns whether the model has already grown ([X]: the
+    source's state says)."""
     grown = bool(source and source["state"]["grown"])
+    if device is not None and device.type == "cpu":
+        if cfg.attention == "flex":
+            raise ValueError("attention='flex': FlexAttention has no backward on a CPU; train with attention='sdpa' "
+                             "(or 'auto', which picks it on a CPU)")
+        if config.triton and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+            raise ValueError("triton=True: the Triton kernels compile for CUDA; on a CPU only Triton's interpreter "
+                             "runs them (TRITON_INTERPRET=1 before the start, slow: for tests)")
     if config.avg_doc_len > cfg.block_size:
         raise ValueError(f"avg_doc_len={config.avg_doc_len}: a document seen in a window of block_size="
                          f"{cfg.block_size} tokens is at most that long")
@@ -121,6 +141,11 @@ def check_run(cfg, config, source=None):
         if too_many:
             raise ValueError(f"n_passes_choices={config.n_passes_choices}: an untied model has {cfg.n_passes} "
                              f"cores, it cannot run {too_many} passes")
+    if config.n_passes_choices and config.grow_at and config.grow_untie and not config.decay_branch and not grown:
+        too_many = [k for k in config.n_passes_choices if k > config.grow_to]
+        if too_many:
+            raise ValueError(f"n_passes_choices={config.n_passes_choices}: after growth the untied model has "
+                             f"{config.grow_to} cores, it cannot run {too_many} passes")
     if config.grow_at and not config.decay_branch and not grown:
         if config.grow_to < cfg.passes or (config.grow_to == cfg.passes and not config.grow_untie):
             raise ValueError(f"grow_to={config.grow_to}: must be more than the model's {cfg.passes} passes")
@@ -164,3 +189,17 @@ def check_data_budget(stream, state, max_steps, seqs_per_step, log, resume=False
                          "decay_tokens, or raise branch_data_fraction (for a new stable run)")
     log(f"note: this run reads {epochs:.2f} epochs of its {stream.n_windows:,} training windows: data repeats "
         "(log.jsonl has the epoch count)")
+
+
+def read_losses(unread, step, world):
+    """The step losses (CE, averaged over the processes) of the steps up to `step` not read yet, from each
+    step's (CE, total loss) on the device, means over its micro-batches: one collective and one host read
+    for all of them. Raises
+    NonFiniteLoss naming the first step whose CE or total loss (router losses included) is not finite on
+    any process: the loop reads before every eval and save, so no checkpoint is written after it."""
+    values = (distributed.all_reduce(torch.stack(unread)) / world).tolist()
+    for i, (ce, total) in enumerate(values):
+        if not (math.isfinite(ce) and math.isfinite(total)):
+            raise NonFiniteLoss(f"non-finite loss ({ce if not math.isfinite(ce) else total}) at step "
+                                f"{step - len(values) + i}")
+    return [ce for ce, _ in values]

@@ -344,7 +344,7 @@ def run_bytes(shape, config, device, use_bf16, world=1):
     this rank: weights, gradients and optimizer state (this rank's shard under FSDP, every block's gathered
     bf16 copy without resharding), the activations autograd keeps and the cross-entropy's backward, and on
     the SDPA path the document mask: boolean (B T^2), its additive copy shared by every block (model.py
-    ForwardContext.sdpa_mask, 2 or 4 B T^2) and the boolean temporary while it is built. On a CPU, the
+    additive_mask, 2 or 4 B T^2) and the boolean temporary while it is built. On a CPU, the
     allocator's retention on top (CPU_ALLOCATOR_OVERHEAD)."""
     mask = 0
     if shape.document_mask and not shape.uses_flex(device.type):
@@ -368,10 +368,21 @@ def check_memory(shapes, config, device, use_bf16, world=1):
     activation_checkpointing, document_mask). Returns (whether gradient accumulation may wait for the last
     micro-batch to reduce: DDP's no_sync; under FSDP2 that keeps every block's unsharded fp32 gradients,
     so only when they fit too; else FSDP reduce-scatters every micro-batch, and a line for the run's
-    header: the estimate, on a CPU as peak resident memory, and what is available)."""
+    header: the estimate, on a CPU as peak resident memory, and what is available).
+    Several processes (world > 1): every rank's reading is exchanged and the least one decides, so every
+    rank makes the same decision and the same refusal (ranks deferring apart would run different
+    collectives: a hang; a refusal on one rank alone would leave the others waiting)."""
+    from tooling import distributed
     if device.type == "cpu":  # the first torch.optim optimizer imports torch._dynamo (~140 MiB here): count it now
         import torch._dynamo  # noqa: F401
     reading = memory_reading(device)
+    place = f"{device}{where(reading)}"
+    if world > 1:
+        readings = distributed.exchange("the memory check", [reading["available"], place])
+        known = [(value, r, at) for r, (value, at) in enumerate(readings) if value is not None]
+        if known:
+            least, r, at = min(known)
+            reading, place = dict(reading, available=least), f"rank {r} ({at})"
     available, defer, gib = reading["available"], True, lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     needs = []
     for when, shape in shapes:
@@ -383,17 +394,17 @@ def check_memory(shapes, config, device, use_bf16, world=1):
         if config.parallel == "fsdp" and world > 1 and config.grad_accum > 1:  # unsharded fp32 gradients
             defer = defer and need + 4 * shape.n_blocks * match.block_shapes(shape)["total"] <= available
         if need > available:
-            raise ValueError(f"block_size={shape.block_size}, batch_size={config.batch_size}: this run needs about "
-                             f"{gib(need)}{when} (weights, gradients and optimizer state {gib(items['states'])}, "
-                             f"activations {gib(items['activations'])}, attention mask {gib(items['mask'])}"
-                             + (f", allocator {gib(items['allocator'])}" if items["allocator"] else "")
-                             + f") but {gib(available)} is available on {device}{where(reading)}; lower batch_size "
-                             "(raise grad_accum) or block_size")
+            raise distributed.everywhere(ValueError(
+                f"block_size={shape.block_size}, batch_size={config.batch_size}: this run needs about "
+                f"{gib(need)}{when} (weights, gradients and optimizer state {gib(items['states'])}, "
+                f"activations {gib(items['activations'])}, attention mask {gib(items['mask'])}"
+                + (f", allocator {gib(items['allocator'])}" if items["allocator"] else "")
+                + f") but {gib(available)} is available on {place}; lower batch_size (raise grad_accum) or block_size"))
     rss = process_rss() if device.type == "cpu" else None
     peak = f"peak resident memory about {gib(rss + max(needs))} (now {gib(rss)})" if rss else \
         f"about {gib(max(needs))} at its peak"
     note = f"memory: {peak}; {gib(available) + ' available' if available is not None else 'available unknown'}"
-    return defer, note + where(reading)
+    return defer, note + (f" on {place}" if world > 1 and available is not None else where(reading))
 
 
 def where(reading):

@@ -115,8 +115,7 @@ class Terminated(KeyboardInterrupt):
     thread is, so the run ends like after Ctrl-C: temp files removed, lock released, one line."""
 
 
-class PeerFailure(RuntimeError):
-    """Another process of the run died or stopped answering during a collective."""
+PeerFailure = distributed.PeerFailure  # another process of the run failed, died or stopped answering
 
 
 def raise_terminated(signum, frame):
@@ -140,21 +139,26 @@ def run_cli(prog, run):
     """train.py's command line around run(): one line and an exit status for every way it can end. Ctrl-C or
     SIGTERM during training: where the checkpoint is and how to resume (rank 0), 130 / 143; before the run
     folder is held (loading, checks): that nothing was written; a bad setting, file, peer or loss: one line,
-    2. The process group is torn down in every case."""
+    2. With several processes, a rank's own failure is "rank r: ..." and recorded for the others, which
+    print that line (distributed.ended_by), also when torchrun's SIGTERM reaches them first. The process
+    group is torn down in every case."""
     try:
         with sigterm_as_interrupt():
             run()
-    except TrainingInterrupted as e:
-        if distributed.rank() == 0:
-            print(f"\n{prog}: {e}", file=sys.stderr)
-        return e.exit_status
-    except KeyboardInterrupt as e:  # before training began: nothing of the run was written
-        if distributed.rank() == 0:
+    except KeyboardInterrupt as e:
+        cause = distributed.recorded_failure()  # torchrun stops the others when one process fails
+        if cause:
+            return cli_error(prog, PeerFailure(cause, cause))
+        if isinstance(e, TrainingInterrupted):
+            if distributed.rank() == 0:
+                print(f"\n{prog}: {e}", file=sys.stderr)
+            return e.exit_status
+        if distributed.rank() == 0:  # before training began: nothing of the run was written
             print(f"\n{prog}: {'terminated' if isinstance(e, Terminated) else 'interrupted'} before training "
                   "began; nothing was written", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     except (ValueError, OSError, checkpoint.NonFiniteLoss, PeerFailure) as e:
-        return cli_error(prog, e)
+        return cli_error(prog, distributed.ended_by(e))
     finally:
         distributed.teardown()
     return 0
@@ -181,12 +185,19 @@ def signals_deferred():
 
 class RunDir:
     """One run's folder. sharded: checkpoints are ckpt.dcp/ directories (FSDP), else ckpt.pt files.
-    master: this process writes the log and the ckpt.pt files (rank 0). world: processes of the run."""
+    master: this process writes the log and the ckpt.pt files (rank 0). world: processes of the run.
+    saving=False: no checkpoint is written at all, the log is (a benchmark: bench/gpu_check.sh)."""
 
-    def __init__(self, path, sharded=False, master=True, world=1):
-        self.path, self.sharded, self.master, self.world = path, sharded, master, world
+    def __init__(self, path, sharded=False, master=True, world=1, saving=True):
+        self.path, self.sharded, self.master, self.world, self.saving = path, sharded, master, world, saving
         self.saved_step = None  # the step of the last checkpoint this run wrote or resumed from
         self.pending = []  # log lines waiting for the first checkpoint (the log never runs ahead of it)
+
+    @classmethod
+    def of(cls, config, rank, world):
+        """The folder of a run with train.py's settings `config`, for this process of world."""
+        return cls(os.path.join(config.out_dir, config.run_name), config.parallel == "fsdp", rank == 0, world,
+                   config.save_checkpoints)
 
     @property
     def ckpt_path(self):  # the weights eval_core, probe, grow and sample load
@@ -212,16 +223,21 @@ class RunDir:
 
     @contextlib.contextmanager
     def hold(self, resumed_from=None, overwrite=False):
-        """The master makes the folder, takes its lock and removes stale temp files; the others wait. A
-        resumed run (resumed_from: its checkpoint) cuts its log back to it; a new run into a folder that holds
-        a run is refused, or with overwrite starts it over."""
+        """The master makes the folder, takes its lock and removes stale temp files; the others wait for it
+        (an exchange: a refusal on the master ends them too, with its line). A sharded run's other ranks then
+        check that they see the master's lock: every rank writes its shards into this folder. A resumed run
+        (resumed_from: its checkpoint) cuts its log back to it; a new run into a folder that holds a run is
+        refused, or with overwrite starts it over."""
         if resumed_from:
             self.saved_step = resumed_from["state"]["step"]
         if not self.master:
+            lock = distributed.exchange("the run folder")[0]
+            if self.sharded:
+                check_shared_folder(self.path, lock)
             yield self
             return
         make_run_dir(self.path)
-        with run_dir_lock(self.path):
+        with run_dir_lock(self.path) as lock:
             remove_stale_temp_files(self.path)
             found = self.run_files()
             if resumed_from:
@@ -233,10 +249,13 @@ class RunDir:
                 for name in found:
                     path = os.path.join(self.path, name)
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            distributed.exchange("the run folder", lock)
             yield self
 
     def save(self, ckpt, path=None):
         """A sharded checkpoint (every rank its shards) or a file (rank 0); never non-finite weights."""
+        if not self.saving:
+            return
         path = path or self.resume_path
         if path == self.resume_path and self.pending:  # log lines not written yet: resume writes them if we die
             ckpt = dict(ckpt, unlogged=list(self.pending))
@@ -253,7 +272,7 @@ class RunDir:
         with the next line after the run's first checkpoint (the step-0 eval)."""
         if self.master:
             self.pending.append(record)
-            if self.saved_step is not None or not wait_for_checkpoint:
+            if self.saved_step is not None or not (wait_for_checkpoint and self.saving):
                 text = "".join(json.dumps(r) + "\n" for r in self.pending)
                 try:
                     with signals_deferred(), open(self.log_path, "a") as f:
@@ -271,7 +290,9 @@ class RunDir:
         one file that eval_core, probe, grow and sample load), the summary dict and the run's last lines.
         Returns (summary, a model to sample from on this rank, or None)."""
         final_model = model
-        if self.sharded:
+        if self.sharded and not self.saving:
+            final_model = None
+        elif self.sharded:
             weights = checkpoint.consolidated_weights(model)  # a collective: every rank
             final_model = None
             if self.master:
@@ -282,7 +303,8 @@ class RunDir:
                     final_model.load_state_dict(weights)
         read = stream.offsets(first_position, state.data_position - first_position)  # what this run read
         last = state.last_eval or {}
-        summary = dict(run_dir=self.path, ckpt_path=self.ckpt_path, resume_path=self.resume_path,
+        summary = dict(run_dir=self.path, ckpt_path=self.ckpt_path if self.saving else None,
+                       resume_path=self.resume_path if self.saving else None,
                        log_path=self.log_path, step=state.step, max_steps=max_steps, tokens=state.tokens_seen,
                        flops=state.flops_seen, val_loss=last.get("val_loss"), val_bpb=last.get("val_bpb"),
                        val_loss_by_source=last.get("val_loss_by_source"), train_losses=losses,
@@ -312,8 +334,10 @@ class RunDir:
                 yield
         except checkpoint.NonFiniteLoss as e:
             last = self.resume_path if self.saved_step is not None else "none written yet"
-            raise checkpoint.NonFiniteLoss(f"{e}. Stopped; the last good checkpoint is kept: {last}. Lower the "
-                                           "learning rates or check the data.") from None
+            error = checkpoint.NonFiniteLoss(f"{e}. Stopped; the last good checkpoint is kept: {last}. Lower the "
+                                             "learning rates or check the data.")
+            error.every_rank = e.every_rank
+            raise error from None
         except Terminated:
             raise TrainingInterrupted(f"terminated (SIGTERM) at step {step_of()}: {self.where()}", 143) from None
         except KeyboardInterrupt:
@@ -321,8 +345,12 @@ class RunDir:
         except RuntimeError as e:
             if self.world == 1 or not distributed.peer_failure(e):
                 raise
+            cause = getattr(e, "cause", None) or distributed.recorded_failure()  # another rank's own line
+            if cause:
+                raise PeerFailure(cause, cause) from None
+            reason = getattr(e, "reason", None) or distributed.failure_reason(e)
             raise PeerFailure(f"another process of the run died or stopped answering at step {step_of()} "
-                              f"({distributed.failure_reason(e)}); {self.where()}") from None
+                              f"({reason}); {self.where()}") from None
 
 
 def sync_log(log_path, ckpt):
@@ -370,6 +398,21 @@ def remove_stale_temp_files(run_dir):
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
+def check_shared_folder(run_dir, lock, wait_s=5.0):
+    """Refuse a sharded run whose folder this process does not share with rank 0 (which wrote `lock` into
+    run_dir/lock): its shards would land in another folder than rank 0's. A network filesystem may show a
+    new file late: looked for again for up to wait_s."""
+    path, deadline = os.path.join(run_dir, "lock"), time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(OSError):
+            if open(path).read() == lock:
+                return
+        if time.monotonic() > deadline:
+            raise ValueError(f"{path} (rank 0's lock) is not there for this process: a sharded (FSDP) run writes every "
+                             "rank's shards into one folder, so out_dir must be on a filesystem every node shares")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def run_dir_lock(run_dir):
     """Hold run_dir/lock ("host pid start-time") while training: a second training into the same folder
@@ -402,7 +445,7 @@ def run_dir_lock(run_dir):
         except OSError as e:
             raise OSError(f"cannot write the lock file {path}: {e.strerror or e}") from None
     try:
-        yield
+        yield me
     finally:
         with contextlib.suppress(OSError):
             if open(path).read() == me:
@@ -478,7 +521,10 @@ def run_footer(run, summary, unigram_entropy):
         lines.append(f"step {summary['step']}: val loss {summary['val_loss']:.4f} nats{bpb} vs unigram entropy "
                      f"{unigram_entropy:.4f} ({summary['tokens']:,} tokens, {summary['flops']:.3e} FLOPs, "
                      f"{summary['seconds']:.0f} s)")
-    lines.append(f"checkpoint: {run.ckpt_path}{f' (resume from {run.resume_path})' if run.sharded else ''}")
+    if not run.saving:
+        lines.append("checkpoint: none (save_checkpoints=False)")
+    else:
+        lines.append(f"checkpoint: {run.ckpt_path}{f' (resume from {run.resume_path})' if run.sharded else ''}")
     lines.append(f"log:        {run.log_path}")
     return "\n".join(lines)
 
