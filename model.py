@@ -220,8 +220,9 @@ def run_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None, gro
     n_tokens, n_embd = x.shape
     dtype = compute_dtype(x.device.type, x.dtype)
     align = (8 if x.is_cuda else 1) if group_align is None else group_align
-    offs = counts.cumsum(0).int()
-    if align > 1:  # padding rows read token n_tokens, a zero row, and carry router weight 0
+    if align == 1:
+        offs = counts.cumsum(0).int()
+    else:  # padding rows read token n_tokens, a zero row, and carry router weight 0
         dest, offs, n_rows = padded_groups(counts, token_of.numel(), align)
         token_of = token_of.new_full((n_rows,), n_tokens).index_copy(0, dest, token_of)
         if row_weights is not None:

@@ -37,9 +37,13 @@ import importlib
 import os
 
 
+def interpreted():
+    """Whether Triton runs its kernels in the interpreter (TRITON_INTERPRET set): the only way on a CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 def _module(name, device=None):
-    if device is not None and device.type == "cpu" and \
-            os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+    if device is not None and device.type == "cpu" and not interpreted():
         raise RuntimeError("kernels: Triton kernels on CPU run only in the interpreter; set TRITON_INTERPRET=1 "
                            "before triton is first imported (tests/conftest.py does), or use the *_reference "
                            "twins (a model without kernels.apply)")

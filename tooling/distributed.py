@@ -155,7 +155,6 @@ def exit(status):
     destroy_process_group and abort the interpreter's shutdown after FSDP2 collectives ("terminate
     called without an active exception", about 1 run in 10; a torch issue without an upstream fix):
     once everything is written and flushed, such a process leaves directly."""
-    import sys
     if "RANK" in os.environ and not torch.cuda.is_available():
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(status)

@@ -194,9 +194,9 @@ def check_data_budget(stream, state, max_steps, seqs_per_step, log, resume=False
 def read_losses(unread, step, world):
     """The step losses (CE, averaged over the processes) of the steps up to `step` not read yet, from each
     step's (CE, total loss) on the device, means over its micro-batches: one collective and one host read
-    for all of them. Raises
-    NonFiniteLoss naming the first step whose CE or total loss (router losses included) is not finite on
-    any process: the loop reads before every eval and save, so no checkpoint is written after it."""
+    for all of them. Raises NonFiniteLoss naming the first step whose CE or total loss (router losses
+    included) is not finite on any process: the loop reads before every eval and save, so no checkpoint is
+    written after it."""
     values = (distributed.all_reduce(torch.stack(unread)) / world).tolist()
     for i, (ce, total) in enumerate(values):
         if not (math.isfinite(ce) and math.isfinite(total)):

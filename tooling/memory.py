@@ -25,7 +25,7 @@ import sys
 
 import match
 from model import execution_plan
-from tooling import common
+from tooling import common, distributed
 from tooling.common import cli_error
 
 GIB = 2 ** 30
@@ -372,7 +372,6 @@ def check_memory(shapes, config, device, use_bf16, world=1):
     Several processes (world > 1): every rank's reading is exchanged and the least one decides, so every
     rank makes the same decision and the same refusal (ranks deferring apart would run different
     collectives: a hang; a refusal on one rank alone would leave the others waiting)."""
-    from tooling import distributed
     if device.type == "cpu":  # the first torch.optim optimizer imports torch._dynamo (~140 MiB here): count it now
         import torch._dynamo  # noqa: F401
     reading = memory_reading(device)
