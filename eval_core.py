@@ -969,27 +969,34 @@ def run(args):
 
 def main(argv=None):
     p = common.parser(PROG, description="DCLM CORE evaluation (nanochat-compatible), answer NLL, sweeps")
-    p.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
-    p.add_argument("--bundle", help="eval bundle dir (core.yaml, eval_data/, eval_meta_data.csv)")
-    p.add_argument("--max_per_task", type=number(int, -1), default=-1, help="items per task after the 1337 shuffle (-1 all)")
+    p.add_argument("--ckpt", required=True, help="checkpoint written by train.py (required)")
+    p.add_argument("--bundle",
+                   help="eval bundle dir (core.yaml, eval_data/, eval_meta_data.csv) (default: none, no CORE)")
+    p.add_argument("--max_per_task", type=number(int, -1), default=-1,
+                   help="items per task after the 1337 shuffle, -1 for all (default: %(default)s)")
     p.add_argument("--fewshot_seeds", default=str(FEWSHOT_SEED),
-                   help="comma list; item idx draws with random.Random(seed + idx); '0,1,2' = [X] seeds")
+                   help="comma list; item idx draws with random.Random(seed + idx); '0,1,2' = [X] seeds "
+                        "(default: %(default)s, nanochat's)")
     p.add_argument("--tasks", default=None, help="comma list of task labels (default: all in the bundle)")
-    p.add_argument("--kshot_sweep", action="store_true", help=f"[S ICL] sweep k in {KSHOT_SWEEP}")
+    p.add_argument("--kshot_sweep", action="store_true", help=f"[S ICL] sweep k in {KSHOT_SWEEP} (default: off)")
     p.add_argument("--kshot_tasks", default=None, help="comma list for the sweep (default: few-shot tasks)")
     p.add_argument("--length_buckets", metavar="DATA_DIR", default=None,
-                   help="per-document-length-bucket val loss on a data/prepare.py output dir")
+                   help="per-document-length-bucket val loss on a data/prepare.py output dir (default: none)")
     p.add_argument("--length_split", default="val", choices=["train", "val"],
-                   help="the split of --length_buckets' data to measure (default: val)")
-    p.add_argument("--length_max_tokens", type=number(int, 1), default=1 << 20, help="token budget for --length_buckets")
+                   help="the split of --length_buckets' data to measure (default: %(default)s)")
+    p.add_argument("--length_max_tokens", type=number(int, 1), default=1 << 20,
+                   help="token budget for --length_buckets, in whole documents (default: %(default)s)")
     p.add_argument("--baselines", choices=["bundle", "v1", "2025-09-05"], default="bundle",
-                   help="random baselines: the bundle's csv as is, or one published version for the 3 rows that changed")
+                   help="random baselines: the bundle's csv as is, or one published version for the 3 rows that "
+                        "changed (default: %(default)s)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device to evaluate on, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
-    p.add_argument("--batch_tokens", type=number(int, 1), default=16384, help="padded tokens per forward")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="autocast on CUDA")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--no_progress", action="store_true", help="no tqdm progress bars")
+    p.add_argument("--batch_tokens", type=number(int, 1), default=16384,
+                   help="padded tokens per forward (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="autocast on CUDA (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (default: tables)")
+    p.add_argument("--no_progress", action="store_true", help="no tqdm progress bars (default: bars on stderr)")
     args = p.parse_args(argv)
     try:
         run(args)

@@ -13,10 +13,10 @@ the downstream prediction pipeline [X19]-[X21] and quadratic-vertex fits (numpy,
 CSV columns: surface `arch,cell,F,S,D,loss`; chinchilla `N,D,loss` (or `N,C,loss`, D = C/(6N));
 power `arch,C,loss`, optionally `depth` (or [X]'s names `arm,depth,compute_flops,val_loss`). Extra
 columns are ignored; a UTF-8 byte-order mark is fine. A user mistake (missing file, malformed CSV, a row
-given twice, a nan, bad option) is one line on stderr and exit status 2 (docs/fit.md says what counts as
-a duplicate row). `python fit.py SUBCOMMAND --help` says what every flag
-means. This file holds the fits and, at its bottom, the command line; reading the runs CSV files is
-tooling/tables.py, the figures tooling/plots.py (matplotlib optional).
+given twice, a nan, a name spelled in two cases, an architecture whose loss does not fall, bad option) is
+one line on stderr and exit status 2 (docs/fit.md says what counts as a duplicate row). `python fit.py
+SUBCOMMAND --help` says what every flag means. This file holds the fits and, at its bottom, the command
+line; reading the runs CSV files is tooling/tables.py, the figures tooling/plots.py (matplotlib optional).
 
 How the six-coefficient fits are made reliable (the one deviation from "L-BFGS-B from a grid"):
 for fixed exponents the law is linear in its coefficients (E, A, K), so every point of a large
@@ -491,6 +491,9 @@ def _power_inputs(C, loss):
     if np.any(~np.isfinite(C)) or np.any(~np.isfinite(loss)) or np.any(C <= 0) or np.any(loss <= 0):
         raise ValueError("C and loss must be finite and > 0")
     _check_points(len(loss), 3, "power-law fit")
+    if len(set(C.tolist())) < 3:  # repeated seeds add points, not computes
+        raise ValueError(f"power-law fit: E, A and gamma need 3 distinct computes, got {len(set(C.tolist()))} "
+                         "(repeated seeds count once)")
     return C, loss
 
 
@@ -557,6 +560,9 @@ def fit_power_law_fixed_E(C, loss, E, C0=C_REF, name="arch"):
         raise ValueError(f"{name}: loss {float(loss.min()):.4g} <= shared E {E:.4g}; "
                          "use per-architecture E (shared_E=False)")
     _check_points(len(loss), 2, f"{name} affine fit")
+    if len(set(C.tolist())) < 2:
+        raise ValueError(f"{name}: every point at one compute ({C[0]:.4g}): gamma is not identifiable; "
+                         "give it points at 2 computes or more")
     line = linregress(np.log(C / C0), np.log(loss - E))
     return PowerLawFit(E=float(E), A=float(math.exp(line.intercept)), gamma=float(-line.slope), C0=C0,
                        gamma_se=float(line.stderr))
@@ -941,6 +947,25 @@ def _sparsities(text):
     return _numbers(text, lambda v: 0 <= v < 1, "in [0, 1)")
 
 
+def _data_lines(path):
+    """The line each data row of a CSV that tables read starts on (blank rows skipped, as tables skips them)."""
+    with open(path, "rb") as f:
+        rows = tables._csv_lines(path, tables._decode_utf8(path, f.read()))
+    return [lineno for lineno, row in rows[1:] if any(cell.strip() for cell in row)]
+
+
+def _refuse_case_variants(path, names, column):
+    """One name spelled two ways ('Vanilla', 'vanilla') would split its points into two architectures (or
+    cells): refused, naming both lines."""
+    first = {}
+    for i, name in enumerate(names):
+        j = first.setdefault(name.casefold(), i)
+        if names[j] != name:
+            lines = _data_lines(path)
+            raise ValueError(f"{path} line {lines[i]}, column '{column}': '{name}' and '{names[j]}' (line {lines[j]}) "
+                             "differ only in case; spell the name one way")
+
+
 def _json_safe(v):
     v = float(v)
     return v if math.isfinite(v) else None
@@ -948,6 +973,8 @@ def _json_safe(v):
 
 def run_surface(args):
     runs = tables.read_runs_csv(args.csv, SURFACE_COLUMNS, positive=["F", "D", "loss"], fraction=["S"])
+    for column in ("arch", "cell"):
+        _refuse_case_variants(args.csv, runs[column].astype(str).tolist(), column)
     budgets, sparsities = args.budgets, args.sparsity
     archs = list(dict.fromkeys(runs["arch"].astype(str).tolist()))
     for name in (args.ref, args.target):
@@ -1023,6 +1050,7 @@ def run_chinchilla(args):
 
 def run_power(args):
     rows = tables.read_power_csv(args.csv)
+    _refuse_case_variants(args.csv, rows["arch"].astype(str).tolist(), "arch")
     archs = list(dict.fromkeys(rows["arch"].astype(str).tolist()))
     if args.ref not in archs:
         raise ValueError(f"{args.csv}: architecture '{args.ref}' not found in column 'arch'; have {archs}")
@@ -1034,6 +1062,12 @@ def run_power(args):
         fits = fit_power_laws(runs, args.ref, C0=args.C0, shared_E=not args.per_arch_E, protocol=args.protocol)
     except ValueError as e:
         raise ValueError(f"{args.csv}: {e}") from None
+    # refused, not flagged: a gamma <= 0 printed with status 0 (or in --json) would read as a measured law;
+    # dropping the arch's rows fits the others
+    for a, f in fits.items():
+        if not f.gamma > 0:
+            raise ValueError(f"{args.csv}: {a}: loss does not fall with compute (gamma {f.gamma + 0.0:.4g} with E "
+                             f"{f.E:.4g} fixed): no power law to fit; fix or drop its rows")
     budget = rows["arch"].astype(str) == args.ref  # [X6] budgets: the reference's points (or its deeper ones)
     if args.min_depth is not None:
         if "depth" not in rows:

@@ -16,7 +16,7 @@ Live model (train.py):
     param_map = grow.grow(model, n_passes=4, untie=False)     # model grown in place
     state = grow.copy_optimizer_state(state_by_name, param_map)
 Checkpoint:
-    python grow.py --ckpt out/demo/ckpt.pt --passes 4 [--untie]      # in place: then
+    python grow.py --ckpt out/demo/ckpt.pt --passes 4 [--untie]      # in place (holding the run's lock): then
     python train.py --run_name=demo --resume=True                     # continues the grown run
     python grow.py --ckpt out/demo/ckpt.pt --passes 4 --out grown.pt  # elsewhere: continue it as a new run
     python train.py --init_from=grown.pt --run_name=demo_grown        # with init_from
@@ -36,11 +36,12 @@ from dataclasses import replace
 import torch.nn as nn
 
 import match
-from model import core_split, execution_plan
+from model import MAX_PASSES, PASSES_WHY, core_split, execution_plan
 from tooling import checkpoint
 from tooling.checkpoint import load_model
 from tooling import common
-from tooling.common import cli_error, number
+from tooling.common import cli_error
+from tooling import rundir
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -222,15 +223,15 @@ def remap_optimizer_checkpoint(opt, param_map, copies="fresh"):
 # Training-schedule helpers (train.py uses these)
 
 
-def growth_step(max_iters, grow_at):
+def growth_step(max_steps, grow_at):
     """Optimizer step at which to grow. grow_at >= 1: a step; 0 < grow_at < 1: the [X] code's crossover
-    fraction of training, step = int(grow_at * max_iters); the fraction of tokens after growth is then
+    fraction of training, step = int(grow_at * max_steps); the fraction of tokens after growth is then
     rho = 1 - grow_at [X13]."""
     if grow_at <= 0:
         raise ValueError(f"grow_at must be > 0 (a step, or a fraction in (0, 1)), got {grow_at}")
-    step = int(grow_at * max_iters) if grow_at < 1 else int(grow_at)
-    if step > max_iters:
-        raise ValueError(f"grow_at={grow_at} is after the last step max_iters={max_iters}")
+    step = int(grow_at * max_steps) if grow_at < 1 else int(grow_at)
+    if step > max_steps:
+        raise ValueError(f"grow_at={grow_at} is after the last step max_steps={max_steps}")
     return step
 
 
@@ -368,13 +369,24 @@ def growth_fraction_limit(a):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Writing into a run folder (grow.py, probe.py --plot): only while holding its lock
+
+
+# ----------------------------------------------------------------------------------------------------
 # CLI: grow a checkpoint
 
 
 def grow_checkpoint(ckpt_path, n_passes, out_path, untie=False, copies="fresh", log=print):
     """Load a checkpoint, grow it, remap its optimizer state by name, write it atomically. Returns the
     parameter map. Everything else (step, tokens_seen, data_position, rng, ...) is kept, so train.py
-    resumes from the grown checkpoint; a record is appended to ckpt["growth"]."""
+    resumes from the grown checkpoint; a record is appended to ckpt["growth"]. Inside a run folder (in place,
+    the usual case) its lock is held from the load to the write: a training there would overwrite it."""
+    with rundir.run_folder_held(os.path.dirname(os.path.abspath(out_path)), "grow.py",
+                         "write the grown checkpoint elsewhere with --out"):
+        return _grow_checkpoint(ckpt_path, n_passes, out_path, untie, copies, log)
+
+
+def _grow_checkpoint(ckpt_path, n_passes, out_path, untie, copies, log):
     model, ckpt = load_model(ckpt_path)
     layout, tied = model.config.layout, model.config.tie_core
     k0 = model.config.passes
@@ -392,8 +404,8 @@ def grow_checkpoint(ckpt_path, n_passes, out_path, untie=False, copies="fresh", 
     ckpt["model"] = model.state_dict()
     if "state" in ckpt:  # train.py's flag: a resumed run with grow_at set does not grow a second time
         ckpt["state"]["grown"] = True
-    ckpt.setdefault("growth", []).append(dict(step=ckpt.get("state", {}).get("step"), from_passes=k0, to_passes=n_passes,
-                                              from_layout=layout, from_tied=tied, untie=untie,
+    ckpt.setdefault("growth", []).append(dict(step=ckpt.get("state", {}).get("step"), from_passes=k0,
+                                              to_passes=n_passes, from_layout=layout, from_tied=tied, untie=untie,
                                               copies=copies, param_map=param_map))
     checkpoint.save_file(out_path, ckpt)
     n_copies = len(copied_names(param_map))
@@ -435,14 +447,18 @@ def main(argv=None):
     parser = common.parser(
         "grow.py", description="Grow a loopstudy checkpoint to more core passes ([X] Algorithm 1), or print the growth "
                     "schedule of a config ([X9]-[X15]).")
-    parser.add_argument("--ckpt", help="input checkpoint (train.py / grow.py)")
-    parser.add_argument("--passes", type=number(int, 1), default=4, help="target number of core passes Kf (default 4)")
-    parser.add_argument("--untie", action="store_true", help="untie a tied core into K copies first (then grow)")
+    parser.add_argument("--ckpt", help="input checkpoint (train.py / grow.py) (default: none, needs --schedule)")
+    parser.add_argument("--passes", type=common.number(int, 1, MAX_PASSES, why=PASSES_WHY), default=4,
+                        help=f"target number of core passes Kf, at most {MAX_PASSES} (default: %(default)s)")
+    parser.add_argument("--untie", action="store_true",
+                        help="untie a tied core into K copies first (then grow) (default: keep it tied)")
     parser.add_argument("--copies", choices=("fresh", "source"), default="fresh",
-                        help="optimizer state of new copies: fresh (default, as the [X] code) or the source's")
-    parser.add_argument("--out", help="output checkpoint, written atomically (default: grow --ckpt in place, so "
-                                      "`train.py --run_name=NAME --resume=True` continues it)")
-    parser.add_argument("--schedule", metavar="CONFIG", help="print the growth schedule of a config file instead")
+                        help="optimizer state of new copies: fresh (as the [X] code) or the source's "
+                             "(default: %(default)s)")
+    parser.add_argument("--out", help="output checkpoint, written atomically, holding its run folder's lock (default: "
+                                      "grow --ckpt in place, so `train.py --run_name=NAME --resume=True` continues it)")
+    parser.add_argument("--schedule", metavar="CONFIG",
+                        help="print the growth schedule of a config file instead (default: grow --ckpt)")
     parser.add_argument("--law", choices=sorted(AFFINE_LAW), help="affine law [X9] (default: by tie_core)")
     args = parser.parse_args(argv)
     try:

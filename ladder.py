@@ -2314,8 +2314,9 @@ def _raise_terminated(signum, frame):
 
 
 def main(argv=None):
-    p = common.parser("ladder.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    description, epilog = __doc__.split("\n\n", 1)  # the first paragraph once, above the flags; the rest below
+    p = common.parser("ladder.py", description=description, allow_abbrev=False,
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
     p.add_argument("--preset", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--out", help="output folder (default out/ladder-<preset>)")
     p.add_argument("--bootstrap", type=common.number(int, 0), help="bootstrap draws, >= 0 (SMELT cell bootstrap; "

@@ -348,6 +348,10 @@ class Step:
     inject: bool = False
 
 
+MAX_PASSES = 64  # passes any model runs: 4 x the 16 test-time passes the papers go to (each runs the loop again)
+PASSES_WHY = "4 x the 16 test-time passes the papers go to; each pass runs the looped blocks again"
+
+
 def execution_plan(cfg, n_passes=None):
     """The sequence of steps a forward pass executes. n_passes overrides K (prelude-core-coda) or r
     (SMELT loop / layer-loop) for this plan only: test-time passes, random passes per step, growth."""
@@ -355,8 +359,8 @@ def execution_plan(cfg, n_passes=None):
         return [Step("block", i, 1) for i in range(cfg.n_layer)]
     if cfg.layout in ("smelt", "layer_loop"):
         r = cfg.passes if n_passes is None else n_passes
-        if r < 1:
-            raise ValueError(f"n_passes/n_loops must be >= 1, got {r}")
+        if not 1 <= r <= MAX_PASSES:
+            raise ValueError(f"n_passes/n_loops must be in [1, {MAX_PASSES}] ({PASSES_WHY}), got {r}")
         start, stop = cfg.loop_start, cfg.loop_start + cfg.loop_span
         prelude = [Step("block", i, 1) for i in range(start)]
         coda = [Step("block", i, 1) for i in range(stop, cfg.n_layer)]
@@ -368,8 +372,8 @@ def execution_plan(cfg, n_passes=None):
         return prelude + loop + coda
     # prelude-core-coda [X1]-[X2]
     k_passes = cfg.passes if n_passes is None else n_passes
-    if k_passes < 1:
-        raise ValueError(f"n_passes must be >= 1, got {k_passes}")
+    if not 1 <= k_passes <= MAX_PASSES:
+        raise ValueError(f"n_passes must be in [1, {MAX_PASSES}] ({PASSES_WHY}), got {k_passes}")
     if not cfg.tie_core and k_passes > cfg.n_passes:
         raise ValueError(f"an untied model has {cfg.n_passes} cores allocated; cannot run n_passes={k_passes}")
     P, C, D = cfg.n_prelude, cfg.n_core, cfg.n_coda
@@ -493,6 +497,9 @@ class ModelConfig:
         self.loop_span = derive(self.loop_span, -1, self.n_layer // 2)
         if not 0 <= self.loop_span <= self.n_layer:
             bad("loop_span", f"must be in [0, n_layer={self.n_layer}]")
+        for name in ("n_loops", "n_passes"):
+            if getattr(self, name) > MAX_PASSES:
+                bad(name, f"at most {MAX_PASSES} ({PASSES_WHY})")
         if self.n_passes < 1:
             bad("n_passes", "must be >= 1")
         if self.n_passes != 1 and self.layout != "pcc":

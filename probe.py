@@ -44,15 +44,18 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from model import MAX_PASSES, PASSES_WHY, scaled
 from sample import check_n_passes
-from tooling import common
+from tooling import common, rundir
 from tooling.common import cli_error, number, resolve_device, write_atomic
-from model import scaled
 from tooling.checkpoint import load_model
 
 ATTENTION_QUANTITIES = (("X", "attn_in"), ("Q", "q"), ("K", "k"), ("V", "v"), ("PV", "attn_context"),
                         ("O", "attn_output"))
 WRITES = ("update", "attn", "ffn", "ffn_in")  # the four norm ratios of [S §6]
+# one probe forward keeps every executed block's attention probabilities (float32, B x heads x T x T) until
+# its statistics are taken: at most this many bytes of them, or the probe is refused before it runs
+MAX_RECORDED_BYTES = 8 << 30
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -544,48 +547,76 @@ def plot_kl_curves(ax, kl_by_label):
 # CLI
 
 
+def check_recorded_bytes(cfg, rows, seq_len, n_passes=None):
+    """Refuse a probe forward whose recorded attention probabilities would exceed MAX_RECORDED_BYTES."""
+    blocks = cfg.executed_layers(n_passes)
+    size = rows * cfg.n_head * seq_len ** 2 * 4 * blocks
+    if size > MAX_RECORDED_BYTES:
+        raise ValueError(f"a probe forward keeps the attention of every executed block: {rows} windows x {cfg.n_head} "
+                         f"heads x {seq_len}^2 x 4 bytes x {blocks} blocks = {size / 2**30:.3g} GiB, above "
+                         f"{MAX_RECORDED_BYTES / 2**30:.3g} GiB; lower --batch_size or --seq_len")
+
+
 def main(argv=None):
     parser = common.parser("probe.py", description=__doc__.split("\n\n")[0],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt", required=True, help="checkpoint written by train.py")
-    parser.add_argument("--tokens", type=number(int, 1), default=16384, help="held-out tokens to probe")
-    parser.add_argument("--data_dir", default=None, help="override the checkpoint's data_dir")
-    parser.add_argument("--seq_len", type=number(int, 1), default=None, help="window length (default: block_size)")
-    parser.add_argument("--batch_size", type=number(int, 1), default=8, help="windows per forward")
-    parser.add_argument("--visits", type=number(int, 1), nargs=2, default=(1, 2), help="the two visits compared")
-    parser.add_argument("--n_passes", type=number(int, 1), default=None, help="override r / K for the probe forward")
-    parser.add_argument("--attn_topk", type=number(int, 1), default=8, help="attended keys compared per head")
+    parser.add_argument("--ckpt", required=True, help="checkpoint written by train.py (required)")
+    parser.add_argument("--tokens", type=number(int, 1), default=16384,
+                        help="held-out tokens to probe, at most the validation split (default: %(default)s)")
+    parser.add_argument("--data_dir", default=None,
+                        help="override the checkpoint's data_dir (default: the checkpoint's)")
+    parser.add_argument("--seq_len", type=number(int, 1), default=None,
+                        help="window length, at most block_size (default: block_size)")
+    parser.add_argument("--batch_size", type=number(int, 1), default=8,
+                        help="windows per forward; their recorded attention must fit in "
+                             f"{MAX_RECORDED_BYTES >> 30} GiB (default: %(default)s)")
+    visits = number(int, 1, MAX_PASSES, why=f"a block runs once per pass, at most {MAX_PASSES} passes")
+    parser.add_argument("--visits", type=visits, nargs=2, default=(1, 2), help="the two visits compared (default: 1 2)")
+    parser.add_argument("--n_passes", type=number(int, 1, MAX_PASSES, why=PASSES_WHY), default=None,
+                        help=f"override r / K for the probe forward, at most {MAX_PASSES} (default: as trained)")
+    parser.add_argument("--attn_topk", type=number(int, 1), default=8,
+                        help="attended keys compared per head, at most seq_len // 2 (default: %(default)s)")
     parser.add_argument("--kl_threshold", type=number(float, 0, open_low=True), default=2.0,
-                        help="nats, for the KL effective depth")
+                        help="nats, for the KL effective depth (default: %(default)s)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="torch device to probe on, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.add_argument("--plot", default=None, metavar="DIR", help="write sink heatmaps and the KL curve here")
+                        help="torch device to probe on, e.g. cpu, cuda, cuda:1 (default: cuda when available, "
+                             "else cpu)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text (default: text)")
+    parser.add_argument("--plot", default=None, metavar="DIR",
+                        help="write sink heatmaps and the KL curve here; inside a run folder only while no training "
+                             "holds it (default: no plots)")
     args = parser.parse_args(argv)
 
     try:
-        device = resolve_device(args.device)  # one line for an unknown or absent device, before any work
-        if args.plot:  # the figures' folder, made (or refused) before the probes run
-            os.makedirs(args.plot, exist_ok=True)
-        model, ckpt = load_model(args.ckpt)
-        check_n_passes(model.config, args.n_passes)
-        data_dir = resolve_data_dir(args.data_dir or ckpt.get("data_dir"))
-        seq_len = args.seq_len or model.config.block_size
-        if not 1 <= seq_len <= model.config.block_size:
-            raise ValueError(f"--seq_len={seq_len} must be in [1, block_size={model.config.block_size}]")
-        idx = heldout_windows(load_val_tokens(data_dir, model.config.eot_token), args.tokens, seq_len)
-        if int(idx.max()) >= model.config.vocab_size:
-            raise ValueError(f"data in {data_dir} has token id {int(idx.max())} >= the model's "
-                             f"vocab_size={model.config.vocab_size}: wrong data_dir for this checkpoint?")
-        model.to(device)
-        result = run_probes(model, idx, visits=tuple(args.visits), n_passes=args.n_passes,
-                            batch_size=args.batch_size, attn_topk=args.attn_topk, kl_threshold=args.kl_threshold,
-                            progress=not args.json)
+        with contextlib.ExitStack() as stack:
+            device = resolve_device(args.device)  # one line for an unknown or absent device, before any work
+            if args.plot:  # the figures' folder: held if it is (in) a run folder, made before the probes run
+                stack.enter_context(rundir.run_folder_held(args.plot, "probe.py",
+                                                           "write the plots elsewhere with --plot"))
+                os.makedirs(args.plot, exist_ok=True)
+            model, ckpt = load_model(args.ckpt)
+            check_n_passes(model.config, args.n_passes)
+            data_dir = resolve_data_dir(args.data_dir or ckpt.get("data_dir"))
+            seq_len = args.seq_len or model.config.block_size
+            if not 1 <= seq_len <= model.config.block_size:
+                raise ValueError(f"--seq_len={seq_len} must be in [1, block_size={model.config.block_size}]")
+            if args.attn_topk > seq_len // 2:
+                raise ValueError(f"--attn_topk {args.attn_topk}: at most seq_len // 2 = {seq_len // 2} (only queries "
+                                 "with 2 x attn_topk attendable keys are compared)")
+            idx = heldout_windows(load_val_tokens(data_dir, model.config.eot_token), args.tokens, seq_len)
+            if int(idx.max()) >= model.config.vocab_size:
+                raise ValueError(f"data in {data_dir} has token id {int(idx.max())} >= the model's "
+                                 f"vocab_size={model.config.vocab_size}: wrong data_dir for this checkpoint?")
+            check_recorded_bytes(model.config, min(args.batch_size, len(idx)), seq_len, args.n_passes)
+            model.to(device)
+            result = run_probes(model, idx, visits=tuple(args.visits), n_passes=args.n_passes,
+                                batch_size=args.batch_size, attn_topk=args.attn_topk, kl_threshold=args.kl_threshold,
+                                progress=not args.json)
+            result.update(ckpt=args.ckpt, data_dir=data_dir, step=(ckpt.get("state") or {}).get("step"))
+            if args.plot:
+                result["plots"] = plot_probes(result, args.plot)
     except (ValueError, OSError) as e:
         return cli_error("probe.py", e)
-    result.update(ckpt=args.ckpt, data_dir=data_dir, step=(ckpt.get("state") or {}).get("step"))
-    if args.plot:
-        result["plots"] = plot_probes(result, args.plot)
     if args.json:
         print(json.dumps(result))
     else:

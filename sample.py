@@ -23,6 +23,7 @@ From Python (an in-memory model, e.g. at the end of training):
     print(sample_text(model, get_tokenizer("gpt2-4096"), start="ROMEO:", max_new_tokens=100))
 """
 import os
+import stat
 import sys
 
 import torch
@@ -30,10 +31,15 @@ import torch
 from tooling import common
 from tooling.common import cli_error, number, resolve_device
 from data.tokenizer import get_tokenizer
+from model import MAX_PASSES, PASSES_WHY
 from tooling.checkpoint import load_model
 
 SEPARATOR = "---------------"
 LOOPED_LAYOUTS = ("smelt", "layer_loop", "pcc")
+# The most a user may ask for, each with its reason (passes: model.MAX_PASSES)
+MAX_SAMPLES, SAMPLES_WHY = 1000, "samples run one after another, each printed whole"
+MAX_NEW_TOKENS, TOKENS_WHY = 1_000_000, "over all samples: one forward of the model per new token"
+MAX_PROMPT_CHARS = 1 << 20  # a prompt of block_size tokens or more is cut to its last block_size // 2 anyway
 
 
 def read_start(start):
@@ -42,12 +48,18 @@ def read_start(start):
         return start
     path = start[len("FILE:"):]
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or a device would block or never end
+            raise ValueError(f"prompt file {path} is not a regular file (a folder, pipe or device): give a text file")
         with open(path, encoding="utf-8") as f:
-            return f.read()
+            text = f.read(MAX_PROMPT_CHARS + 1)
     except OSError as e:
         raise ValueError(f"cannot read prompt file {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise ValueError(f"prompt file {path} is not UTF-8 text") from None
+    if len(text) > MAX_PROMPT_CHARS:
+        raise ValueError(f"prompt file {path} is over {MAX_PROMPT_CHARS:,} characters: the model reads only its last "
+                         "block_size // 2 tokens; give the end of it")
+    return text
 
 
 def check_settings(num_samples, max_new_tokens, temperature, top_k, n_passes):
@@ -62,12 +74,19 @@ def check_settings(num_samples, max_new_tokens, temperature, top_k, n_passes):
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if n_passes is not None and n_passes < 1:
         raise ValueError(f"n_passes must be >= 1, got {n_passes}")
+    if num_samples > MAX_SAMPLES:
+        raise ValueError(f"num_samples={num_samples}: at most {MAX_SAMPLES:,} ({SAMPLES_WHY})")
+    if num_samples * max_new_tokens > MAX_NEW_TOKENS:
+        raise ValueError(f"num_samples x max_new_tokens = {num_samples * max_new_tokens:,} new tokens: at most "
+                         f"{MAX_NEW_TOKENS:,} ({TOKENS_WHY})")
 
 
 def check_n_passes(config, n_passes):
     """ValueError when a model of this config cannot run n_passes passes (None: as trained)."""
     if n_passes is None:
         return
+    if n_passes > MAX_PASSES:  # (forward would refuse it too, less plainly)
+        raise ValueError(f"n_passes={n_passes}: at most {MAX_PASSES} ({PASSES_WHY})")
     if config.layout not in LOOPED_LAYOUTS:
         raise ValueError(f"n_passes={n_passes}: the model has layout {config.layout!r}, nothing to loop "
                          f"(n_passes applies to layouts {', '.join(LOOPED_LAYOUTS)})")
@@ -157,13 +176,16 @@ def sample_text(model, tokenizer, start="", max_new_tokens=200, temperature=0.8,
 def main(argv=None):
     parser = common.parser("sample.py",
                            description="Sample text from a loopstudy checkpoint (see the module docstring).")
-    parser.add_argument("--ckpt", default="out/tiny/ckpt.pt", help="checkpoint written by train.py (default: %(default)s)")
+    parser.add_argument("--ckpt", default="out/tiny/ckpt.pt",
+                        help="checkpoint written by train.py (default: %(default)s)")
     parser.add_argument("--start", default="", help="prompt text, or FILE:path to read it from a file "
                         "(default: '', <|endoftext|> alone, so a fresh document)")
-    parser.add_argument("--num_samples", type=number(int, 1), default=3,
-                        help="samples to print, each followed by a line of dashes (default: %(default)s)")
-    parser.add_argument("--max_new_tokens", type=number(int, 0), default=200,
-                        help="new tokens per sample; any length, past block_size in windows (default: %(default)s)")
+    parser.add_argument("--num_samples", type=number(int, 1, MAX_SAMPLES, why=SAMPLES_WHY), default=3,
+                        help=f"samples to print, each followed by a line of dashes; at most {MAX_SAMPLES:,} "
+                             "(default: %(default)s)")
+    parser.add_argument("--max_new_tokens", type=number(int, 0, MAX_NEW_TOKENS, why=TOKENS_WHY), default=200,
+                        help="new tokens per sample; any length, past block_size in windows; at most "
+                             f"{MAX_NEW_TOKENS:,} over all samples (default: %(default)s)")
     parser.add_argument("--temperature", type=number(float, 0), default=0.8,
                         help="softmax temperature; 0 is greedy decoding (default: %(default)s)")
     parser.add_argument("--top_k", type=number(int, 1), default=200,
@@ -171,8 +193,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=number(int, 0, 2 ** 63 - 1), default=1337,
                         help="random seed: the same seed gives the same text "
                                                                "(default: %(default)s)")
-    parser.add_argument("--n_passes", type=number(int, 1), default=None,
-                        help="looped models: test-time passes (K for pcc, r for smelt / layer_loop) (default: as trained)")
+    parser.add_argument("--n_passes", type=number(int, 1, MAX_PASSES, why=PASSES_WHY), default=None,
+                        help="looped models: test-time passes (K for pcc, r for smelt / layer_loop), at most "
+                             f"{MAX_PASSES} (default: as trained)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer name, e.g. gpt2-4096 (default: the checkpoint's)")
     parser.add_argument("--device", default="auto", help="'auto' (cuda if available, else cpu), 'cpu', 'cuda', "
                                                          "'cuda:1', ... (default: %(default)s)")

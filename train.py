@@ -19,7 +19,6 @@ checkpoints, the run folder, memory) is in tooling/. In-process: `train.train({"
 
 import contextlib
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -119,6 +118,8 @@ class TrainConfig:
     # system
     device: str = "auto"  # "auto": cuda if available else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto": bfloat16 autocast on CUDA, float32 on CPU; or "float32" / "bfloat16"
+    cpu_threads: int = 0  # CPU: torch threads per process; 0 -> the cores the load leaves idle over this host's
+    #   processes (OMP_NUM_THREADS, when set, decides instead); the header says what it picked
     compile: bool = False  # torch.compile the model
     triton: bool = False  # swap the Triton kernels into the model and Muon (kernels.apply); opt-in on every
     #   device until bench/gpu_check.sh has passed on a GPU
@@ -145,8 +146,8 @@ HELP_GROUPS = {title: keys.split() for title, keys in {  # --help shows these fi
     "growth, random passes, decay branches, LR scaling": "grow_at grow_to grow_untie grow_rewarm_steps "
     "n_passes_choices init_from decay_branch decay_tokens branch_data_fraction unique_tokens save_steps max_tokens "
     "lr_anchor_params lr_scaling_beta",
-    "distributed and precision": "global_batch device dtype parallel reshard_after_forward activation_checkpointing "
-    "collective_timeout_s",
+    "distributed and precision": "global_batch device dtype cpu_threads parallel reshard_after_forward "
+    "activation_checkpointing collective_timeout_s",
     "kernels and compilation": "triton compile", "reliability": "resume overwrite stop_at_step"}.items()}
 SETTINGS = Settings(TrainConfig, ModelConfig, defaults=TINY_MODEL, groups=HELP_GROUPS, prog="train.py")
 DEFAULTS = SETTINGS.defaults
@@ -405,7 +406,7 @@ def train(overrides=None):
     config, model_config = SETTINGS.build(TrainConfig, values), SETTINGS.build(ModelConfig, values)
     rank, world, device = distributed.setup(config.device, config.parallel, config.collective_timeout_s)
     guards.derive_grad_accum(config, world, source)  # global_batch: the same step on any number of processes
-    use_bf16, autocast = distributed.precision(config.dtype, device)
+    use_bf16, autocast, compute_note = distributed.compute(config, device)  # on a CPU: its thread count too
     grown = guards.check_run(model_config, config, source, device)
     defer_sync, memory_note = memory.check_memory(grow.shapes_of_run(model_config, config, grown), config, device,
                                                   use_bf16, world)
@@ -422,9 +423,9 @@ def train(overrides=None):
         seqs_per_step = config.batch_size * config.grad_accum * world
         tokens_per_step = seqs_per_step * model_config.block_size
         schedule = plan_schedule(config, state, tokens_per_step)
-        guards.check_data_budget(stream, state, schedule.max_steps, seqs_per_step, log, config.resume)
+        guards.check_plan(config, source, state, schedule, stream, seqs_per_step, plan_schedule, log)
         log(rundir.run_header(run, model, data, stream, state.step, tokens_per_step, schedule.max_steps, world, device,
-                              use_bf16, [*notes, memory_note]))
+                              use_bf16, [*notes, compute_note, memory_note]))
         t0, first_position, losses, window, passes_seen, unread = time.time(), state.data_position, [], [], [], []
         if source is None:  # the eval at step 0, logged with the first checkpoint
             state.last_eval = run.append_log(state.record(lr=0.0, train_loss=None, **evaluate(

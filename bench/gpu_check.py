@@ -196,10 +196,12 @@ def measure(check, stage, name, argv, timeout, variant="eager", timed=True, env=
 
 
 def steps(check):
-    """train.py flags of a throughput run: WARMUP steps, then TIMED, an eval (one window) at each end."""
+    """train.py flags of a throughput run: WARMUP steps, then TIMED, an eval (one window) at each end; the LR
+    warms up over the whole run (a config's own warmup is longer than a benchmark: train.py refuses that)."""
     if check.dry_run:
-        return ["--max_steps=3", "--eval_interval=1", "--log_interval=1"]
-    return [f"--max_steps={WARMUP + TIMED}", f"--eval_interval={WARMUP}", f"--log_interval={WARMUP}"]
+        return ["--max_steps=3", "--warmup_steps=3", "--eval_interval=1", "--log_interval=1"]
+    return [f"--max_steps={WARMUP + TIMED}", f"--warmup_steps={WARMUP + TIMED}", f"--eval_interval={WARMUP}",
+            f"--log_interval={WARMUP}"]
 
 
 NO_CHECKPOINTS = ["--save_checkpoints=False"]  # x_d8 writes ~2 GB per checkpoint; s95 47 GB sharded + 16 GB
@@ -265,14 +267,14 @@ def stage_distributed(check, cap):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
     data = check.prepared("gpt2-4096")
     common = [f"--data_dir={data}", "--eval_tokens=128", "--batch_size=4", "--parallel=fsdp", "--max_steps=6",
-              "--eval_interval=3"]
+              "--warmup_steps=2", "--eval_interval=3"]
     runs, t0 = [], time.monotonic()
 
     def left():
         return cap - (time.monotonic() - t0)
     if gpus >= 2:
         runs.append(measure(check, "distributed", "ddp", [f"--data_dir={data}", "--eval_tokens=128", "--max_steps=4",
-                                                          "--eval_interval=2"], min(60, left()), timed=False,
+                                                          "--warmup_steps=2", "--eval_interval=2"], min(60, left()), timed=False,
                             launcher=torchrun, world=gpus))
     runs.append(measure(check, "distributed", "fsdp", [*common, "--stop_at_step=3"], min(60, left()), timed=False,
                         launcher=torchrun, world=gpus))

@@ -60,8 +60,21 @@ class TokenStream:
 
 
 def windows(tokens, offsets, seq_len):
-    """int64 array (len(offsets), seq_len + 1) of the token windows starting at offsets."""
-    return np.stack([np.asarray(tokens[o:o + seq_len + 1], dtype=np.int64) for o in offsets])
+    """int64 array (len(offsets), seq_len + 1) of the token windows starting at offsets. Token ids of a
+    prepared split (tokens.n_vocab known) are checked: an id outside the vocabulary is one line naming its
+    shard and position, not an IndexError (a device-side assert on CUDA) inside the model."""
+    rows = np.stack([np.asarray(tokens[o:o + seq_len + 1], dtype=np.int64) for o in offsets])
+    # Checked per batch on the host, before it goes to the device (no GPU sync): one max over the batch's
+    # tokens, microseconds next to the forward. meta.json's per-shard max_token (checked at open) says what
+    # prepare wrote, not what the shard holds now; scanning every shard at open would read the whole corpus.
+    n_vocab = getattr(tokens, "n_vocab", None)
+    if n_vocab is not None and rows.size and rows.max() >= n_vocab:
+        row, col = np.argwhere(rows >= n_vocab)[0]
+        path, position = tokens.where(int(offsets[row]) + int(col))
+        raise ValueError(f"{path}: token id {rows[row, col]} at position {position:,} is outside the vocabulary "
+                         f"(n_vocab={n_vocab} in meta.json): the shard changed after it was prepared; re-run "
+                         "data/prepare.py (--verify checks every shard)")
+    return rows
 
 
 def to_device(array, device):

@@ -67,6 +67,7 @@ import math
 import multiprocessing
 import os
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -114,6 +115,16 @@ def import_optional(module, needed_by):
 # -----------------------------------------------------------------------------
 # reading documents: each reader yields (text, source) in file order, empty documents included
 
+def check_regular(path, what="input file"):
+    """Refuse a path that is not a regular file once symlinks are resolved: a named pipe or a device (a
+    symlink to /dev/zero) would block forever or never end."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        real = os.path.realpath(path)
+        via = f" (a symlink to {real})" if real != os.path.abspath(path) else ""
+        raise ValueError(f"{what} {path}{via} is not a regular file (a pipe or a device would block or never end); "
+                         "give a file")
+
+
 def expand_inputs(inputs):
     """Files as given, folders -> their *.txt / *.jsonl / *.parquet files (sorted). Clear errors for bad paths."""
     if isinstance(inputs, (str, os.PathLike)):
@@ -132,6 +143,7 @@ def expand_inputs(inputs):
         else:
             found = [path]
         for file in found:  # a file read twice would put its documents in both splits
+            check_regular(file)
             real = os.path.realpath(file)
             if real in seen:
                 raise ValueError(f"input file {file} is given twice (also as {seen[real]}): each input once")
@@ -177,6 +189,11 @@ def read_jsonl_document(path, lineno, row, default_source):
         raise ValueError(f"{path}:{lineno}: missing field 'text'")
     if not isinstance(row["text"], str):
         raise ValueError(f"{path}:{lineno}: field 'text' must be a string, got {type(row['text']).__name__}")
+    try:  # JSON may escape a lone surrogate (\udcff), which no UTF-8 encoder takes: named here, not in a worker
+        row["text"].encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{path}:{lineno}: field 'text' holds a lone surrogate {row['text'][e.start]!r} at character "
+                         f"{e.start} (an unpaired \\ud800-\\udfff escape), which is not text") from None
     source = row.get("source", default_source)
     if not isinstance(source, str) or not source:
         raise ValueError(f"{path}:{lineno}: field 'source' must be a non-empty string, got {source!r}")
@@ -504,6 +521,7 @@ def check_out_folder(out_dir):
         raise ValueError("--out is empty: name the output folder")
     if os.path.exists(meta_path):
         try:
+            check_regular(meta_path, "the index")  # a pipe there would block the read
             with open(meta_path) as f:
                 ours = json.load(f).get("format") == "loopstudy-tokens"
         except (OSError, ValueError, AttributeError):
@@ -550,8 +568,8 @@ def check_settings(tokenizer, val_fraction, val_tokens, workers, shard_tokens, m
         raise ValueError(f"workers must be an integer >= 1, got {workers}")
     if not isinstance(shard_tokens, int) or shard_tokens < MIN_SHARD_TOKENS:
         raise ValueError(f"shard_tokens must be an integer >= {MIN_SHARD_TOKENS}, got {shard_tokens}")
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed}")
+    if not isinstance(seed, int) or not 0 <= seed < 2**53:  # as train.py's seed: JSON keeps such integers exact
+        raise ValueError(f"seed must be an integer in [0, 2**53) (meta.json records it), got {seed}")
     if max_documents is not None and (not isinstance(max_documents, int) or max_documents < 1):
         raise ValueError(f"max_documents must be an integer >= 1, got {max_documents}")
     return get_tokenizer(tokenizer)  # ValueError listing valid names if unknown
@@ -699,12 +717,17 @@ def prepare_default(out_dir=DEFAULT_OUT, tokenizer="gpt2-4096", verbose=True):
 class ShardedTokens:
     """The shards of one split as one read-only token sequence: len(), tokens[i], tokens[a:b] (a slice that
     crosses a shard boundary concatenates the pieces), np.asarray(tokens) (reads it all). Each shard is an
-    np.memmap: nothing is read until sliced."""
+    np.memmap: nothing is read until sliced. n_vocab: the ids meta.json allows (data.loader checks each batch)."""
 
-    def __init__(self, paths, sizes, dtype):
-        self.dtype = np.dtype(dtype)
+    def __init__(self, paths, sizes, dtype, n_vocab=None):
+        self.dtype, self.paths, self.n_vocab = np.dtype(dtype), list(paths), n_vocab
         self.shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # shard k is [starts[k], starts[k+1])
         self.shards = [np.memmap(p, dtype=self.dtype, mode="r") for p in paths]
+
+    def where(self, position):
+        """(shard file, position inside it) of a position of the split."""
+        k = int(np.searchsorted(self.shard_starts, position, side="right")) - 1
+        return self.paths[k], int(position - self.shard_starts[k])
 
     def __len__(self):
         return int(self.shard_starts[-1])
@@ -739,6 +762,7 @@ def load_meta(data_dir):
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f"{meta_path} not found: prepare the data first (python data/prepare.py ... --out "
                                 f"{data_dir}); a prepare that was stopped leaves no meta.json, rerun it")
+    check_regular(meta_path, "the index")
     try:
         with open(meta_path) as f:
             meta = json.load(f)
@@ -796,7 +820,8 @@ def load_split(data_dir, split, meta=None):
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     meta = meta or load_meta(data_dir)
     shards = meta["shards"][split]
-    return ShardedTokens([os.path.join(data_dir, s["file"]) for s in shards], [s["tokens"] for s in shards], meta["dtype"])
+    return ShardedTokens([os.path.join(data_dir, s["file"]) for s in shards], [s["tokens"] for s in shards],
+                         meta["dtype"], int(meta["n_vocab"]))
 
 
 def read_spans(data_dir, split, meta):
@@ -889,23 +914,32 @@ def verify(data_dir, verbose=True):
 def main(argv=None):
     parser = common_parser("prepare.py", allow_abbrev=False,
                            description="Tokenize documents into token shards (see the module docstring).")
-    parser.add_argument("inputs", nargs="*", help=f".txt/.jsonl/.parquet files or folders (default: the embedded "
-                                                  f"corpus {os.path.relpath(DEFAULT_CORPUS)})")
-    parser.add_argument("--hf", default=None, help="a Hugging Face dataset to stream instead (needs datasets)")
-    parser.add_argument("--hf_config", default=None, help="its configuration, e.g. sample-10BT")
-    parser.add_argument("--hf_split", default="train")
-    parser.add_argument("--tokenizer", default="gpt2-4096", help="'gpt2' or 'gpt2-N' (default gpt2-4096)")
-    parser.add_argument("--out", default=None, help=f"output folder (default {os.path.relpath(DEFAULT_OUT)})")
-    parser.add_argument("--val_fraction", type=float, default=None, help="val documents per source, as a fraction "
-                                                                         "(default 0.05)")
-    parser.add_argument("--val_tokens", type=int, default=0, help="about this many val tokens instead (0: use --val_fraction)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (the output does not depend on it)")
-    parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS, help=f"tokens per shard (>= {MIN_SHARD_TOKENS})")
-    parser.add_argument("--max_documents", type=int, default=0, help="only the first N non-empty documents (0: all)")
+    parser.add_argument("inputs", nargs="*", help=".txt/.jsonl/.parquet files or folders, regular files only "
+                                                  f"(default: the embedded corpus {os.path.relpath(DEFAULT_CORPUS)})")
+    parser.add_argument("--hf", default=None, help="a Hugging Face dataset to stream instead (needs datasets) "
+                                                   "(default: none, read the inputs)")
+    parser.add_argument("--hf_config", default=None, help="its configuration, e.g. sample-10BT (default: none)")
+    parser.add_argument("--hf_split", default="train", help="the split of --hf to read (default: %(default)s)")
+    parser.add_argument("--tokenizer", default="gpt2-4096", help="'gpt2' or 'gpt2-N' (default: %(default)s)")
+    parser.add_argument("--out", default=None, help=f"output folder (default: {os.path.relpath(DEFAULT_OUT)})")
+    parser.add_argument("--val_fraction", type=float, default=None,
+                        help="val documents per source, as a fraction in (0, 1) (default: 0.05)")
+    parser.add_argument("--val_tokens", type=int, default=0,
+                        help="about this many val tokens instead, below the corpus's tokens (default: 0, use "
+                             "--val_fraction)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the val draw and of --shuffle_documents "
+                                                            "(default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes, at most 4 x the CPUs (the output "
+                                                               "does not depend on it) (default: %(default)s)")
+    parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                        help=f"tokens per shard, >= {MIN_SHARD_TOKENS} (default: %(default)s)")
+    parser.add_argument("--max_documents", type=int, default=0,
+                        help="only the first N non-empty documents (default: 0, all)")
     parser.add_argument("--shuffle_documents", action="store_true",
-                        help="each split in a seeded random document order (holds the corpus in memory)")
-    parser.add_argument("--verify", action="store_true", help="only check the prepared folder --out, reading everything")
+                        help="each split in a seeded random document order (holds the corpus in memory) "
+                             "(default: input order; the embedded corpus is shuffled)")
+    parser.add_argument("--verify", action="store_true",
+                        help="only check the prepared folder --out, reading everything (default: prepare)")
     args = parser.parse_args(argv)
     try:
         for flag, value, minimum in (("--val_tokens", args.val_tokens, 0), ("--workers", args.workers, 1),

@@ -1,7 +1,9 @@
 # Shared test setup. TRITON_INTERPRET must be set before triton is first imported, so it lives here:
 # on a machine without CUDA every Triton kernel runs in the interpreter (slow; keep shapes small).
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -82,3 +84,17 @@ def one_line_error(main, argv, capsys, prog):
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: error: "), (status, err)
     return err
+
+
+@contextlib.contextmanager
+def within(seconds):
+    """A hang (reading /dev/zero) fails the test instead of stopping the suite."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

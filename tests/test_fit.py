@@ -615,6 +615,9 @@ def test_cli_surface_plot_draws_the_frontiers(tmp_path, capsys):
      "power.csv lines 7 and 8: the same row twice (equal arch, C, loss)"),
     (["power", "--ref", "v"], POWER_HEAD + POWER_OK.splitlines(keepends=True)[1] + POWER_OK,
      "power.csv lines 2 and 4: the same row twice"),
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,1e21,2.2\nv, 1e21 ,2.2\n",  # spaces around a field
+     "power.csv lines 7 and 8: the same row twice"),
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + 'v,1e21,2.2\n" v",1e21 , 2.2\n', "power.csv lines 7 and 8"),
     (["chinchilla"], "N,D,loss\n" + "".join(f"{1e9 * (i + 1)},1e10,{3 - i / 10}\n" for i in range(6)) + "1e9,1e10,3.0\n",
      "power.csv lines 2 and 8: the same row twice (equal N, D, loss)"),
     (["surface", "--ref", "b", "--target", "b"], "arch,cell,F,S,D,loss\nb,c1,1e9,0.5,1e10,2.0\nb,c2,1e9,0.5,2e10,1.9\n"
@@ -628,6 +631,37 @@ def test_cli_surface_plot_draws_the_frontiers(tmp_path, capsys):
     (["chinchilla"], "N,D,loss\n1e9,nan,2.0\n", "power.csv line 2, column 'D': value must be finite, got 'nan'"),
 ])
 def test_duplicate_and_non_finite_rows_are_one_line_naming_file_and_lines(tmp_path, capsys, command, text, message):
+    path = write(tmp_path, "power.csv", text)
+    assert fit.main([command[0], path, *command[1:]]) == 2
+    line = one_error_line(capsys)
+    assert message in line and path in line, line
+
+
+W_FLAT = "w,1e18,3.5\nw,1e19,3.5\nw,1e20,3.5\n"
+
+
+@pytest.mark.parametrize("command, text, message", [
+    # a name spelled in two cases would split one architecture (or cell) into two: both lines named
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "V,1e21,2.2\n",
+     "power.csv line 7, column 'arch': 'V' and 'v' (line 2) differ only in case; spell the name one way"),
+    (["power", "--ref", "v"], POWER_HEAD + "\n" + POWER_OK + "V,1e21,2.2\n",  # the line numbers count blank lines
+     "power.csv line 8, column 'arch': 'V' and 'v' (line 3) differ only in case"),
+    (["surface", "--ref", "b", "--target", "b"], "arch,cell,F,S,D,loss\nb,c1,1e9,0.5,1e10,2.0\nb,C1,1e9,0.5,2e10,1.9\n",
+     "power.csv line 3, column 'cell': 'C1' and 'c1' (line 2) differ only in case"),
+    # an architecture whose loss does not fall with compute has no power law: named, not printed as one
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + W_FLAT,
+     "power.csv: w: loss does not fall with compute (gamma 0 with E 2 fixed): no power law to fit; fix or drop its"),
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "w,1e18,3.5\nw,1e19,3.6\nw,1e20,3.7\n",
+     "power.csv: w: loss does not fall with compute (gamma -0.0"),
+    (["power", "--ref", "v", "--per-arch-E"], POWER_HEAD + POWER_OK + W_FLAT + "w,3e19,3.5\n",
+     "power.csv: w: loss does not fall with compute for any E of the start grid"),
+    # points at too few distinct computes: the law is not identifiable (repeated seeds add no compute)
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "w,1e18,3.5\nw,1e18,3.4\nw,1e18,3.45\n",
+     "power.csv: w: every point at one compute (1e+18): gamma is not identifiable; give it points at 2 computes"),
+    (["power", "--ref", "w"], POWER_HEAD + POWER_OK + "w,1e18,3.5\nw,1e18,3.4\nw,1e19,3.0\nw,1e19,3.1\n",
+     "power.csv: w: power-law fit: E, A and gamma need 3 distinct computes, got 2 (repeated seeds count once)"),
+])
+def test_names_in_two_cases_and_laws_that_cannot_be_fitted_are_one_line(tmp_path, capsys, command, text, message):
     path = write(tmp_path, "power.csv", text)
     assert fit.main([command[0], path, *command[1:]]) == 2
     line = one_error_line(capsys)

@@ -94,6 +94,37 @@ def test_rope_is_a_rotation_that_sees_only_relative_positions():
     assert len({round(v, 4) for v in scores.values()}) > 3  # the position matters at all
 
 
+def record_sdpa(monkeypatch):
+    """The (q, attn_mask) of every call to F.scaled_dot_product_attention from now on (the call itself unchanged)."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recording(q, *args, attn_mask=None, **kwargs):
+        calls.append((q, attn_mask))
+        return sdpa(q, *args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    return calls
+
+
+def test_rope_is_its_definition(monkeypatch):
+    """RoPE as model.py defines it (the [X] code's and nanochat's apply_rotary_emb, qlabs-eng/scaling-exponents
+    models/layers.py): position p turns the pair (x_i, x_{i + D/2}) of the two halves by p theta_i,
+    theta_i = base^(-2i/D), as y_i = x_i cos + x_{i+D/2} sin, y_{i+D/2} = x_{i+D/2} cos - x_i sin: the queries
+    the first block hands SDPA against that written out with math.cos / math.sin. Position 1, pair 0: 1 rad."""
+    model = build(head_dim=8, n_layer=1)  # base 10000: theta = 1, 0.1, 0.01, 0.001; no QK-norm
+    projected = []
+    model.blocks[0].attn.q_proj.register_forward_hook(lambda module, inputs, out: projected.append(out))
+    calls = record_sdpa(monkeypatch)
+    with torch.no_grad():
+        model(tokens(B=1, T=41))
+    x, rotated = projected[0].view(41, 4, 8), calls[0][0][0]  # (T, head, D) before, (head, T, D) after
+    for p in (1, 3, 40):
+        for i, theta in enumerate((1.0, 0.1, 0.01, 0.001)):
+            a, b, angle = x[p, 0, i].item(), x[p, 0, i + 4].item(), p * theta
+            assert rotated[0, p, i].item() == pytest.approx(a * math.cos(angle) + b * math.sin(angle), abs=1e-5)
+            assert rotated[0, p, i + 4].item() == pytest.approx(b * math.cos(angle) - a * math.sin(angle), abs=1e-5)
+
+
 def test_document_mask_off_attends_across_documents():
     """document_mask=False ([X]): a later document sees an earlier one; True ([S]): it does not."""
     idx = tokens(B=1, T=16, eot_at=(8,))
@@ -248,6 +279,31 @@ def test_causal_and_document_mask(layout):
     changed = model(other)[0]
     torch.testing.assert_close(changed[:, 12:], logits[:, 12:], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(changed[:, 1:12], logits[:, 1:12])
+
+
+def test_document_mask_of_a_batch_is_per_row(monkeypatch):
+    """Rows of one batch with their own document boundaries (one row with none): the mask SDPA gets is, row by
+    row, causal within each document, built here from the eot positions; and each document's logits are those
+    of the document run alone (RoPE sees relative positions only)."""
+    T, eots = 20, [(0, 7), (12,), ()]
+    idx = tokens(B=3, T=T, seed=3)
+    expected = torch.zeros(3, 1, T, T, dtype=torch.bool)
+    for row, positions in enumerate(eots):
+        idx[row, list(positions)] = EOT
+        doc = [sum(p <= t for p in positions) for t in range(T)]  # an eot starts a document
+        for i in range(T):
+            for j in range(i + 1):
+                expected[row, 0, i, j] = doc[i] == doc[j]
+    calls = record_sdpa(monkeypatch)
+    model = build(attention="sdpa")
+    with torch.no_grad():
+        logits = model(idx)[0]
+        assert calls and all(m is not None and torch.equal(m == 0, expected) for _, m in calls)
+        for row, positions in enumerate(eots):
+            for start, end in zip((0, *positions), (*positions, T)):
+                if end > start:
+                    alone = model(idx[row:row + 1, start:end])[0][0]
+                    torch.testing.assert_close(logits[row, start:end], alone, rtol=1e-5, atol=1e-5)
 
 
 # ---- MoE

@@ -1,5 +1,6 @@
 """muon.py: the Newton-Schulz iteration and the Muon optimizer, single-process and under FSDP2."""
 import copy
+import inspect
 import os
 import socket
 import time
@@ -10,7 +11,42 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from muon import POLAR_EXPRESS, Muon, orthogonalize
+import muon
+from muon import Muon, orthogonalize
+
+# Published constants, copied as literals from their sources (not imported from muon.py: a test that reads
+# muon.py's own table holds the code equal to itself).
+# KellerJordan/Muon muon.py @ 857d1ad, zeropower_via_newtonschulz5: a, b, c = (3.4445, -4.7750, 2.0315), 5 steps,
+# X / (||X||_F + 1e-7); muon_update: momentum 0.95, Nesterov, update * max(1, rows/cols)^0.5.
+KELLER_JORDAN_NS = (3.4445, -4.7750, 2.0315)
+# qlabs-eng/scaling-exponents @ 9139c39, models/optimizer.py: polar_express_coeffs; muon_step_fused:
+# X / (||X||_F * 1.02 + 1e-6), MuonEq-R clamp 1e-7, second moment clamp 1e-10; build_optimizer: momentum=0.95,
+# ns_steps=5, beta2=0.95; lr = matrix_lr * max(1, rows/cols)^0.5 for the update and the (cautious) decay.
+X_POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def test_muon_takes_the_published_constants(monkeypatch):
+    """Every constant muon.py takes from a published Muon equals its literal above."""
+    assert muon.NS_COEFFICIENTS == KELLER_JORDAN_NS
+    assert tuple(map(tuple, muon.POLAR_EXPRESS)) == X_POLAR_EXPRESS
+    defaults = {k: v.default for k, v in inspect.signature(Muon).parameters.items()}
+    published = dict(momentum=0.95, nesterov=True, ns_steps=5, beta2=0.95)
+    assert {k: defaults[k] for k in published} == published
+    assert inspect.signature(orthogonalize).parameters["eps"].default == 1e-7  # Keller Jordan's
+    assert muon.muon_lr_scale((12, 3)) == 2.0 and muon.muon_lr_scale((3, 12)) == 1.0  # max(1, rows/cols)^0.5
+    torch.testing.assert_close(muon.row_normalize(torch.tensor([[1e-9, 0.0], [3.0, 4.0]])),
+                               torch.tensor([[1e-2, 0.0], [0.6, 0.8]]))  # MuonEq-R: norms clamped at 1e-7
+    calls, bind = [], inspect.signature(orthogonalize).bind  # what the x variant hands the iteration
+    monkeypatch.setattr(muon, "orthogonalize", lambda *a, **k: calls.append(bind(*a, **k).arguments))
+    Muon([torch.zeros(2, 2)], variant="x").orthogonalize(torch.ones(2, 2), 5)
+    call = calls[0]
+    assert (call["eps"], tuple(map(tuple, call["coefficients"])), call["norm_scale"]) == (1e-6, X_POLAR_EXPRESS, 1.02)
 
 
 def test_orthogonalize_gives_singular_values_near_one():
@@ -80,7 +116,7 @@ def x_muon_reference(params, grads, lr, momentum, wd, beta2):
             u = g.lerp(buf, momentum)  # Nesterov
             u = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-7)  # MuonEq-R
             x = u / (u.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
-            for a, b, c in POLAR_EXPRESS:
+            for a, b, c in X_POLAR_EXPRESS:
                 if rows > cols:
                     A = x.mT @ x
                     x = a * x + x @ (b * A + c * (A @ A))
@@ -123,20 +159,32 @@ def test_x_variant_is_the_published_algorithm_step_by_step():
     assert opt.state[actual[2]]["second_momentum_buffer"].shape == (1, 7)  # wide: per column
 
 
+def singular_value_map(s, coefficients, norm_scale, eps):
+    """What the iteration does to each singular value: X <- a X + (b A + c A^2) X with A = X X^T takes U S V^T to
+    U (a S + b S^3 + c S^5) V^T, after X = G / (norm_scale ||G||_F + eps) (||G||_F = ||S||)."""
+    x = s / (norm_scale * s.norm() + eps)
+    for a, b, c in coefficients:
+        x = a * x + b * x ** 3 + c * x ** 5
+    return x
+
+
 def test_orthogonalize_is_close_to_the_polar_factor():
-    """An independent reference: the SVD's polar factor U V^T. Both iterations leave singular values in
-    a band around 1 (not exactly 1), so the result is within that band's distance of U V^T; a wrong
-    coefficient or a missing transpose leaves the band."""
+    """An independent reference, the SVD m = U S V^T: U^T result V must be the diagonal of the scalar map of S
+    (float64, the literal coefficients). With the published tables it is within 4.4e-6 (Polar Express) and
+    6.5e-7 (Newton-Schulz) of it, fp32 round-off; Polar Express with step 2's c at 0.50606 for 0.50002 is 0.25
+    off, any one of its coefficients 0.1% off at least 1.7e-4: bound 5e-5, 10x the round-off. The distance to the polar
+    factor U V^T (0.085-0.096 Polar Express, 0.21-0.23 Newton-Schulz) is bounded 25% above that, and only
+    catches gross errors: the changed c moves it to 0.101."""
     g = torch.Generator().manual_seed(1)
     for shape in [(64, 32), (32, 64), (48, 48)]:
         m = torch.randn(*shape, generator=g)
-        u, _, vh = torch.linalg.svd(m, full_matrices=False)
-        polar = u @ vh
-        for result in (orthogonalize(m), orthogonalize(m, 5, 1e-6, torch.float32, None, POLAR_EXPRESS, 1.02)):
-            s = torch.linalg.svdvals(result)
-            assert 0.6 < s.min() and s.max() < 1.25, (shape, s)
-            assert (result - polar).norm() / polar.norm() < 0.3, shape
-            assert torch.allclose(u.mT @ result @ vh.mT, torch.diag(torch.diagonal(u.mT @ result @ vh.mT)), atol=1e-3)
+        u, s, vh = torch.linalg.svd(m.double(), full_matrices=False)
+        polar_express = Muon([m], variant="x", ns_dtype=torch.float32).orthogonalize(m, 5)  # muon.py's table
+        for result, coefficients, norm_scale, eps, far in ((orthogonalize(m), [KELLER_JORDAN_NS] * 5, 1.0, 1e-7, 0.28),
+                                                           (polar_express, X_POLAR_EXPRESS, 1.02, 1e-6, 0.12)):
+            expected = torch.diag(singular_value_map(s, coefficients, norm_scale, eps))
+            assert (u.mT @ result.double() @ vh.mT - expected).abs().max() < 5e-5, (shape, coefficients)
+            assert (result.double() - u @ vh).norm() / (u @ vh).norm() < far, shape
 
 
 # Muon under FSDP2: 2 gloo processes on CPU, each holding half of every parameter

@@ -36,11 +36,14 @@ def run(data_dir, out, **overrides):
 
 
 def test_defaults_live_in_one_place_and_train_the_tiny_smelt_moe():
-    """train.py's defaults are TrainConfig's and ModelConfig's field defaults with the tiny model on top."""
+    """train.py's defaults are TrainConfig's and ModelConfig's field defaults as declared (a derived size stays
+    "derive", so it follows the sizes a run sets) with the tiny model on top."""
     from dataclasses import fields
     expected = {f.name: getattr(train.TrainConfig(), f.name) for f in fields(train.TrainConfig)}
-    expected |= {f.name: getattr(ModelConfig(), f.name) for f in fields(ModelConfig)} | train.TINY_MODEL
-    assert train.DEFAULTS == expected
+    expected |= {f.name: f.default for f in fields(ModelConfig)} | train.TINY_MODEL
+    assert train.DEFAULTS == expected and train.DEFAULTS["head_dim"] == 0 and train.DEFAULTS["mlp_hidden"] == 0
+    wide = train.SETTINGS.build(train.ModelConfig, train.SETTINGS.resolve({"n_embd": 256, "n_head": 2}))
+    assert (wide.head_dim, wide.n_kv_head, wide.mlp_hidden) == (128, 2, 768)  # derived from the run's own sizes
     cfg = train.SETTINGS.build(train.ModelConfig, train.DEFAULTS)
     assert (cfg.layout, cfg.n_loops, cfg.passes, cfg.n_expert, cfg.top_k, cfg.block_size) == ("smelt", 2, 2, 8, 2, 128)
 
@@ -364,7 +367,7 @@ def test_help_describes_every_setting():
 def test_non_finite_weights_are_never_written(tmp_path, data_dir, monkeypatch):
     """The update of step 2 blows the weights up (the loss before it was fine): the eval/save at step 2
     must not write NaN weights as the last good checkpoint."""
-    run(data_dir, tmp_path, run_name="nan", max_steps=1, eval_interval=1)
+    run(data_dir, tmp_path, run_name="nan", max_steps=1, warmup_steps=1, eval_interval=1)
     original = torch.optim.AdamW.step
 
     def blows_up(self, *args, **kwargs):  # the resumed run's first update is the second step's
@@ -374,7 +377,8 @@ def test_non_finite_weights_are_never_written(tmp_path, data_dir, monkeypatch):
         return out
 
     monkeypatch.setattr(torch.optim.AdamW, "step", blows_up)
-    with pytest.raises(train.NonFiniteLoss, match="weights became non-finite at step 2.*last good checkpoint is kept"):
+    with pytest.raises(train.NonFiniteLoss,
+                       match="weights became non-finite at step 2.*previous checkpoint there is kept. Stopped. Lower"):
         train.train(dict(out_dir=str(tmp_path), run_name="nan", resume=True, max_steps=3, progress=False))
     model, ckpt = load_model(os.path.join(tmp_path, "nan", "ckpt.pt"))
     assert ckpt["state"]["step"] == 1 and all(torch.isfinite(p).all() for p in model.parameters())
@@ -383,7 +387,7 @@ def test_non_finite_weights_are_never_written(tmp_path, data_dir, monkeypatch):
 
 
 def test_stale_temp_files_of_the_run_are_removed_at_start(tmp_path, data_dir):
-    summary = run(data_dir, tmp_path, max_steps=1)
+    summary = run(data_dir, tmp_path, max_steps=1, warmup_steps=1)
     stale = [os.path.join(summary["run_dir"], name) for name in (".ckpt.pt.tmp-abc123", ".log.jsonl.tmp-x")]
     for path in stale:
         open(path, "wb").write(b"half a file")
@@ -415,10 +419,10 @@ def test_a_second_training_into_a_locked_run_dir_is_refused(tmp_path, data_dir):
     run_dir.mkdir()
     (run_dir / "lock").write_text(f"{socket.gethostname()} {os.getpid()}")  # a live process holds it
     with pytest.raises(ValueError, match=r"is in use by process \d+ on .*lock file"):
-        run(data_dir, tmp_path, max_steps=1)
+        run(data_dir, tmp_path, max_steps=1, warmup_steps=1)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (run_dir / "lock").write_text(f"{socket.gethostname()} {int(dead.stdout)}")  # its process is gone: stale
-    run(data_dir, tmp_path, max_steps=1)
+    run(data_dir, tmp_path, max_steps=1, warmup_steps=1)
     assert not (run_dir / "lock").exists()  # released at the end
 
 
@@ -432,7 +436,7 @@ def test_a_second_training_into_a_locked_run_dir_is_refused(tmp_path, data_dir):
     ("matrix_lr", -1.0, "matrix_lr=-1.0: must be > 0"),
     ("grad_clip", -1.0, "grad_clip=-1.0: must be >= 0"),
     ("eval_tokens", 0, "eval_tokens=0: must be >= 1"),
-    ("n_passes_choices", [0], r"n_passes_choices=\[0\]: must be a list of pass counts >= 1"),
+    ("n_passes_choices", [0], r"n_passes_choices=\[0\]: must be a list of pass counts in \[1, 64\]"),
     ("run_name", "../../x", "run_name='../../x': must be a plain folder name"),
     ("grow_to", 1, "grow_to=1: must be more than the model's 2 passes"),
     ("adam_betas", (0.9, 1.5), "adam_betas"),
@@ -486,7 +490,7 @@ def test_untied_model_cannot_be_asked_for_more_passes_than_cores(tmp_path, data_
 def test_clear_messages_for_disk_full_bad_out_dir_and_broken_config(tmp_path, data_dir, monkeypatch, capsys):
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(ValueError, match="cannot create the run directory .*a file is in the way"):
-        run(data_dir, tmp_path / "file", max_steps=1)
+        run(data_dir, tmp_path / "file", max_steps=1, warmup_steps=1)
     broken = tmp_path / "broken.py"
     broken.write_text("max_steps = 3\nbatch_size = (\n")
     assert train.main([str(broken)]) == 2
@@ -498,13 +502,13 @@ def test_clear_messages_for_disk_full_bad_out_dir_and_broken_config(tmp_path, da
 
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(OSError, match=r"could not write checkpoint .*ckpt.pt: the disk is full .*previous checkpoint"):
-        run(data_dir, tmp_path, max_steps=1)
+        run(data_dir, tmp_path, max_steps=1, warmup_steps=1)
 
 
 def test_files_written_have_the_usual_permissions(tmp_path, data_dir):
     mask = os.umask(0o022)
     try:
-        summary = run(data_dir, tmp_path, max_steps=1)
+        summary = run(data_dir, tmp_path, max_steps=1, warmup_steps=1)
     finally:
         os.umask(mask)
     assert os.stat(summary["ckpt_path"]).st_mode & 0o777 == 0o644
@@ -633,3 +637,28 @@ def test_val_bits_per_byte_of_a_uniform_model(data_dir):
     assert out["val_loss"] == pytest.approx(math.log(V), rel=1e-6)
     assert out["val_bpb"] == pytest.approx(math.log(V) * len(text) / (math.log(2) * len(tok.encoding.decode_bytes(text))),
                                            rel=1e-6)
+
+
+# ---- issue 34: the WSD schedule a run steps by, from plan_schedule (not wsd_multiplier alone)
+
+
+def test_planned_schedule_decays_over_exactly_the_last_fraction():
+    """decay_fraction 0.3 of 100 steps: steps 70..99 decay, so 69 is the last at the peak and 70 the first below
+    it (cosine: 0.5 (1 + cos(pi / 30))), 99 at the floor; linear: 1 at 70, 1 - 1/29 at 71. The same through
+    max_tokens, and for a decay branch forked at step 50 over 20 steps. Warmup: (step + 1) / warmup_steps."""
+    state = train.TrainState(lr_scaling_params=1)
+    for settings in (dict(max_steps=100), dict(max_tokens=1000)):  # 10 tokens per step
+        config = train.TrainConfig(warmup_steps=10, decay_fraction=0.3, **settings)
+        schedule = train.plan_schedule(config, state, tokens_per_step=10)
+        lrs = [schedule.lr_multiplier(s) for s in range(100)]
+        assert schedule.max_steps == 100 and state.decay_start == 70
+        assert lrs[0] == 0.1 and lrs[9:70] == [1.0] * 61
+        assert lrs[70] == pytest.approx(0.5 * (1 + math.cos(math.pi / 30))) and lrs[99] == pytest.approx(0.0)
+    config = train.TrainConfig(max_steps=100, warmup_steps=10, decay_fraction=0.3, decay_shape="linear")
+    linear = train.plan_schedule(config, state, tokens_per_step=1)
+    assert [linear.lr_multiplier(s) for s in (69, 70, 71, 99)] == pytest.approx([1.0, 1.0, 1 - 1 / 29, 0.0])
+    config = train.TrainConfig(warmup_steps=10, decay_branch=True, init_from="stable.pt", decay_tokens=200)
+    forked = train.TrainState(lr_scaling_params=1, branch_start_step=50)
+    branch = train.plan_schedule(config, forked, tokens_per_step=10)
+    assert (branch.max_steps, branch.decay_start, branch.lr_multiplier(49)) == (70, 50, 1.0)
+    assert branch.lr_multiplier(50) == pytest.approx(0.5 * (1 + math.cos(math.pi / 20)))

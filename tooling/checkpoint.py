@@ -20,19 +20,26 @@ previous checkpoint intact, and a checkpoint is never written from non-finite we
 swapped in two renames (old -> .old, new -> final); find_resume_checkpoint recovers the moment between.
 
 Trust: a checkpoint holds only tensors and plain data (dicts, lists, numbers, strings) and is read with
-torch.load(weights_only=True), so loading one runs no code. Every tensor of a ckpt.pt has a CRC-32
-recorded when it is written and checked when it is read (a flipped byte is named with its tensor); every
-file of a ckpt.dcp/ has one too. A ckpt.dcp/ is resume state for your own runs, not a format to share:
-DCP itself unpickles its .metadata, which is checked first against the classes DCP writes there. An
-older checkpoint (Python objects inside) is refused; python -m tooling.convert_checkpoint converts it,
-reading it the unsafe way, for files you trust.
+torch.load(weights_only=True), so loading one runs no code. Every file torch.save writes here (ckpt.pt, a
+ckpt.dcp/'s meta.pt) ends with a seal, the SHA-256 of every byte before it: a flipped bit anywhere (settings,
+state or tensors) is refused; every tensor of a ckpt.pt also has a CRC-32, to name the one that changed, and
+meta.pt records a CRC-32 of every other file of its ckpt.dcp/. A checkpoint must fit its own config: the
+shapes and dtypes of the model it configures (built on the meta device, no memory) are compared with the
+stored weights before anything is built, and non-finite weights are refused. No path inside a checkpoint is
+followed: a ckpt.dcp/ is read only through its own listed files (plain names, regular files), with DCP's
+reader and planner narrowed to tensors (DCP would unpickle a "bytes" entry with weights_only=False). A
+ckpt.dcp/ is still resume state for your own runs, not a format to share: its .metadata is a pickle, read
+allowing only the classes DCP writes there. An older checkpoint is refused; python -m
+tooling.convert_checkpoint converts it (a format-1 file the unsafe way, for files you trust).
 """
 
 import errno
-import io
+import hashlib
 import os
 import pickle
+import resource
 import shutil
+import stat
 import warnings
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -46,7 +53,10 @@ from tooling import distributed
 from tooling.common import TEMP_MARK, first_line, write_atomic
 
 SHARDED_META = "meta.pt"  # inside a ckpt.dcp/ directory: the checkpoint minus its tensor shards
-FORMAT = "loopstudy-checkpoint-2"  # plain data + tensors, per-tensor CRC-32s; 1: Python objects inside
+FORMAT = "loopstudy-checkpoint-3"  # 2 + every file sealed (SHA-256 at its end); 1: Python objects inside
+# A format-2 checkpoint is refused, not read with a warning: its settings and state are unchecked (a flipped
+# bit there changes the run silently). Converting it is safe (plain data) and checks its tensors' CRC-32s.
+FORMAT_2 = "loopstudy-checkpoint-2"
 
 
 class NonFiniteLoss(RuntimeError):
@@ -61,9 +71,27 @@ def check_finite(tensors, step, path, collective=False):
         distributed.all_reduce(finite, op="min")
     if not finite.item():
         error = NonFiniteLoss(f"the weights became non-finite at step {step} (after the update): {path} was not "
-                              "written; the last good checkpoint is kept. Lower the learning rates.")
+                              f"written; {kept(path)}")
         error.every_rank = collective  # else this rank's own finding
+        error.says_kept = True  # what is kept: said here, not again by the run's interrupt line
         raise error
+
+
+def finite_flags(tensors, collective=False):
+    """One flag per tensor (a loaded checkpoint's, to name the first that is not): its values (this rank's
+    shard; with collective, every rank's) are all finite. One reduction on the tensors' device, one host read."""
+    tensors = [distributed.local(t) for t in tensors]
+    if not tensors:
+        return []
+    flags = torch.stack([torch.isfinite(t).all() for t in tensors]).float()  # integer tensors: always finite
+    if collective:
+        distributed.all_reduce(flags, op="min")
+    return [bool(f) for f in flags.tolist()]
+
+
+def kept(path):
+    """What a failed write leaves: the previous checkpoint at path, if there is one."""
+    return "the previous checkpoint there is kept" if os.path.exists(path) else "there was no previous checkpoint there"
 
 
 def dcp_failure(error):
@@ -79,12 +107,18 @@ def disk_error(path, error, rank=None):
     """An OSError naming the checkpoint and the likely cause instead of torch's serializer message; rank:
     the rank that failed, named (the error every rank raises for it)."""
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "unexpected pos" in str(error) \
-        or (free < 1 << 20 and rank is None)
-    why = f"{type(error).__name__}: {first_line(error)}" if not full else "the disk is full" + \
-        (f" ({free / 2**20:.0f} MB free)" if rank is None else "")  # another rank's disk: its free space unknown here
+    code = error.errno if isinstance(error, OSError) else None
+    short = code in (errno.ENOSPC, errno.EFBIG) or "unexpected pos" in str(error)  # torch's writer: a short write
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if rank is None else resource.RLIM_INFINITY
+    if code == errno.EFBIG or (short and limit != resource.RLIM_INFINITY and free >= 1 << 20):
+        why = "the file size limit was reached (ulimit -f" + \
+            (f": {limit / 2**20:.0f} MB)" if limit != resource.RLIM_INFINITY else ")")
+    elif short or (free < 1 << 20 and rank is None):
+        why = "the disk is full" + (f" ({free / 2**20:.0f} MB free)" if rank is None else "")  # another rank's: unknown
+    else:
+        why = f"{type(error).__name__}: {first_line(error)}"
     who = f"rank {rank}: " if rank is not None else ""
-    result = OSError(f"{who}could not write checkpoint {path}: {why}; the previous checkpoint there is kept")
+    result = OSError(f"{who}could not write checkpoint {path}: {why}; {kept(path)}")
     return distributed.everywhere(result) if rank is not None else result
 
 
@@ -127,56 +161,196 @@ def refused_objects(error):
     return isinstance(error, pickle.UnpicklingError) and "unsupported global" in str(error).lower()
 
 
+def load_reason(error):
+    """torch.load's error in one line, without its advice to load with weights_only=False."""
+    lines = [line for line in str(error).split("WeightsUnpickler error:")[-1].splitlines() if line.strip()]
+    return type(error).__name__ + (f": {lines[0].strip()[:300]}" if lines else "")
+
+
+SEAL = b"loopstudy-sha256:"  # + 64 hex digits: the last bytes of every file torch.save writes here
+SEAL_SIZE = len(SEAL) + 64
+
+
+class Sealing:
+    """What torch.save writes into: every byte passed on to f and hashed, except the last two (the zip's
+    comment length, 0 as torch writes it), held back for seal(), which appends the seal as the comment."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.held = f, hashlib.sha256(), b""
+
+    def write(self, data):
+        size, data = len(data), memoryview(data).cast("B")
+        if len(data) < 2:  # a short write joins the bytes held back
+            data, self.held = memoryview(self.held + data.tobytes()), b""
+        for part in (self.held, data[:-2]):
+            self.sha.update(part)
+            self.f.write(part)
+        self.held = data[-2:].tobytes()
+        return size
+
+    def flush(self):
+        self.f.flush()
+
+    def seal(self):
+        if self.held != b"\0\0":
+            raise RuntimeError("torch.save did not end its zip file with an empty comment: cannot seal it")
+        comment = SEAL_SIZE.to_bytes(2, "little") + SEAL
+        self.sha.update(comment)
+        self.f.write(comment + self.sha.hexdigest().encode())
+
+
+def save_sealed(obj, f):
+    """torch.save(obj, f), then its seal: the SHA-256 of every byte before it, as the zip's comment (which
+    torch.load ignores)."""
+    sealing = Sealing(f)
+    torch.save(obj, sealing)
+    sealing.seal()
+
+
+def seal_intact(path):
+    """True when the file ends with the seal of its bytes, False when its seal does not match them (it is
+    corrupt), None when it has none (an older format, or not written by loopstudy)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(max(size - SEAL_SIZE, 0))
+        tail = f.read()
+        if size < SEAL_SIZE or not tail.startswith(SEAL):
+            return None
+        f.seek(0)
+        sha, left = hashlib.sha256(), size - 64
+        while left > 0:
+            block = f.read(min(left, 1 << 24))
+            if not block:  # shorter than it was a moment ago
+                return False
+            sha.update(block)
+            left -= len(block)
+    return sha.hexdigest().encode() == tail[len(SEAL):]
+
+
+def read_sealed(path, what="", hint="", map_location="cpu"):
+    """A file torch.save wrote, read without running code (weights_only=True) -> (contents, seal_intact).
+    One line when it is not a zip file, cannot be read, holds Python objects (+ hint) or is corrupt (naming
+    the tensor whose CRC-32 differs, when one does). what: how the messages name it ("checkpoint ")."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":
+            raise ValueError(f"cannot read {what}{path}: it is not a loopstudy checkpoint (not a zip file as "
+                             "torch.save writes them)")
+    intact = seal_intact(path)
+    corrupt = ValueError(f"{path} does not have the bytes it was written with (its SHA-256 seal differs: the file "
+                         "is corrupt); use another checkpoint")
+    try:
+        contents = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        if intact is False:
+            raise corrupt from None
+        if refused_objects(e):
+            raise ValueError(f"{path} holds Python objects a weights-only load refuses (an older loopstudy "
+                             f"checkpoint, or not one: loading it could run code){hint}") from None
+        raise ValueError(f"cannot read {what}{path} (truncated, or not a torch file): {load_reason(e)}") from None
+    if intact is False:
+        if isinstance(contents, dict) and isinstance(contents.get("model"), dict):
+            try:
+                verify_checksums(contents, path)  # names the tensor that changed, if one did
+            except (AttributeError, TypeError, RuntimeError):
+                pass
+        raise corrupt
+    return contents, intact
+
+
+def unsealed(path):
+    return ValueError(f"{path} lacks the SHA-256 seal its format ends with (corrupt, or not written by loopstudy); "
+                      "use another checkpoint")
+
+
+def check_weights(path, model_config, weights):
+    """Refuse, before anything is built, weights that do not fit the model config stored with them: the
+    names, shapes and dtypes of the model it configures (built on the meta device: no memory) against
+    `weights` (tensors, or meta tensors of a ckpt.dcp/'s shapes), the buffers it would allocate, and
+    non-finite values. One line naming the first tensor that differs."""
+    differ = f"{path}: the weights do not match the model config stored with them"
+    try:
+        config = ModelConfig.from_dict(model_config)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: its model_config is not valid: {first_line(e)}") from None
+    if not isinstance(weights, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in weights.items()):
+        raise ValueError(f"{differ}: 'model' is not a dict of named tensors")
+    blocks = {k.split(".")[1] for k in weights if k.startswith("blocks.")}
+    missing = next((i for i in range(config.n_blocks) if str(i) not in blocks), None)
+    if missing is not None:  # checked before building: thousands of blocks take minutes even on the meta device
+        raise ValueError(f"{differ}: the config has {config.n_blocks} blocks, the weights {len(blocks)} "
+                         f"(blocks.{missing}.* is missing)")
+    try:
+        with torch.device("meta"):
+            model = GPT(config)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: its model_config is not valid: {first_line(e)}") from None
+    expected = model.state_dict()
+    for name in [*expected, *(k for k in weights if k not in expected)]:
+        stored, wanted = weights.get(name), expected.get(name)
+        if stored is None:
+            raise ValueError(f"{differ}: {name} is missing")
+        if wanted is None:
+            raise ValueError(f"{differ}: {name} is not a weight of that model")
+        if stored.shape != wanted.shape:
+            raise ValueError(f"{differ}: {name} is stored with shape {list(stored.shape)}, the config's model has "
+                             f"{list(wanted.shape)}")
+        if stored.dtype != wanted.dtype:
+            raise ValueError(f"{differ}: {name} is stored as {stored.dtype}, the model's weights are {wanted.dtype}")
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    size = sum(t.numel() * t.element_size() for t in weights.values())
+    if buffers > max(size, 1 << 30):  # RoPE tables: block_size rows
+        raise ValueError(f"{differ}: block_size={config.block_size} needs {buffers / 2**30:.0f} GiB of RoPE tables "
+                         f"beside {size / 2**20:.0f} MB of weights")
+    bad = next((k for k, t in weights.items() if not t.is_meta and t.is_floating_point()
+                and not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise ValueError(f"{path}: weight {bad} holds NaN or inf (training never writes such weights): refused; "
+                         "use another checkpoint")
+
+
 def load_checkpoint(path, map_location="cpu"):
     """A checkpoint file -> its dict ({"model_config", "model", ...}), read without running code
-    (weights_only=True) and with its checksums verified; one clear error when it is missing, unreadable,
-    corrupt, of an older format or not a loopstudy checkpoint."""
+    (weights_only=True), its seal and its weights checked (check_weights); one clear error when it is
+    missing, unreadable, corrupt, of an older format, not a loopstudy checkpoint or not fitting its config."""
     if os.path.isdir(path):
         hint = " (a sharded checkpoint: resume state for train.py; the shareable weights are ckpt.pt)" \
             if os.path.exists(os.path.join(path, SHARDED_META)) else ""
         raise ValueError(f"{path} is a directory, not a checkpoint file{hint}")
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:
-        if refused_objects(e):
-            raise ValueError(f"{path} holds Python objects a weights-only load refuses (an older loopstudy "
-                             "checkpoint, or not one: loading it could run code). Only if you trust it: python -m "
-                             f"tooling.convert_checkpoint {path} NEW.pt") from None
-        raise ValueError(f"cannot read checkpoint {path} (truncated, or not a torch file): "
-                         f"{type(e).__name__}: {first_line(e)}") from None
+    if not os.path.isfile(path):
+        raise ValueError(f"cannot read checkpoint {path}: it is not a regular file")
+    ckpt, intact = read_sealed(path, "checkpoint ", ". Only if you trust it: python -m tooling.convert_checkpoint "
+                               f"{path} NEW.pt", map_location)
     if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model" not in ckpt:
         raise ValueError(f"{path} is not a loopstudy checkpoint (needs 'model_config' and 'model')")
     if ckpt.get("format") != FORMAT:
         raise ValueError(f"{path} is a loopstudy checkpoint of an older format; convert it: python -m "
                          f"tooling.convert_checkpoint {path} NEW.pt")
-    verify_checksums(ckpt, path)
+    if not intact:
+        raise unsealed(path)
+    check_weights(path, ckpt["model_config"], ckpt["model"])
     return ckpt
 
 
 def load_model(path, map_location="cpu"):
     """A model.GPT from a checkpoint written by train.py or grow.py -> (model, checkpoint dict)."""
-    ckpt = load_checkpoint(path, map_location)
+    ckpt = load_checkpoint(path, map_location)  # its weights fit its config: checked before this builds it
     model = GPT(ModelConfig.from_dict(ckpt["model_config"]))
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:  # weights that do not fit the stored config
-        raise ValueError(f"{path}: the weights do not match the model config stored with them: "
-                         f"{str(e).splitlines()[0]}") from None
+    model.load_state_dict(ckpt["model"])
     return model, ckpt
 
 
 def save_file(path, ckpt):
     """Write ckpt (a dict of whole tensors and plain data) atomically, after checking its weights, with
-    the format mark and every tensor's checksum."""
+    the format mark, every tensor's checksum and the seal."""
     check_finite(ckpt["model"].values(), (ckpt.get("state") or {}).get("step"), path)
     ckpt = dict(ckpt, format=FORMAT)
     ckpt["checksums"] = tensor_checksums(ckpt)
     if os.path.isdir(path):
         raise ValueError(f"cannot write checkpoint {path}: it is a directory; give a file name")
     try:
-        write_atomic(path, lambda f: torch.save(ckpt, f))
+        write_atomic(path, lambda f: save_sealed(ckpt, f))
     except (OSError, RuntimeError) as e:
         raise disk_error(path, e) from None
 
@@ -225,8 +399,7 @@ def save_sharded(path, ckpt):
             raise disk_error(path, cause, rank if dist.get_world_size() > 1 else None) from None
         if master:  # every file DCP wrote, with its checksum; then the rest of the checkpoint
             checksums = {f: file_crc(os.path.join(tmp, f)) for f in os.listdir(tmp)}
-            meta = dict(meta, format=FORMAT, file_checksums=checksums)
-            torch.save(meta, os.path.join(tmp, SHARDED_META))
+            write_sharded_meta(tmp, dict(meta, file_checksums=checksums))
             if os.path.exists(path):
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(path, old)
@@ -239,6 +412,11 @@ def save_sharded(path, ckpt):
             raise
         raise disk_error(path, e) from None
     distributed.barrier(f"the checkpoint {path}")  # no rank goes on before it is in place
+
+
+def write_sharded_meta(path, meta):
+    """A ckpt.dcp/'s meta.pt (sealed, in the current format), written atomically."""
+    write_atomic(os.path.join(path, SHARDED_META), lambda f: save_sealed(dict(meta, format=FORMAT), f))
 
 
 def file_crc(path):
@@ -271,41 +449,115 @@ class DCPMetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name}")
 
 
-def load_sharded_meta(path):
-    """A ckpt.dcp/ directory's meta.pt (read without running code), after checking every file's checksum
-    and that DCP's own .metadata holds only DCP's classes (DCP unpickles it)."""
-    meta_path = os.path.join(path, SHARDED_META)
-    if not os.path.exists(meta_path):
-        raise ValueError(f"{path} is not a sharded loopstudy checkpoint (no {SHARDED_META})")
-    try:
-        meta = torch.load(meta_path, weights_only=True)
-    except Exception as e:
-        if refused_objects(e):
-            raise ValueError(f"{meta_path} holds Python objects a weights-only load refuses (an older loopstudy "
-                             "checkpoint, or not one: loading it could run code); resume from a ckpt.pt") from None
-        raise ValueError(f"cannot read {meta_path} (truncated, or not a torch file): {type(e).__name__}: "
-                         f"{first_line(e)}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is a sharded checkpoint of an older format (or not one); resume from a ckpt.pt")
-    for name, value in meta["file_checksums"].items():
+NOT_FOLLOWED = "refused (paths inside a checkpoint are never followed)"
+
+
+def listed_files(path, checksums):
+    """{name: size} of the files a ckpt.dcp/'s meta.pt lists (DCP's .metadata among them), each refused
+    unless it is a plain name of a regular file inside the folder (no path, no link, no device) that has
+    the CRC-32 it was written with."""
+    if not isinstance(checksums, dict) or ".metadata" not in checksums:
+        raise ValueError(f"{path}: {SHARDED_META} lists no checksum of .metadata; use another checkpoint")
+    sizes = {}
+    for name, value in checksums.items():
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or "\0" in name:
+            raise ValueError(f"{path}: {SHARDED_META} lists {name!r}, not a file name inside the checkpoint: "
+                             f"{NOT_FOLLOWED}")
         file = os.path.join(path, name)
-        if not os.path.exists(file):
+        if not os.path.lexists(file):
             raise ValueError(f"{path}: file {name} of the sharded checkpoint is missing")
+        info = os.lstat(file)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path}: {name} is not a regular file (a link, folder or device): {NOT_FOLLOWED}")
         if file_crc(file) != value:
             raise ValueError(f"{path}: file {name} does not have the bytes it was written with (corrupt); use "
                              "another checkpoint")
+        sizes[name] = info.st_size
+    return sizes
+
+
+def read_dcp_metadata(path, files):
+    """DCP's .metadata of a ckpt.dcp/, unpickled allowing only DCP's classes, and refused unless it holds
+    only tensors (DCP unpickles a bytes entry with weights_only=False) stored inside `files` (the checked
+    {name: size} of listed_files), untransformed -> (metadata, {name: a meta tensor of its shape and dtype})."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    where = f"{path}/.metadata"
     try:
         with open(os.path.join(path, ".metadata"), "rb") as f:
-            DCPMetadataUnpickler(io.BytesIO(f.read())).load()
-    except (pickle.UnpicklingError, OSError, EOFError) as e:
-        raise ValueError(f"{path}/.metadata is not DCP metadata ({e}): refused, loading it could run code") from None
-    meta["path"] = path
+            metadata = DCPMetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise TypeError(f"a {type(metadata).__name__}")
+        entries, storage = dict(metadata.state_dict_metadata), dict(metadata.storage_data)
+        tensors = {k: torch.empty(e.size, dtype=e.properties.dtype, device="meta") for k, e in entries.items()
+                   if isinstance(e, TensorStorageMetadata)}
+    except Exception as e:  # unpickling bytes that are not a pickle fails in many ways
+        raise ValueError(f"{where} is not DCP metadata ({first_line(e)}): refused, loading it could run code") from None
+    for name, entry in entries.items():
+        if name not in tensors:
+            raise ValueError(f"{where}: {name} is stored as {type(entry).__name__}, not as a tensor: refused, "
+                             "loading it could run code")
+    for index, info in storage.items():
+        name, file = getattr(index, "fqn", index), getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(file, str) or file not in files:
+            raise ValueError(f"{where}: {name} is stored in {file!r}, not in a file of the checkpoint that "
+                             f"{SHARDED_META} lists: {NOT_FOLLOWED}")
+        if info.transform_descriptors:
+            raise ValueError(f"{where}: {name} is stored transformed ({info.transform_descriptors}): refused")
+        if not all(isinstance(v, int) and v >= 0 for v in (info.offset, info.length)) or \
+                info.offset + info.length > files[file]:
+            raise ValueError(f"{where}: {name} lies outside its file {file}: refused")
+    return metadata, tensors
+
+
+def dcp_reader(path, files):
+    """DCP's file reader and load planner for a checked ckpt.dcp/: the reader reads .metadata through
+    read_dcp_metadata (never plain pickle), the planner never unpickles a bytes entry."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self):  # no **kwargs: DCP then never falls back to a rank's own metadata file
+            metadata = read_dcp_metadata(path, files)[0]
+            metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            raise ValueError(f"{path}/.metadata: {read_item.dest_index.fqn} is stored as pickled bytes: refused, "
+                             "loading it could run code")
+
+    return Reader(path), Planner()
+
+
+def load_sharded_meta(path, formats=(FORMAT,)):
+    """A ckpt.dcp/ directory's meta.pt (read without running code, its seal checked), after checking every
+    file it lists (listed_files), DCP's .metadata (read_dcp_metadata) and that the weights fit the model
+    config (check_weights). formats: those accepted (tooling.convert_checkpoint reads format 2)."""
+    meta_path = os.path.join(path, SHARDED_META)
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"{path} is not a sharded loopstudy checkpoint (no {SHARDED_META})")
+    meta, intact = read_sealed(meta_path, hint="; resume from a ckpt.pt")
+    if not isinstance(meta, dict) or meta.get("format") not in formats:
+        hint = f"convert it: python -m tooling.convert_checkpoint {path} {path}" \
+            if isinstance(meta, dict) and meta.get("format") == FORMAT_2 else "resume from a ckpt.pt"
+        raise ValueError(f"{path} is a sharded checkpoint of an older format (or not one); {hint}")
+    files = listed_files(path, meta.get("file_checksums"))
+    _, tensors = read_dcp_metadata(path, files)
+    if not intact and meta["format"] != FORMAT_2:  # after the checks above: what could run code is named first
+        raise unsealed(meta_path)
+    check_weights(path, meta.get("model_config"), {k[len("model."):]: t for k, t in tensors.items()
+                                                   if k.startswith("model.")})
+    meta["path"], meta["files"] = path, files
     return meta
 
 
 def load_sharded_tensors(meta, model, optimizers):
     """Fill model and optimizer state from a sharded checkpoint, in place, re-sharding onto however this
-    process holds the parameters (FSDP2 shards of any world size, or whole tensors)."""
+    process holds the parameters (FSDP2 shards of any world size, or whole tensors), through DCP's reader
+    and planner narrowed to the checkpoint's own files and to tensors (dcp_reader). Non-finite weights
+    are refused (on every rank alike)."""
     import torch.distributed.checkpoint as dcp
     params = dict(model.named_parameters())
     state = {}
@@ -316,10 +568,11 @@ def load_sharded_tensors(meta, model, optimizers):
                     state[name] = opt.state[p] = empty_optimizer_state(opt, params[name])
     model_state = model.state_dict()
     from torch.distributed.checkpoint import CheckpointException
+    reader, planner = dcp_reader(meta["path"], meta["files"])
     with warnings.catch_warnings():  # one process resuming a sharded run is intended: DCP's warning is noise
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load({"model": model_state, "optimizer": state}, checkpoint_id=meta["path"])
+            dcp.load({"model": model_state, "optimizer": state}, storage_reader=reader, planner=planner)
         except (Exception, CheckpointException) as e:  # DCP lists every rank's failure (a BaseException)
             rank, cause = dcp_failure(e) if isinstance(e, CheckpointException) else (None, e)
             if distributed.peer_failure(cause):
@@ -328,6 +581,11 @@ def load_sharded_tensors(meta, model, optimizers):
                 dist.get_world_size() > 1 else ""
             error = ValueError(f"cannot load the sharded checkpoint {meta['path']}: {who}{first_line(cause)}")
             raise (distributed.everywhere(error) if isinstance(e, CheckpointException) else error) from None
+    flags = finite_flags(model_state.values(), collective=True)
+    bad = next((name for name, finite in zip(model_state, flags) if not finite), None)
+    if bad is not None:
+        raise distributed.everywhere(ValueError(f"{meta['path']}: weight {bad} holds NaN or inf (training never "
+                                                "writes such weights): refused; use another checkpoint"))
     model.load_state_dict(model_state)
 
 
@@ -348,6 +606,11 @@ def load_train_checkpoint(path):
     if ckpt["optimizer"] is None:
         raise ValueError(f"{path} holds only the consolidated weights of an FSDP run: resume from its "
                          f"sharded checkpoint ({os.path.splitext(path)[0]}.dcp)")
+    try:
+        TrainState(**ckpt["state"])
+    except TypeError as e:
+        raise ValueError(f"{path}: its state is not a train.py TrainState ({first_line(e)})") from None
+    ckpt["path"] = path
     return ckpt
 
 
@@ -431,12 +694,19 @@ def optimizer_state_by_name(optimizers):
 def load_optimizer_state(optimizers, state_by_name):
     """Put saved per-parameter state back by name (parameters without saved state start fresh). Whole
     tensors are placed like the optimizer's own state of that parameter: on its device, and under FSDP
-    sharded (or replicated) as that state is (distribute_tensor)."""
+    sharded (or replicated) as that state is (distribute_tensor); one of another shape or dtype is refused."""
     for opt in optimizers:
         for group in opt.param_groups:
             for p, name in zip(group["params"], group["param_names"]):
                 if name in state_by_name:
                     template = empty_optimizer_state(opt, p)
+                    for k, v in state_by_name[name].items():
+                        want = template.get(k)
+                        if torch.is_tensor(v) and torch.is_tensor(want) and (v.shape, v.dtype) != (want.shape,
+                                                                                                  want.dtype):
+                            raise ValueError(f"optimizer state {name}.{k} is stored as {v.dtype} of shape "
+                                             f"{list(v.shape)}, the optimizer's is {want.dtype} of shape "
+                                             f"{list(want.shape)}")
                     opt.state[p] = {k: placed_like(v, template.get(k, p)) for k, v in state_by_name[name].items()}
 
 
@@ -472,5 +742,8 @@ def load_into(source, model, optimizers):
     dict (whole tensors, sharded as they load) or a ckpt.dcp/ directory's meta (shard by shard)."""
     if source.get("sharded"):
         load_sharded_tensors(source, model, optimizers)
-    else:
+        return
+    try:
         load_optimizer_state(optimizers, source["optimizer"]["state"])
+    except ValueError as e:
+        raise ValueError(f"{source.get('path', 'the checkpoint')}: {e}") from None

@@ -75,9 +75,10 @@ def parser(prog, **kwargs):
     return Parser(prog=prog, **{"allow_abbrev": False, **kwargs})
 
 
-def number(kind=int, low=None, high=None, open_low=False, open_high=False):
+def number(kind=int, low=None, high=None, open_low=False, open_high=False, why=None):
     """An argparse type: a finite int (or float) in [low, high] (an end excluded with open_low / open_high);
-    anything else is one line naming the flag (argparse adds it: "argument --top_k: ...")."""
+    anything else is one line naming the flag (argparse adds it: "argument --top_k: ..."); why: the reason
+    for the upper limit, said when a value is above it."""
     import argparse
     import math
     bounds = " and ".join(f"{'>' if is_open else '>='} {low}" if side == "low" else f"{'<' if is_open else '<='} {high}"
@@ -89,6 +90,8 @@ def number(kind=int, low=None, high=None, open_low=False, open_high=False):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if why and math.isfinite(value) and value > high:
+            raise argparse.ArgumentTypeError(f"{text}: at most {high:,} ({why})")
         if not math.isfinite(value) or (low is not None and (value < low or (open_low and value == low))) or \
                 (high is not None and (value > high or (open_high and value == high))):
             raise argparse.ArgumentTypeError(f"{text}: must be a finite number{' ' + bounds if bounds else ''}"

@@ -8,6 +8,8 @@ without its stable checkpoint, more random passes than an untied model has cores
 passes), and a decay branch that would reread data ([S] trains without repetition).
 """
 
+import copy
+import dataclasses
 import math
 import os
 import re
@@ -15,6 +17,7 @@ import unicodedata
 
 import torch
 
+from model import MAX_PASSES, PASSES_WHY
 from tooling import distributed
 from tooling.checkpoint import NonFiniteLoss
 
@@ -53,9 +56,12 @@ def check_train_config(c):
     for name in ("max_tokens", "final_eval_tokens", "stop_at_step", "warmup_steps", "grad_clip", "weight_decay",
                  "decay_tokens", "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len", "lr_anchor_params",
                  "embedding_weight_decay", "unembedding_weight_decay", "muon_momentum_warmup", "global_batch", "seed",
-                 "unique_tokens"):
+                 "unique_tokens", "cpu_threads"):
         if getattr(c, name) < 0:
             bad(c, name, "must be >= 0")
+    if c.cpu_threads > (os.cpu_count() or 1):
+        bad(c, "cpu_threads", f"more than this host's {os.cpu_count()} cores: the threads would spin against "
+                              "each other")
     if c.seed >= 2 ** 63:
         bad(c, "seed", "must be below 2**63 (torch.manual_seed's range)")
     if not c.out_dir:
@@ -78,9 +84,9 @@ def check_train_config(c):
         bad(c, "save_steps", "must be a list of steps >= 1")
     if c.save_steps and not c.save_checkpoints:
         bad(c, "save_steps", "needs save_checkpoints=True (save_checkpoints=False writes no checkpoint)")
-    if any(not isinstance(k, int) or k < 1 for k in c.n_passes_choices):
-        bad(c, "n_passes_choices", "must be a list of pass counts >= 1")
-    if c.decay_branch and (not c.init_from or c.decay_tokens <= 0):
+    if any(not isinstance(k, int) or not 1 <= k <= MAX_PASSES for k in c.n_passes_choices):
+        bad(c, "n_passes_choices", f"must be a list of pass counts in [1, {MAX_PASSES}] ({PASSES_WHY})")
+    if c.decay_branch and (not (c.init_from or c.resume) or c.decay_tokens <= 0):  # resume: a branch's own checkpoint
         bad(c, "decay_branch", "needs init_from=<stable checkpoint> and decay_tokens > 0")
     if c.decay_branch and c.branch_data_fraction == 0.0:
         bad(c, "decay_branch", "needs branch_data_fraction > 0 (the held-back data it reads)")
@@ -163,6 +169,70 @@ def check_branch_source(source, path):
         raise ValueError(f"init_from={path} is at step {state['step']}, after its LR began to decay at step "
                          f"{state['decay_start']}: a branch from it would raise the LR again; branch from a stable "
                          "checkpoint (save_steps, or a run with decay_fraction=0)")
+
+
+# what decides the LR, momentum and passes of every step: a resume that changes one of them changes the run's plan
+SCHEDULE_KEYS = ("max_steps", "max_tokens", "warmup_steps", "decay_fraction", "decay_shape", "min_lr_fraction",
+                 "decay_branch", "decay_tokens", "grow_at", "grow_to", "grow_untie", "grow_rewarm_steps",
+                 "lr_anchor_params", "lr_scaling_beta", "muon_momentum_warmup", "n_passes_choices")
+
+
+def check_plan(config, source, state, schedule, stream, seqs_per_step, plan, log):
+    """The run's plan against its start: a fork with no step left to train, a warmup longer than the run, the
+    data it needs (check_data_budget); a resume whose settings change the schedule says exactly what changes
+    (plan: train.plan_schedule, to re-plan the run it continues)."""
+    if source is not None and not config.resume and state.step >= schedule.max_steps:
+        raise ValueError(f"init_from={config.init_from}: the checkpoint is at step {state.step} and this run ends at "
+                         f"step {schedule.max_steps} (max_steps): nothing to train; raise max_steps or max_tokens")
+    if not config.decay_branch and config.warmup_steps > schedule.max_steps:
+        raise ValueError(f"warmup_steps={config.warmup_steps}: longer than the run ({schedule.max_steps} steps); the "
+                         "LR would never reach its peak")
+    if config.resume and state.step < schedule.max_steps:
+        before = {k: source["train_config"].get(k, getattr(config, k)) for k in SCHEDULE_KEYS}
+        changed = [f"{k} {before[k]!r} -> {getattr(config, k)!r}" for k in SCHEDULE_KEYS
+                   if before[k] != getattr(config, k)]
+        if changed:
+            old = plan(dataclasses.replace(config, **before), copy.copy(state), seqs_per_step * stream.seq_len)
+            step = state.step
+            log(f"note: this resume changes the run's schedule ({', '.join(changed)}): the LR at step {step} is "
+                f"{schedule.lr_multiplier(step):.4f} x its peak (was {old.lr_multiplier(step):.4f} x); the run ends "
+                f"at step {schedule.max_steps} (was {old.max_steps}), its decay starts at step {schedule.decay_start} "
+                f"(was {old.decay_start})")
+    check_data_budget(stream, state, schedule.max_steps, seqs_per_step, log, config.resume)
+
+
+def check_inert(values, given):
+    """A setting the command gives (other than its default) that has no effect in this configuration is refused,
+    with what it would need: otherwise the run trains without it in silence. values: every resolved setting;
+    given: the names the command (config files, --key=value) sets to other than their defaults."""
+    v, layout, optimizer = values, values["layout"], values["optimizer"]
+    acts = [  # (settings, whether they act here, why not)
+        (("grow_to", "grow_untie", "grow_rewarm_steps"), v["grow_at"] > 0,
+         "does nothing without grow_at (the step the model grows at)"),
+        (("decay_tokens",), v["decay_branch"] or v["decay_fraction"] == 0, "does nothing without decay_branch=True: it "
+         "is a decay branch's length (a stable phase, decay_fraction=0, may name its branches' for ladder.py --plan)"),
+        (("n_loops",), layout in ("smelt", "layer_loop"), f"does nothing in layout {layout!r}: r, the loop's passes, "
+         "is of layouts 'smelt' and 'layer_loop'" + (" (pcc's passes are n_passes, K)" if layout == "pcc" else "")),
+        (("tie_core", "boundary", "boundary_alpha", "inject_before_coda", "zero_initial_state", "n_prelude", "n_core",
+          "n_coda"), layout == "pcc", f"does nothing in layout {layout!r}: it is of layout 'pcc' (prelude-core-coda)"),
+        (("expert_hidden", "router_renormalize", "balance_loss_coef", "z_loss_coef"), v["n_expert"] > 0,
+         "does nothing in a dense model: it is an MoE setting (n_expert > 0)"),
+        (("adamw_matrix_lr",), optimizer == "adamw",
+         "does nothing with optimizer='muon': it is AdamW's matrix LR (Muon's is matrix_lr)"),
+        (("matrix_lr", "muon_variant", "muon_momentum", "muon_momentum_warmup", "muon_nesterov", "muon_ns_steps"),
+         optimizer == "muon", "does nothing with optimizer='adamw': it is Muon's (AdamW's matrix LR is "
+         "adamw_matrix_lr)"),
+        (("muon_beta2",), v["muon_variant"] == "x",
+         "does nothing with muon_variant='original': it is the 'x' variant's"),
+        (("lr_scaling_beta",), v["lr_anchor_params"] > 0, "does nothing without lr_anchor_params > 0 ([X16])"),
+        (("reshard_after_forward",), v["parallel"] == "fsdp", "does nothing with parallel='ddp': it is FSDP's"),
+        (("grad_accum",), v["global_batch"] <= 0, f"does nothing with global_batch={v['global_batch']}, which decides "
+         "it (global_batch / (batch_size x processes)): give one of them"),
+    ]
+    for names, active, why in acts:
+        for name in names:
+            if name in given and not active:
+                raise ValueError(f"{name}={v[name]!r}: {why}")
 
 
 def check_data_budget(stream, state, max_steps, seqs_per_step, log, resume=False):

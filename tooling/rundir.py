@@ -32,8 +32,8 @@ from tooling.common import TEMP_MARK, cli_error, write_atomic
 # the checkpoint's data_dir only when the command gives none and that folder still exists (said in the log).
 NOT_INHERITED_FORK = ("run_name", "out_dir", "data_dir", "init_from", "decay_branch", "decay_tokens", "resume",
                       "overwrite", "stop_at_step", "save_steps", "progress", "sample")
-NOT_INHERITED_RESUME = ("run_name", "out_dir", "data_dir", "resume", "overwrite", "stop_at_step", "progress",
-                        "sample")
+NOT_INHERITED_RESUME = ("run_name", "out_dir", "data_dir", "init_from", "resume", "overwrite", "stop_at_step",
+                        "progress", "sample")  # a resumed fork or branch starts from its own checkpoint, not its source
 BATCH_KEYS = ("batch_size", "grad_accum", "global_batch")
 
 
@@ -45,6 +45,7 @@ def resolve_run(settings, overrides):
     for the log)."""
     for key, value in overrides.items():
         settings.check(key, value)
+    given = {key for key, value in overrides.items() if value not in (settings.defaults[key], settings.declared[key])}
     base = settings.defaults | overrides
     resume, source_path = base["resume"], base["init_from"]
     guards.check_start(resume, source_path)
@@ -68,6 +69,8 @@ def resolve_run(settings, overrides):
                               not_inherited=NOT_INHERITED_RESUME if resume else NOT_INHERITED_FORK)
     if source is not None:
         values.update(source["model_config"])
+    guards.check_inert(values, given)
+    if source is not None:
         if values["decay_branch"] and not resume:
             guards.check_branch_source(source, source_path)
     if not values["run_name"]:
@@ -192,6 +195,7 @@ class RunDir:
         self.path, self.sharded, self.master, self.world, self.saving = path, sharded, master, world, saving
         self.saved_step = None  # the step of the last checkpoint this run wrote or resumed from
         self.pending = []  # log lines waiting for the first checkpoint (the log never runs ahead of it)
+        self.replaced = []  # overwrite: the old run's files, deleted once this run has written its own first one
 
     @classmethod
     def of(cls, config, rank, world):
@@ -227,7 +231,9 @@ class RunDir:
         (an exchange: a refusal on the master ends them too, with its line). A sharded run's other ranks then
         check that they see the master's lock: every rank writes its shards into this folder. A resumed run
         (resumed_from: its checkpoint) cuts its log back to it; a new run into a folder that holds a run is
-        refused, or with overwrite starts it over."""
+        refused, or with overwrite starts it over: its files are deleted only once this run has written its own
+        first checkpoint (or log line), so a run stopped before that leaves them, the checkpoint it may have
+        started from included. A folder this call made is removed again if the run ends leaving it empty."""
         if resumed_from:
             self.saved_step = resumed_from["state"]["step"]
         if not self.master:
@@ -236,21 +242,32 @@ class RunDir:
                 check_shared_folder(self.path, lock)
             yield self
             return
+        created = not os.path.isdir(self.path)
         make_run_dir(self.path)
-        with run_dir_lock(self.path) as lock:
-            remove_stale_temp_files(self.path)
-            found = self.run_files()
-            if resumed_from:
-                sync_log(self.log_path, resumed_from)
-            elif found:
-                if not overwrite:
+        try:
+            with run_dir_lock(self.path) as lock:
+                remove_stale_temp_files(self.path)
+                found = self.run_files()
+                if resumed_from:
+                    sync_log(self.log_path, resumed_from)
+                elif found and not overwrite:
                     raise ValueError(f"{self.path} already holds a run ({', '.join(found)}): continue it with "
                                      "--resume=True, start it over with --overwrite=True, or use another --run_name")
-                for name in found:
-                    path = os.path.join(self.path, name)
-                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-            distributed.exchange("the run folder", lock)
-            yield self
+                elif found:
+                    self.replaced = found
+                distributed.exchange("the run folder", lock)
+                yield self
+        finally:
+            if created and os.path.isdir(self.path) and not os.listdir(self.path):
+                os.rmdir(self.path)
+
+    def drop_replaced(self, keep=None):
+        """overwrite: delete the old run's files (but `keep`, just written), before this run's own first file."""
+        for name in self.replaced:
+            path = os.path.join(self.path, name)
+            if path != keep:
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        self.replaced = []
 
     def save(self, ckpt, path=None):
         """A sharded checkpoint (every rank its shards) or a file (rank 0); never non-finite weights."""
@@ -264,6 +281,8 @@ class RunDir:
                 checkpoint.save_sharded(path, ckpt)
             elif self.master:
                 checkpoint.save_file(path, ckpt)
+            if self.master and self.replaced:
+                self.drop_replaced(keep=path)
         if path == self.resume_path:
             self.saved_step = ckpt["state"]["step"]
 
@@ -274,6 +293,8 @@ class RunDir:
             self.pending.append(record)
             if self.saved_step is not None or not (wait_for_checkpoint and self.saving):
                 text = "".join(json.dumps(r) + "\n" for r in self.pending)
+                if self.replaced:  # a run that writes no checkpoint: its first log line replaces the old run
+                    self.drop_replaced()
                 try:
                     with signals_deferred(), open(self.log_path, "a") as f:
                         f.write(text)
@@ -334,8 +355,8 @@ class RunDir:
                 yield
         except checkpoint.NonFiniteLoss as e:
             last = self.resume_path if self.saved_step is not None else "none written yet"
-            error = checkpoint.NonFiniteLoss(f"{e}. Stopped; the last good checkpoint is kept: {last}. Lower the "
-                                             "learning rates or check the data.")
+            where = "" if getattr(e, "says_kept", False) else f"; the last good checkpoint is kept: {last}"
+            error = checkpoint.NonFiniteLoss(f"{e}. Stopped{where}. Lower the learning rates or check the data.")
             error.every_rank = e.every_rank
             raise error from None
         except Terminated:
@@ -386,6 +407,46 @@ def sync_log(log_path, ckpt):
     kept.sort(key=lambda r: r["step"])
     if kept != records or (os.path.exists(log_path) and len(text) != os.path.getsize(log_path)):
         write_atomic(log_path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
+
+
+def run_folder_of(folder):
+    """The run folder a file written into `folder` lands in: folder itself, or its parent (a subfolder such
+    as out/run/probe), when it holds a run (a lock, log.jsonl or a checkpoint); else None."""
+    folder = os.path.abspath(folder)
+    for candidate in (folder, os.path.dirname(folder)):
+        if os.path.isdir(candidate) and (os.path.exists(os.path.join(candidate, "lock")) or
+                                         RunDir(candidate).run_files()):
+            return candidate
+    return None
+
+
+@contextlib.contextmanager
+def run_folder_held(folder, prog, elsewhere):
+    """Inside: the lock of run_folder_of(folder) (tooling.rundir's, the one train.py holds), so no training
+    writes there meanwhile; outside any run folder there is nothing to hold. A folder another process holds
+    is refused in one line naming that process; elsewhere: how to write somewhere else instead."""
+    run = run_folder_of(folder)
+    with contextlib.ExitStack() as stack:
+        if run:
+            try:
+                stack.enter_context(run_dir_lock(run))
+            except ValueError:
+                raise ValueError(refusal(run, prog, elsewhere)) from None
+        yield run
+
+
+def refusal(run, prog, elsewhere):
+    """The line refusing to write into a run folder whose lock ("host pid since") another process holds."""
+    lock = os.path.join(run, "lock")
+    try:
+        host, pid, *since = open(lock).read().split()
+    except (OSError, ValueError):  # released meanwhile, or unreadable
+        host, pid, since = socket.gethostname(), "?", []
+    here = host == socket.gethostname()
+    return (f"{run} is in use by process {pid} on {'this host' if here else 'host ' + host}"
+            f"{' since ' + since[0] if since else ''} (lock file {lock}): {prog} writes into a run folder only while "
+            f"no other process holds it; {'wait for it to finish' if here else 'if it has ended, delete the lock'}, "
+            f"or {elsewhere}")
 
 
 def remove_stale_temp_files(run_dir):
@@ -510,7 +571,7 @@ def run_header(run, model, data, stream, step, tokens_per_step, max_steps, world
             f"{' (FSDP)' if run.sharded else ''}; device {device}{' with bf16 autocast' if bf16 else ''}\n"
             f"data {data.data_dir}: {len(data.train_tokens):,} train tokens ({stream.name} region "
             f"[{stream.start:,}, {stream.stop:,})), unigram entropy of the train split "
-            f"{data.unigram_entropy:.3f} nats{''.join(chr(10) + n for n in notes)}{finished}")
+            f"{data.unigram_entropy:.3f} nats{''.join(chr(10) + n for n in notes if n)}{finished}")
 
 
 def run_footer(run, summary, unigram_entropy):
@@ -521,6 +582,9 @@ def run_footer(run, summary, unigram_entropy):
         lines.append(f"step {summary['step']}: val loss {summary['val_loss']:.4f} nats{bpb} vs unigram entropy "
                      f"{unigram_entropy:.4f} ({summary['tokens']:,} tokens, {summary['flops']:.3e} FLOPs, "
                      f"{summary['seconds']:.0f} s)")
+    if run.saving and summary["step"] < summary["max_steps"]:  # stop_at_step
+        lines.append(f"stopped at step {summary['step']} of {summary['max_steps']}; continue with: "
+                     f"{run.resume_command()}")
     if not run.saving:
         lines.append("checkpoint: none (save_checkpoints=False)")
     else:

@@ -19,8 +19,9 @@ import inspect
 import math
 import os
 import re
+import traceback
 import types
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 NON_FINITE = ("nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity")
 
@@ -32,14 +33,19 @@ def read_config_file(path):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path}")
     namespace = {}
-    with open(path) as f:
-        source = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: config file is not UTF-8 text (byte {e.start}: {e.reason})") from None
     try:
         exec(compile(source, path, "exec"), {}, namespace)
     except SyntaxError as e:
         raise ValueError(f"{path}:{e.lineno}: syntax error in config file: {e.msg}") from None
-    except Exception as e:  # the file runs python: NameError, ImportError, ...
-        raise ValueError(f"{path}: config file failed: {type(e).__name__}: {e}") from None
+    except (Exception, SystemExit) as e:  # the file runs python: NameError, ImportError, sys.exit(), ...
+        line = next((t.lineno for t in reversed(traceback.extract_tb(e.__traceback__)) if t.filename == path), None)
+        where = f"{path}:{line}" if line else path
+        raise ValueError(f"{where}: config file failed: {type(e).__name__}: {e}") from None
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
 
 
@@ -75,9 +81,11 @@ class Settings:
     def __init__(self, *classes, defaults=None, groups=None, prog="train.py"):
         self.classes, self.groups, self.prog = classes, dict(groups or {}), prog
         self.keys = {cls: [f.name for f in fields(cls)] for cls in classes}
-        self.defaults = {}
-        for cls in classes:
-            self.defaults.update({f.name: getattr(cls(), f.name) for f in fields(cls)})
+        self.defaults = {}  # as declared: a size that __post_init__ derives (0 -> derive) stays 0 here, so it
+        for cls in classes:  # is derived again from the sizes a run gives (--n_embd=256: head_dim 64)
+            self.defaults.update({f.name: f.default if f.default is not MISSING else f.default_factory()
+                                  for f in fields(cls)})
+        self.declared = dict(self.defaults)  # the dataclasses' own: a setting at it is neutral (n_loops=1)
         unknown = sorted(set(defaults or {}) - set(self.defaults))
         if unknown:
             raise ValueError(f"defaults for unknown settings {unknown}")

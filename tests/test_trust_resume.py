@@ -1,0 +1,226 @@
+"""Trust, second pass: resumes, forks and settings (issue 34).
+- every run that prints a resume command is resumed by that command, to the same weights as a run never
+  stopped: plain runs, forks and decay branches stopped by --stop_at_step, a branch stopped by SIGTERM, a
+  fork killed with kill -9;
+- a resume that changes the schedule says exactly what changes; a fork with nothing to train, a warmup
+  longer than the run are refused before anything is written;
+- --overwrite keeps the old run (the checkpoint a fork starts from included) until the new run has written
+  its own first checkpoint;
+- a setting given where it does nothing is refused with what it needs; --help shows each default as it is;
+- a config file that exits or is not UTF-8 is one line naming it; CPU threads follow the idle cores.
+"""
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from conftest import REPO, one_line_error
+from test_trust import SMALL, argv, subprocess_env, wait_for_log
+from tooling import checkpoint, distributed, rundir
+
+RUN = SMALL | dict(max_steps=6, decay_fraction=0.5, eval_interval=2)
+
+
+def weights(path):
+    return checkpoint.load_checkpoint(path)["model"]
+
+
+def same_weights(a, b):
+    a, b = weights(a), weights(b)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def resume_command(text):
+    """The `python train.py ... --resume=True` a run printed, as train.main's argv."""
+    line = next(line for line in text.splitlines() if "--resume=True" in line)
+    words = shlex.split(line[line.index("python train.py"):])
+    return words[2:]
+
+
+@pytest.fixture(scope="module")
+def stable(tmp_path_factory, data_dir):
+    """A stable phase (no decay) with a checkpoint at step 2: what forks and branches start from."""
+    out = tmp_path_factory.mktemp("stable")
+    train.train(SMALL | dict(data_dir=data_dir, out_dir=str(out), run_name="stable", max_steps=4, decay_fraction=0.0,
+                             save_steps=[2], branch_data_fraction=0.3))  # held back: 40 branch steps
+    return out / "stable" / "ckpt_step2.pt"
+
+
+KINDS = {"plain": {}, "fork": dict(max_steps=8), "branch": dict(decay_branch=True, decay_tokens=4 * 4 * 32)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_run_stopped_at_a_step_resumes_by_the_command_it_prints(kind, stable, data_dir, tmp_path, capsys):
+    settings = RUN | dict(data_dir=data_dir, **KINDS[kind]) | (dict(init_from=str(stable)) if kind != "plain" else {})
+    straight = train.train(settings | dict(out_dir=str(tmp_path / "straight"), run_name="r"))
+    capsys.readouterr()
+    stopped = train.train(settings | dict(out_dir=str(tmp_path / "stopped"), run_name="r", stop_at_step=4))
+    assert stopped["step"] == 4 < straight["step"]
+    command = resume_command(capsys.readouterr().out)
+    assert command == [f"--out_dir={tmp_path / 'stopped'}", "--run_name=r", "--resume=True"]
+    assert train.main(command + ["--progress=False", "--sample=False"]) == 0
+    resumed = tmp_path / "stopped" / "r"
+    assert same_weights(straight["ckpt_path"], resumed / "ckpt.pt")
+    assert [json.loads(line)["step"] for line in open(resumed / "log.jsonl")] == \
+        [json.loads(line)["step"] for line in open(straight["log_path"])]
+
+
+def test_a_decay_branch_stopped_by_sigterm_resumes_by_the_command_it_prints(stable, data_dir, tmp_path):
+    settings = RUN | dict(data_dir=data_dir, init_from=str(stable), decay_branch=True, decay_tokens=40 * 4 * 32,
+                          eval_interval=1, eval_tokens=64)
+    process = subprocess.Popen([sys.executable, "train.py", *argv(**settings, out_dir=str(tmp_path), run_name="br")],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env())
+    wait_for_log(tmp_path / "br" / "log.jsonl", 3, process)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143 and "Traceback" not in err, err
+    stopped_at = checkpoint.load_checkpoint(tmp_path / "br" / "ckpt.pt")["state"]["step"]
+    assert 2 < stopped_at < 42
+    assert train.main(resume_command(err) + ["--progress=False", "--sample=False"]) == 0
+    state = checkpoint.load_checkpoint(tmp_path / "br" / "ckpt.pt")["state"]
+    assert (state["step"], state["branch_start_step"], state["data_region"]) == (42, 2, "branch")
+    assert [json.loads(line)["step"] for line in open(tmp_path / "br" / "log.jsonl")] == list(range(3, 43))
+
+
+def test_a_fork_killed_with_kill_9_resumes_with_resume_true(stable, data_dir, tmp_path):
+    settings = RUN | dict(data_dir=data_dir, init_from=str(stable), max_steps=60, eval_interval=1, eval_tokens=64)
+    process = subprocess.Popen([sys.executable, "train.py", *argv(**settings, out_dir=str(tmp_path), run_name="f")],
+                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env())
+    wait_for_log(tmp_path / "f" / "log.jsonl", 2, process)
+    process.kill()
+    process.wait(timeout=60)
+    summary = train.train(dict(out_dir=str(tmp_path), run_name="f", resume=True, progress=False, sample=False))
+    assert summary["step"] == 60
+    assert [json.loads(line)["step"] for line in open(summary["log_path"])] == list(range(3, 61))
+
+
+def test_a_resume_that_changes_the_schedule_says_what_changes(data_dir, tmp_path, capsys):
+    train.train(RUN | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="s", stop_at_step=4))
+    capsys.readouterr()
+    train.train(dict(out_dir=str(tmp_path), run_name="s", resume=True, max_steps=10, progress=False, sample=False))
+    out = capsys.readouterr().out
+    # the 6-step run decays from step 3 (cosine to 0 at step 5): at step 4 (1 + cos(2 pi / 3)) / 2 = 1/4 of the
+    # peak; a 10-step run is stable until step 5
+    assert "note: this resume changes the run's schedule (max_steps 6 -> 10): the LR at step 4 is 1.0000 x its " \
+           "peak (was 0.2500 x); the run ends at step 10 (was 6), its decay starts at step 5 (was 3)" in out, out
+    train.train(dict(out_dir=str(tmp_path), run_name="s", resume=True, progress=False, sample=False))
+    assert "changes the run's schedule" not in capsys.readouterr().out  # a resume as planned: no note
+
+
+def test_nothing_to_train_is_refused_before_anything_is_written(stable, data_dir, tmp_path, capsys):
+    base = [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--progress=False"]
+    err = one_line_error(train.main, base + [f"--init_from={stable}", "--max_steps=2", "--run_name=f"], capsys,
+                         "train.py")
+    assert f"init_from={stable}: the checkpoint is at step 2 and this run ends at step 2 (max_steps): nothing " \
+           "to train" in err
+    err = one_line_error(train.main, base + ["--warmup_steps=1000000", "--max_steps=4"], capsys, "train.py")
+    assert "warmup_steps=1000000: longer than the run (4 steps); the LR would never reach its peak" in err
+    assert os.listdir(tmp_path) == []  # no run folder left behind
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_has_its_first_checkpoint(data_dir, tmp_path, monkeypatch):
+    old = train.train(RUN | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="ow", max_steps=2))
+    files = {name: open(tmp_path / "ow" / name, "rb").read() for name in ("ckpt.pt", "log.jsonl")}
+    fork = RUN | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="ow", overwrite=True,
+                      init_from=old["ckpt_path"], max_steps=4)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "save_file", interrupted)  # stopped before its first checkpoint
+        with pytest.raises(rundir.TrainingInterrupted, match="no checkpoint was written yet"):
+            train.train(fork)
+    assert {name: open(tmp_path / "ow" / name, "rb").read() for name in files} == files
+    summary = train.train(fork)
+    log = [json.loads(line) for line in open(summary["log_path"])]
+    assert [r["step"] for r in log] == [4] and summary["step"] == 4  # the old run's lines are gone
+    assert checkpoint.load_checkpoint(summary["ckpt_path"])["state"]["step"] == 4
+
+
+INERT = [
+    (["--grow_to=4"], "grow_to=4: does nothing without grow_at (the step the model grows at)"),
+    (["--grow_untie=True"], "grow_untie=True: does nothing without grow_at"),
+    (["--layout=pcc", "--n_loops=3"], "n_loops=3: does nothing in layout 'pcc': r, the loop's passes, is of "
+                                      "layouts 'smelt' and 'layer_loop' (pcc's passes are n_passes, K)"),
+    (["--decay_tokens=40000"], "decay_tokens=40000: does nothing without decay_branch=True"),
+    (["--boundary_alpha=0.5"], "boundary_alpha=0.5: does nothing in layout 'smelt': it is of layout 'pcc'"),
+    (["--tie_core=False"], "tie_core=False: does nothing in layout 'smelt'"),
+    (["--n_expert=0", "--expert_hidden=64"], "expert_hidden=64: does nothing in a dense model"),
+    (["--adamw_matrix_lr=0.01"], "adamw_matrix_lr=0.01: does nothing with optimizer='muon'"),
+    (["--optimizer=adamw", "--muon_momentum=0.9"], "muon_momentum=0.9: does nothing with optimizer='adamw'"),
+    (["--muon_beta2=0.9"], "muon_beta2=0.9: does nothing with muon_variant='original'"),
+    (["--lr_scaling_beta=-0.5"], "lr_scaling_beta=-0.5: does nothing without lr_anchor_params > 0"),
+    (["--reshard_after_forward=False"], "reshard_after_forward=False: does nothing with parallel='ddp'"),
+    (["config/x_d8_vanilla.py", "--grad_accum=4"], "grad_accum=4: does nothing with global_batch=256, which "
+                                                   "decides it"),
+    (["--cpu_threads=100000"], "cpu_threads=100000: more than this host's"),
+]
+
+
+@pytest.mark.parametrize("args, message", INERT, ids=[" ".join(a) for a, _ in INERT])
+def test_a_setting_that_does_nothing_here_is_refused(args, message, tmp_path, capsys):
+    err = one_line_error(train.main, [f"--out_dir={tmp_path / 'never'}"] + args, capsys, "train.py")
+    assert message in err, err
+    assert not (tmp_path / "never").exists()
+
+
+def test_neutral_values_and_a_stable_phase_naming_its_branches_are_accepted():
+    """n_loops=1 (no loop) and the default-valued keys a config spells are no claims; a stable phase
+    (decay_fraction=0) may name its branches' decay_tokens for ladder.py --plan (config/smelt_200m_*.py)."""
+    for overrides in (dict(layout="plain", n_loops=1), dict(decay_fraction=0.0, decay_tokens=1000),
+                      train.SETTINGS.parse(["config/smelt_200m_s95.py"])):
+        rundir.resolve_run(train.SETTINGS, overrides | dict(out_dir="never"))
+
+
+def test_help_shows_each_default_as_it_is():
+    text = train.SETTINGS.help()
+    for shown in ("--head_dim=0 ", "--mlp_hidden=0 ", "--n_kv_head=0 ", "--cpu_threads=0 "):
+        assert shown in text, shown
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"n_layer = 2\nraise SystemExit(0)\n", ":2: config file failed: SystemExit: 0"),
+    (b"import sys\nsys.exit('stop')\n", ":2: config file failed: SystemExit: stop"),
+    (b"n_layer = 2  # \xff\xfe\n", "config file is not UTF-8 text (byte 15"),
+])
+def test_a_config_file_that_exits_or_is_not_text_is_one_line_naming_it(content, message, tmp_path, capsys):
+    path = tmp_path / "bad.py"
+    path.write_bytes(content)
+    err = one_line_error(train.main, [str(path), f"--out_dir={tmp_path / 'never'}"], capsys, "train.py")
+    assert f"{path}{message}" in err or (str(path) in err and message in err), err
+
+
+def test_cpu_threads_follow_the_idle_cores(monkeypatch):
+    chosen = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for load, local, expected in ((0.0, 1, 8), (6.2, 1, 2), (9.0, 1, 1), (0.0, 2, 4), (4.0, 2, 2)):
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        note = distributed.cpu_threads()
+        assert chosen[-1] == expected and note.startswith(f"cpu: {expected} torch thread"), (load, local, note)
+        assert f"load {load:.1f}" in note and "--cpu_threads=N sets it" in note
+    assert distributed.cpu_threads(3) == "cpu: 3 torch threads per process (cpu_threads)" and chosen[-1] == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert "(OMP_NUM_THREADS)" in distributed.cpu_threads() and chosen[-1] == 8  # torch read it at start
+
+
+def test_the_header_says_the_thread_count(data_dir, tmp_path, capsys):
+    threads = torch.get_num_threads()
+    try:
+        train.train(RUN | dict(data_dir=data_dir, out_dir=str(tmp_path), max_steps=2, cpu_threads=1))
+    finally:
+        torch.set_num_threads(threads)
+    assert "cpu: 1 torch thread per process (cpu_threads)" in capsys.readouterr().out
