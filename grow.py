@@ -369,10 +369,6 @@ def growth_fraction_limit(a):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Writing into a run folder (grow.py, probe.py --plot): only while holding its lock
-
-
-# ----------------------------------------------------------------------------------------------------
 # CLI: grow a checkpoint
 
 
@@ -381,8 +377,8 @@ def grow_checkpoint(ckpt_path, n_passes, out_path, untie=False, copies="fresh", 
     parameter map. Everything else (step, tokens_seen, data_position, rng, ...) is kept, so train.py
     resumes from the grown checkpoint; a record is appended to ckpt["growth"]. Inside a run folder (in place,
     the usual case) its lock is held from the load to the write: a training there would overwrite it."""
-    with rundir.run_folder_held(os.path.dirname(os.path.abspath(out_path)), "grow.py",
-                         "write the grown checkpoint elsewhere with --out"):
+    with rundir.run_folder_held(os.path.dirname(os.path.abspath(out_path)),
+                                "write the grown checkpoint elsewhere with --out"):
         return _grow_checkpoint(ckpt_path, n_passes, out_path, untie, copies, log)
 
 

@@ -591,8 +591,7 @@ def main(argv=None):
         with contextlib.ExitStack() as stack:
             device = resolve_device(args.device)  # one line for an unknown or absent device, before any work
             if args.plot:  # the figures' folder: held if it is (in) a run folder, made before the probes run
-                stack.enter_context(rundir.run_folder_held(args.plot, "probe.py",
-                                                           "write the plots elsewhere with --plot"))
+                stack.enter_context(rundir.run_folder_held(args.plot, "write the plots elsewhere with --plot"))
                 os.makedirs(args.plot, exist_ok=True)
             model, ckpt = load_model(args.ckpt)
             check_n_passes(model.config, args.n_passes)

@@ -23,7 +23,6 @@ From Python (an in-memory model, e.g. at the end of training):
     print(sample_text(model, get_tokenizer("gpt2-4096"), start="ROMEO:", max_new_tokens=100))
 """
 import os
-import stat
 import sys
 
 import torch
@@ -48,8 +47,7 @@ def read_start(start):
         return start
     path = start[len("FILE:"):]
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or a device would block or never end
-            raise ValueError(f"prompt file {path} is not a regular file (a folder, pipe or device): give a text file")
+        common.check_regular(path, "prompt file")
         with open(path, encoding="utf-8") as f:
             text = f.read(MAX_PROMPT_CHARS + 1)
     except OSError as e:

@@ -67,7 +67,6 @@ import math
 import multiprocessing
 import os
 import re
-import stat
 import sys
 import tempfile
 import time
@@ -78,7 +77,8 @@ from tqdm import tqdm
 
 if __package__ in (None, ""):  # run as a script: python data/prepare.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tooling.common import TEMP_MARK, cli_error, current_umask, first_line, read_jsonl, write_atomic
+from tooling.common import TEMP_MARK, check_regular, cli_error, current_umask, first_line, read_jsonl, \
+    write_atomic
 from tooling.common import parser as common_parser  # write_atomic is also imported from here (ladder.py)
 from data.tokenizer import ENDOFTEXT, get_tokenizer
 
@@ -114,16 +114,6 @@ def import_optional(module, needed_by):
 
 # -----------------------------------------------------------------------------
 # reading documents: each reader yields (text, source) in file order, empty documents included
-
-def check_regular(path, what="input file"):
-    """Refuse a path that is not a regular file once symlinks are resolved: a named pipe or a device (a
-    symlink to /dev/zero) would block forever or never end."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        real = os.path.realpath(path)
-        via = f" (a symlink to {real})" if real != os.path.abspath(path) else ""
-        raise ValueError(f"{what} {path}{via} is not a regular file (a pipe or a device would block or never end); "
-                         "give a file")
-
 
 def expand_inputs(inputs):
     """Files as given, folders -> their *.txt / *.jsonl / *.parquet files (sorted). Clear errors for bad paths."""

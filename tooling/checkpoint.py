@@ -67,7 +67,7 @@ def check_finite(tensors, step, path, collective=False):
     """Refuse to write weights that are not finite (on any rank, for a sharded checkpoint)."""
     tensors = [distributed.local(t) for t in tensors if t.is_floating_point()]
     finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all().float() if tensors else torch.ones(())
-    if collective:  # on the weights' device: one reduction, then one host sync
+    if collective:  # on the weights' device: one reduction of one flag, then one host sync
         distributed.all_reduce(finite, op="min")
     if not finite.item():
         error = NonFiniteLoss(f"the weights became non-finite at step {step} (after the update): {path} was not "
@@ -87,6 +87,12 @@ def finite_flags(tensors, collective=False):
     if collective:
         distributed.all_reduce(flags, op="min")
     return [bool(f) for f in flags.tolist()]
+
+
+def non_finite(path, name):
+    """The line refusing a checkpoint whose weight `name` holds NaN or inf."""
+    return (f"{path}: weight {name} holds NaN or inf (training never writes such weights): refused; use another "
+            "checkpoint")
 
 
 def kept(path):
@@ -301,11 +307,10 @@ def check_weights(path, model_config, weights):
     if buffers > max(size, 1 << 30):  # RoPE tables: block_size rows
         raise ValueError(f"{differ}: block_size={config.block_size} needs {buffers / 2**30:.0f} GiB of RoPE tables "
                          f"beside {size / 2**20:.0f} MB of weights")
-    bad = next((k for k, t in weights.items() if not t.is_meta and t.is_floating_point()
-                and not torch.isfinite(t).all()), None)
+    stored = {k: t for k, t in weights.items() if not t.is_meta and t.is_floating_point()}
+    bad = next((k for k, finite in zip(stored, finite_flags(stored.values())) if not finite), None)
     if bad is not None:
-        raise ValueError(f"{path}: weight {bad} holds NaN or inf (training never writes such weights): refused; "
-                         "use another checkpoint")
+        raise ValueError(non_finite(path, bad))
 
 
 def load_checkpoint(path, map_location="cpu"):
@@ -584,8 +589,7 @@ def load_sharded_tensors(meta, model, optimizers):
     flags = finite_flags(model_state.values(), collective=True)
     bad = next((name for name, finite in zip(model_state, flags) if not finite), None)
     if bad is not None:
-        raise distributed.everywhere(ValueError(f"{meta['path']}: weight {bad} holds NaN or inf (training never "
-                                                "writes such weights): refused; use another checkpoint"))
+        raise distributed.everywhere(ValueError(non_finite(meta["path"], bad)))
     model.load_state_dict(model_state)
 
 

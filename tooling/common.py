@@ -6,6 +6,7 @@ reading JSON lines with errors that name the file and line. Standard library onl
 import glob
 import json
 import os
+import stat
 import sys
 import tempfile
 
@@ -35,6 +36,16 @@ def current_umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def check_regular(path, what="input file"):
+    """Refuse a path that is not a regular file once symlinks are resolved: a named pipe or a device (a
+    symlink to /dev/zero) would block forever or never end."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        real = os.path.realpath(path)
+        via = f" (a symlink to {real})" if real != os.path.abspath(path) else ""
+        raise ValueError(f"{what} {path}{via} is not a regular file (a pipe or a device would block or never end); "
+                         "give a file")
 
 
 def stale_temp_files(path):

@@ -421,32 +421,13 @@ def run_folder_of(folder):
 
 
 @contextlib.contextmanager
-def run_folder_held(folder, prog, elsewhere):
-    """Inside: the lock of run_folder_of(folder) (tooling.rundir's, the one train.py holds), so no training
+def run_folder_held(folder, elsewhere):
+    """Inside: the lock of run_folder_of(folder) (run_dir_lock, the one train.py holds), so no training
     writes there meanwhile; outside any run folder there is nothing to hold. A folder another process holds
-    is refused in one line naming that process; elsewhere: how to write somewhere else instead."""
+    is refused in run_dir_lock's line, ending in `elsewhere` (how to write somewhere else instead)."""
     run = run_folder_of(folder)
-    with contextlib.ExitStack() as stack:
-        if run:
-            try:
-                stack.enter_context(run_dir_lock(run))
-            except ValueError:
-                raise ValueError(refusal(run, prog, elsewhere)) from None
+    with run_dir_lock(run, elsewhere) if run else contextlib.nullcontext():
         yield run
-
-
-def refusal(run, prog, elsewhere):
-    """The line refusing to write into a run folder whose lock ("host pid since") another process holds."""
-    lock = os.path.join(run, "lock")
-    try:
-        host, pid, *since = open(lock).read().split()
-    except (OSError, ValueError):  # released meanwhile, or unreadable
-        host, pid, since = socket.gethostname(), "?", []
-    here = host == socket.gethostname()
-    return (f"{run} is in use by process {pid} on {'this host' if here else 'host ' + host}"
-            f"{' since ' + since[0] if since else ''} (lock file {lock}): {prog} writes into a run folder only while "
-            f"no other process holds it; {'wait for it to finish' if here else 'if it has ended, delete the lock'}, "
-            f"or {elsewhere}")
 
 
 def remove_stale_temp_files(run_dir):
@@ -475,11 +456,12 @@ def check_shared_folder(run_dir, lock, wait_s=5.0):
 
 
 @contextlib.contextmanager
-def run_dir_lock(run_dir):
-    """Hold run_dir/lock ("host pid start-time") while training: a second training into the same folder
-    stops with a clear message; a lock left by a process that no longer exists (on this host) is taken
-    over; one naming another host is refused with how to take it over. The lock appears whole or not at
-    all (written beside it, then linked into place), so a full disk never leaves an empty lock."""
+def run_dir_lock(run_dir, instead="use another --run_name"):
+    """Hold run_dir/lock ("host pid start-time") while training (or a tool writes there): a second process
+    into the same folder stops with a clear message ending in what to do `instead`; a lock left by a process
+    that no longer exists (on this host) is taken over; one naming another host is refused with how to take
+    it over. The lock appears whole or not at all (written beside it, then linked into place), so a full
+    disk never leaves an empty lock."""
     path, host = os.path.join(run_dir, "lock"), socket.gethostname()
     me = f"{host} {os.getpid()} {time.strftime('%Y-%m-%dT%H:%M:%S')}"
     while True:
@@ -499,10 +481,10 @@ def run_dir_lock(run_dir):
             when = f" since {since[0]}" if since else ""
             if holder_host != host:
                 raise ValueError(f"{run_dir} is locked by process {pid} on host {holder_host}{when} (lock file "
-                                 f"{path}); this host cannot tell whether it still runs. If that training has "
-                                 f"ended, take the folder over by deleting the lock: rm {path}") from None
+                                 f"{path}); this host cannot tell whether it still runs: if it has ended, delete the "
+                                 f"lock to take the folder over (rm {path}), or {instead}") from None
             raise ValueError(f"{run_dir} is in use by process {pid} on this host{when} (lock file {path}); wait for "
-                             "it to finish, or use another --run_name") from None
+                             f"it to finish, or {instead}") from None
         except OSError as e:
             raise OSError(f"cannot write the lock file {path}: {e.strerror or e}") from None
     try:
