@@ -32,7 +32,6 @@ import json
 import math
 import multiprocessing
 import os
-import signal
 import sys
 import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -43,32 +42,12 @@ import numpy as np
 from scipy.optimize import brentq, least_squares, minimize
 from scipy.special import expit
 from scipy.stats import linregress
-from threadpoolctl import ThreadpoolController
 
-from tooling import common, plots, tables
+from tooling import common, jobs, plots, tables
 from tooling.common import cli_error
 
 HUBER_DELTA = 1e-3  # [S2] / Chinchilla: Huber on log-loss with delta = 1e-3
 HOFFMANN_INIT = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al. 2022 published fit
-
-# -----------------------------------------------------------------------------
-# One BLAS thread while fitting. Every problem here is tiny (6 parameters, ~100 points), yet scipy's
-# L-BFGS-B calls OpenBLAS, whose spin-waiting threads made each iteration ~20-50x slower on a busy
-# 2-core machine (23 s vs 1.1 s for 100 bootstrap refits). threadpoolctl sets every BLAS library that
-# numpy and scipy loaded to one thread and restores the previous count on exit (process-wide while
-# inside). Bootstrap workers are also started with these variables, so they never start BLAS threads.
-
-_SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # workers
-_blas = None  # the ThreadpoolController, made on first use
-
-
-def single_blas_thread():
-    """Context manager: the loaded BLAS libraries use one thread inside it."""
-    global _blas
-    if _blas is None:
-        _blas = ThreadpoolController()  # finds the loaded libraries once (~1 ms); each limit() is ~10 us
-    return _blas.limit(limits=1, user_api="blas")
-
 
 # -----------------------------------------------------------------------------
 # The shared core: L = E + A e^(b u - a x) + K e^(-c y), Huber on log-loss, log-sum-exp parametrisation
@@ -188,7 +167,7 @@ def _lbfgsb(theta0, u, x, y, loss, weights, delta, free, reduce="sum", tol="tigh
 
 def _fit_core(u, x, y, loss, weights, delta, free, exp_grid, n_keep, inits=(), reduce="sum", use_K=True, tol="tight"):
     """Best of L-BFGS-B runs from the n_keep best grid points (variable projection) plus `inits`."""
-    with single_blas_thread():
+    with jobs.single_blas_thread():
         starts = list(inits)
         if exp_grid is not None and len(exp_grid):
             starts += _varpro_starts(u, x, y, loss, weights, exp_grid, delta, n_keep, use_K)
@@ -702,7 +681,7 @@ def cell_bootstrap(runs, ref, target, budgets, sparsities, n_draws=2000, seed=0,
     size = max(1, min(25, n_draws // (4 * n_workers)))
     chunks = [list(range(i, min(i + size, n_draws))) for i in range(0, n_draws, size)]
     results = {}  # draw -> derived quantities, None when the draw could not be fitted
-    bar = _progress(n_draws, "cell bootstrap", progress)
+    bar = jobs.progress_bar(n_draws, "cell bootstrap", progress)
     if n_workers > 1:
         try:
             _bootstrap_pool(payload, chunks, n_workers, results, bar)
@@ -731,18 +710,18 @@ def _bootstrap_pool(payload, chunks, n_workers, results, bar):
     """Run chunks on `n_workers` spawned processes (spawn: safe when the parent has torch / OpenMP
     threads alive), each with single-threaded BLAS. Ctrl-C: the workers ignore it and are ended by
     this process (stop_workers), so an interrupt is one KeyboardInterrupt here, not one per worker."""
-    saved = {k: os.environ.get(k) for k in _SINGLE_THREAD_ENV}
-    os.environ.update(_SINGLE_THREAD_ENV)
+    saved = {k: os.environ.get(k) for k in jobs.SINGLE_THREAD_ENV}
+    os.environ.update(jobs.SINGLE_THREAD_ENV)
     try:
         with ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=ignore_sigint) as pool:
+                                 initializer=jobs.ignore_sigint) as pool:
             try:
                 futures = {pool.submit(_bootstrap_chunk, payload, ch): len(ch) for ch in chunks}
                 for fut in as_completed(futures):
                     results.update(fut.result())
                     bar.update(futures[fut])
             except BaseException:
-                stop_workers(pool)
+                jobs.stop_workers(pool)
                 raise
     finally:
         for k, v in saved.items():
@@ -750,31 +729,6 @@ def _bootstrap_pool(payload, chunks, n_workers, results, bar):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def ignore_sigint():
-    """A pool worker's initializer: Ctrl-C in a terminal signals every process of the group; the parent
-    alone handles it (and ends its workers with stop_workers), so no worker prints a traceback."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def stop_workers(pool):
-    """End a ProcessPoolExecutor's workers now (Ctrl-C, an error): queued work is cancelled and running
-    work killed, instead of waiting for it as leaving the `with` block would. (ladder.py uses it too.)"""
-    for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public API before 3.14
-        process.terminate()
-    pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _progress(total, desc, enabled):
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr)
-    except ImportError:  # tqdm is a listed dependency; keep working without it anyway
-        class _Null:
-            def update(self, n): pass
-            def close(self): pass
-        return _Null()
 
 
 # -----------------------------------------------------------------------------

@@ -133,7 +133,7 @@ import grow
 import match
 import train
 from model import ModelConfig
-from tooling import common, distributed, guards, plots, rundir, tables
+from tooling import common, distributed, guards, jobs, plots, rundir, tables
 from tooling.checkpoint import TrainState
 from tooling.common import cli_error, write_atomic
 
@@ -467,11 +467,11 @@ def train_in_run_dir(settings, directory, threads=None, train_fn=None):
 
 
 def _worker_init():
-    """A ladder worker process: Ctrl-C is the parent's to handle (fit.ignore_sigint), and tqdm's lock a
+    """A ladder worker process: Ctrl-C is the parent's to handle (jobs.ignore_sigint), and tqdm's lock a
     thread lock: each worker writes only its own train.out, and tqdm's default multiprocessing lock is a
     named semaphore that the resource tracker reports as leaked (a warning on stderr) once the parent
     ends the worker after Ctrl-C."""
-    fit.ignore_sigint()
+    jobs.ignore_sigint()
     tqdm.set_lock(threading.RLock())
 
 
@@ -552,12 +552,12 @@ def run_ladder(specs, out_dir, train_fn=None, progress=True, keep_checkpoints=Fa
                     for future in done:
                         finish(running.pop(future), future.result())
             except BrokenProcessPool:  # a worker died (killed, out of memory): its run restarts next time
-                fit.stop_workers(pool)
+                jobs.stop_workers(pool)
                 raise ValueError(f"a worker process died while training {sorted(s.run_id for s in running.values())} "
                                  "(killed? out of memory?); rerun the same command to continue (finished runs are "
                                  "kept), or use fewer --workers") from None
             except BaseException:
-                fit.stop_workers(pool)
+                jobs.stop_workers(pool)
                 raise
     bar.close()
     return results

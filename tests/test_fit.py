@@ -499,7 +499,7 @@ def test_single_blas_thread_limits_and_restores():
         before = blas_threads()
         if max(before) < 2:
             pytest.skip("BLAS runs one thread at most on this machine")
-        with fit.single_blas_thread():
+        with jobs.single_blas_thread():
             assert blas_threads() == [1] * len(before)
         assert blas_threads() == before
 
@@ -702,12 +702,12 @@ def test_stop_workers_ends_running_work_at_once():
     import multiprocessing
     import time
     from concurrent.futures import ProcessPoolExecutor
-    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=fit.ignore_sigint)
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=jobs.ignore_sigint)
     futures = [pool.submit(time.sleep, 60) for _ in range(4)]
     while not any(f.running() for f in futures):
         time.sleep(0.05)
     processes = list(pool._processes.values())
     t0 = time.time()
-    fit.stop_workers(pool)
+    jobs.stop_workers(pool)
     assert time.time() - t0 < 20 and not any(p.is_alive() for p in processes)
     assert all(f.cancelled() or f.done() for f in futures)

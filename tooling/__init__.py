@@ -14,6 +14,7 @@ accounting) and never a script. Each module says in its docstring what it guards
     guards.py       refusals a run makes before it trains (passes, data budget)
     tables.py       reading and writing runs CSV files with errors naming file and line
     plots.py        figures (matplotlib optional)
+    jobs.py         worker processes: one BLAS thread, Ctrl-C handled once, a pool stopped at once
 
 Importing `tooling` imports nothing: fit.py and the data tools stay free of torch.
 """
