@@ -12,7 +12,7 @@ from scipy.optimize import brentq, minimize_scalar
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import fit
-from tooling import tables
+from tooling import jobs, tables
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "chinchilla_fig4_epoch.csv")
 POWER_EXAMPLE = os.path.join(os.path.dirname(__file__), "data", "power_example.csv")  # fit.synthetic_power_runs()
