@@ -1,5 +1,6 @@
 """
-DCLM CORE evaluation, compatible with the public eval bundle that nanochat uses, plus the extra
+DCLM CORE evaluation, compatible with the public eval bundle that nanochat uses (its layout and reading:
+tooling/core_bundle.py; the parser and the tables printed: tooling/core_report.py), plus the extra
 measurements of the two papers: answer NLL [X18], the frozen 17-task subset [X Table 10], few-shot
 seeds, k-shot sweeps [S ICL] and per-document-length-bucket validation loss [S].
 
@@ -8,21 +9,6 @@ seeds, k-shot sweeps [S ICL] and per-document-length-bucket validation loss [S].
     python eval_core.py --ckpt out/ckpt.pt --bundle ~/eval_bundle --fewshot_seeds 0,1,2
     python eval_core.py --ckpt out/ckpt.pt --bundle ~/eval_bundle --kshot_sweep
     python eval_core.py --ckpt out/ckpt.pt --length_buckets data/cache/default   # no --bundle needed
-
-Bundle layout (read from the path you give; nothing is ever downloaded):
-    core.yaml            icl_tasks: a list of {label, dataset_uri, num_fewshot: [k], icl_task_type,
-                         continuation_delimiter (default ' ')}
-    eval_data/**.jsonl   one item per line. multiple_choice: {query, choices, gold};
-                         schema: {context_options, continuation, gold}; language_modeling: {context, continuation}
-    eval_meta_data.csv   'Eval Task' -> 'Random baseline' (percent)
-The bundle fingerprint is sha256 over (relative path, sha256 of the file) for every file, walked in
-sorted order; the same recipe as the [X] code, so its pinned value is recognised (KNOWN_FINGERPRINTS).
-
-Random-baseline versions (they change CORE, so every report prints which one it used):
-    v1           mlfoundations/dclm eval/eval_meta_data.csv before 2025-09-05 (kept upstream as
-                 eval_meta_data_v1.csv); nanochat's bundle carries these values.
-    2025-09-05   commit 6204236 changed three rows: commonsense_qa 20 -> 40.3,
-                 agi_eval_lsat_ar 20 -> 25, bigbench_language_identification 9.1 -> 25.
 
 Semantics follow nanochat's scorer (nanochat/core_eval.py, scripts/base_eval.py):
 - data shuffled with random.Random(1337), then cut to [:max_per_task]; few-shot examples for item idx
@@ -72,10 +58,7 @@ Differences from nanochat (deliberate; each is tested):
 """
 
 import collections.abc
-import csv
-import hashlib
 import json
-import math
 import os
 import random
 import sys
@@ -83,15 +66,14 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
-import yaml
 from tqdm import tqdm
 
-from tooling import common
-from tooling.common import cli_error, number, read_jsonl, resolve_device
+from tooling.common import cli_error, resolve_device
+from tooling.core_bundle import TASK_TYPES, check_labels, load_bundle, load_task_data, with_baseline_version
+from tooling.core_report import build_parser, format_core_table, parse_seeds, print_kshot_table, print_length_table
 
 PROG = "eval_core.py"  # the name CLI errors start with
 
-TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 SHUFFLE_SEED = 1337  # nanochat: random.Random(1337).shuffle(data), then data[:max_per_task]
 FEWSHOT_SEED = 1234  # nanochat: random.Random(1234 + idx) draws item idx's few-shot examples
 KSHOT_SWEEP = (0, 1, 2, 4, 8, 16, 32)  # [S ICL]
@@ -110,232 +92,6 @@ CORE17_EXCLUDED = ("commonsense_qa", "boolq", "bigbench_cs_algorithms",
                    "bigbench_language_identification", "bigbench_repeat_copy_logic")
 CORE17_LABELS = tuple(label for label in CORE22_LABELS if label not in CORE17_EXCLUDED)
 
-# the three rows that differ between the two published random-baseline tables: (v1, 2025-09-05)
-RANDOM_BASELINE_CHANGES = {
-    "commonsense_qa": (20.0, 40.3),
-    "agi_eval_lsat_ar": (20.0, 25.0),
-    "bigbench_language_identification": (9.1, 25.0),
-}
-KNOWN_FINGERPRINTS = {
-    "e908e4e0e145860290d46fb37c5d1bad52bbf22da843073ff0e6b6f624250e52":
-        "karpathy eval_bundle.zip as pinned by the [X] code (qlabs-eng/scaling-exponents core_eval.py)",
-}
-
-
-# ----------------------------------------------------------------------------------------------
-# core.yaml
-
-TASK_KEYS = ("label", "dataset_uri", "num_fewshot", "icl_task_type")  # required in every icl_tasks entry
-
-
-def read_core_yaml(path):
-    """Read and validate core.yaml -> list of task dicts {label, dataset_uri, num_fewshot (int),
-    icl_task_type, continuation_delimiter, line}. Errors name the file and the line of the task entry."""
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not valid UTF-8 ({e})") from None
-    try:
-        doc = yaml.safe_load(text)
-        root = yaml.compose(text, Loader=yaml.SafeLoader)  # the same document as nodes, which know their lines
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else path
-        context = getattr(e, "context", None)
-        raise ValueError(f"{where}: malformed YAML: {context + ', ' if context else ''}"
-                         f"{getattr(e, 'problem', None) or e}") from None
-    if not isinstance(doc, dict) or "icl_tasks" not in doc:
-        raise ValueError(f"{path}: missing top-level key 'icl_tasks'")
-    if not isinstance(doc["icl_tasks"], list) or not doc["icl_tasks"]:
-        raise ValueError(f"{path}: 'icl_tasks' must be a non-empty list of task mappings")
-    tasks_node = [value for key, value in root.value if key.value == "icl_tasks"][-1]  # the last wins, as in safe_load
-    tasks, first_line_of = [], {}
-    for i, (raw, node) in enumerate(zip(doc["icl_tasks"], tasks_node.value), start=1):
-        line = node.start_mark.line + 1
-        entry = f"{path}:{line}: icl_tasks entry {i}"
-        if not isinstance(raw, dict):
-            raise ValueError(f"{entry} is not a mapping of task keys: {raw!r}")
-        if isinstance(raw.get("label"), str):
-            entry += f" ({raw['label']!r})"
-        for key in TASK_KEYS:
-            if raw.get(key) is None:
-                raise ValueError(f"{entry} is missing required key {key!r}")
-        label, uri, shots, task_type = (raw[key] for key in TASK_KEYS)
-        delim = raw.get("continuation_delimiter", " ")  # nanochat's default
-        for key, value in (("label", label), ("dataset_uri", uri)):
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{entry}: {key} must be a non-empty string, got {value!r}")
-        if label in first_line_of:
-            raise ValueError(f"{entry}: duplicate task label (first at line {first_line_of[label]})")
-        first_line_of[label] = line
-        if not isinstance(shots, list) or not shots or not all(
-                isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in shots):
-            raise ValueError(f"{entry}: num_fewshot must be a list like [10] of non-negative ints, got {shots!r}")
-        if task_type not in TASK_TYPES:
-            raise ValueError(f"{entry}: unknown icl_task_type {task_type!r}; expected one of {TASK_TYPES}")
-        if not isinstance(delim, str):  # a null here would render as "None" in nanochat's template
-            raise ValueError(f"{entry}: continuation_delimiter must be a string (omit it for the default ' '), "
-                             f"got {delim!r}")
-        tasks.append({"label": label, "dataset_uri": uri,
-                      "num_fewshot": shots[0],  # nanochat uses num_fewshot[0]
-                      "icl_task_type": task_type, "continuation_delimiter": delim, "line": line})
-    return tasks
-
-
-# ----------------------------------------------------------------------------------------------
-# bundle: tasks, data files, random baselines, fingerprint
-
-def bundle_fingerprint(bundle_dir):
-    """sha256 over (relative path, sha256 of file) for every file, dirs and files walked in sorted order."""
-    digest = hashlib.sha256()
-    for root, dirs, files in os.walk(bundle_dir):
-        dirs.sort()
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                file_digest = hashlib.sha256(f.read()).hexdigest()
-            digest.update(os.path.relpath(path, bundle_dir).encode())
-            digest.update(file_digest.encode())
-    return digest.hexdigest()
-
-
-def read_random_baselines(path):
-    """eval_meta_data.csv -> {task label: random baseline in percent}."""
-    with open(path, "r", encoding="utf-8", newline="") as f:
-        try:
-            return _read_random_baselines(csv.DictReader(f), path)
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not valid UTF-8 ({e})") from None
-        except csv.Error as e:
-            raise ValueError(f"{path}: malformed CSV ({e})") from None
-
-
-def _read_random_baselines(reader, path):
-    fields = reader.fieldnames or []
-    rb_col = next((c for c in fields if c.strip().lower().startswith("random baseline")), None)
-    if "Eval Task" not in fields or rb_col is None:
-        raise ValueError(f"{path}:1: header needs columns 'Eval Task' and 'Random baseline', got {fields}")
-    baselines = {}
-    for row in reader:
-        line = reader.line_num
-        label = (row.get("Eval Task") or "").strip()
-        if not label:
-            raise ValueError(f"{path}:{line}: empty 'Eval Task'")
-        try:
-            rb = float(row[rb_col])
-        except (TypeError, ValueError):
-            raise ValueError(f"{path}:{line}: random baseline for {label!r} is not a number: "
-                             f"{row[rb_col]!r}") from None
-        if not 0.0 <= rb < 100.0:
-            raise ValueError(f"{path}:{line}: random baseline for {label!r} must be a percent in [0, 100)")
-        baselines[label] = rb
-    return baselines
-
-
-def random_baseline_version(baselines):
-    """'v1', '2025-09-05', or a description when the three rows that changed are absent/other."""
-    present = [k for k in RANDOM_BASELINE_CHANGES if k in baselines]
-    if not present:
-        return "n/a (none of the changed DCLM rows present)"
-    if all(math.isclose(baselines[k], RANDOM_BASELINE_CHANGES[k][0]) for k in present):
-        return "v1"
-    if all(math.isclose(baselines[k], RANDOM_BASELINE_CHANGES[k][1]) for k in present):
-        return "2025-09-05"
-    return "custom (matches neither published version)"
-
-
-def with_baseline_version(bundle, version):
-    """A copy of a loaded bundle whose three changed rows use one published table ('v1' or '2025-09-05'),
-    so CORE can be reported under either version without editing the csv."""
-    if version not in ("v1", "2025-09-05"):
-        raise ValueError(f"baseline version must be 'v1' or '2025-09-05', got {version!r}")
-    col = 0 if version == "v1" else 1
-    baselines = dict(bundle["random_baselines"])
-    baselines.update({k: v[col] for k, v in RANDOM_BASELINE_CHANGES.items() if k in baselines})
-    tasks = [dict(t, random_baseline=baselines[t["label"]]) for t in bundle["tasks"]]
-    return dict(bundle, tasks=tasks, random_baselines=baselines,
-                baseline_version=f"{random_baseline_version(baselines)} (set by with_baseline_version)")
-
-
-def load_bundle(bundle_dir):
-    """Read a bundle directory: task list, random baselines, fingerprint. Never downloads."""
-    bundle_dir = os.path.abspath(os.path.expanduser(bundle_dir))
-    if not os.path.isdir(bundle_dir):
-        raise FileNotFoundError(f"eval bundle directory not found: {bundle_dir} (this script never downloads; "
-                                "unzip nanochat's eval_bundle.zip and pass its path)")
-    yaml_path = os.path.join(bundle_dir, "core.yaml")
-    csv_path = os.path.join(bundle_dir, "eval_meta_data.csv")
-    for p in (yaml_path, csv_path):
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"eval bundle is missing {p}")
-    if not os.path.isdir(os.path.join(bundle_dir, "eval_data")):
-        raise FileNotFoundError(f"eval bundle is missing the folder {os.path.join(bundle_dir, 'eval_data')}")
-    tasks = read_core_yaml(yaml_path)
-    baselines = read_random_baselines(csv_path)
-    for task in tasks:
-        if task["label"] not in baselines:
-            raise ValueError(f"{yaml_path}:{task['line']}: task {task['label']!r} has no row in {csv_path}")
-        task["random_baseline"] = baselines[task["label"]]
-        eval_data = os.path.realpath(os.path.join(bundle_dir, "eval_data"))
-        data_path = os.path.realpath(os.path.join(eval_data, task["dataset_uri"]))
-        if os.path.isabs(task["dataset_uri"]) or os.path.commonpath([eval_data, data_path]) != eval_data:
-            raise ValueError(f"{yaml_path}:{task['line']}: dataset_uri of {task['label']!r} is "
-                             f"{task['dataset_uri']!r}, outside the bundle's eval_data/: refused (a bundle reads "
-                             "only its own files)")
-        if not os.path.isfile(data_path):
-            raise FileNotFoundError(f"{yaml_path}:{task['line']}: dataset_uri of {task['label']!r} "
-                                    f"points to a missing file {data_path}")
-        task["path"] = data_path
-    fingerprint = bundle_fingerprint(bundle_dir)
-    return {"dir": bundle_dir, "tasks": tasks, "random_baselines": baselines, "fingerprint": fingerprint,
-            "fingerprint_known": KNOWN_FINGERPRINTS.get(fingerprint),
-            "baseline_version": random_baseline_version(baselines)}
-
-
-def _check_item(item, task_type, path, line):
-    def bad(msg):
-        return ValueError(f"{path}:{line}: {msg}")
-
-    def is_str_list(x):
-        return isinstance(x, list) and len(x) > 0 and all(isinstance(s, str) for s in x)
-
-    if not isinstance(item, dict):
-        raise bad(f"item must be a JSON object, got {type(item).__name__}")
-    need = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
-            "language_modeling": ("context", "continuation")}[task_type]
-    for key in need:
-        if key not in item:
-            raise bad(f"{task_type} item is missing key {key!r}")
-    options = item.get("choices") if task_type == "multiple_choice" else item.get("context_options")
-    if task_type != "language_modeling":
-        if not is_str_list(options):
-            raise bad(f"{'choices' if task_type == 'multiple_choice' else 'context_options'} must be a non-empty "
-                      "list of strings")
-        gold = item["gold"]
-        if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(options):
-            raise bad(f"gold must be an int index into {len(options)} options, got {gold!r}")
-    # an empty wrong choice is fine (an empty span, scored as nanochat does); an empty gold choice has no
-    # answer to take the NLL of
-    if task_type == "multiple_choice":
-        if not isinstance(item["query"], str) or item["choices"][item["gold"]] == "":
-            raise bad("query must be a string and the gold choice a non-empty string")
-    else:
-        if not isinstance(item["continuation"], str) or item["continuation"] == "":
-            raise bad("continuation must be a non-empty string")
-        if task_type == "language_modeling" and not isinstance(item["context"], str):
-            raise bad("context must be a string")
-
-
-def load_task_data(task):
-    """Read a task's jsonl; every item is validated, errors name file and line."""
-    items = []
-    for lineno, item in read_jsonl(task["path"]):
-        _check_item(item, task["icl_task_type"], task["path"], lineno)
-        items.append(item)
-    if not items:
-        raise ValueError(f"{task['path']}: no items")
-    return items
 
 
 def shuffle_and_cut(items, max_per_task=-1):
@@ -709,10 +465,10 @@ def kshot_sweep(model, tokenizer, bundle, ks=KSHOT_SWEEP, labels=None, max_per_t
 
 def load_token_split(data_dir, split="val"):
     """(tokens, meta, doc_spans) of a data/prepare.py folder: tokens a 1-D array, doc_spans [(start, end)]
-    of each document's own tokens (the sidecar's spans minus their leading eot). Without data.prepare,
+    of each document's own tokens (the sidecar's spans minus their leading eot). Without data.shards,
     reads the split's shards listed in meta.json and finds documents between eot tokens."""
     try:
-        from data.prepare import load_meta, load_sources, load_split
+        from data.shards import load_meta, load_sources, load_split
     except ImportError:
         load_meta = None
     if load_meta is not None:
@@ -826,40 +582,7 @@ def length_bucket_loss(model, tokens, eot, block_size=None, bounds=LENGTH_BUCKET
 # ----------------------------------------------------------------------------------------------
 # CLI
 
-TYPE_SHORT = {"multiple_choice": "MC", "schema": "schema", "language_modeling": "LM"}
-
-
-def format_core_table(res):
-    lines = [f"bundle      {res['bundle']}",
-             f"fingerprint sha256 {res['fingerprint']} ({res['fingerprint_known'] or 'not a known public bundle'})",
-             f"baselines   random-baseline version: {res['baseline_version']}",
-             f"few-shot    seeds {res['fewshot_seeds']}, max_per_task {res['max_per_task']}",
-             f"{'task':34s} {'type':6s} {'shots':>5s} {'n':>6s} {'accuracy':>9s} {'centered':>9s} {'answer_nll':>10s}"]
-    for label, r in res["tasks"].items():
-        lines.append(f"{label:34s} {TYPE_SHORT[r['task_type']]:6s} {r['num_fewshot']:5d} {r['n']:6d} "
-                     f"{r['accuracy']:9.4f} {r['centered']:9.4f} {r['answer_nll']:10.4f}")
-    lines.append(f"{'CORE (' + str(res['n_tasks']) + ' tasks) [X17]/[X18]':53s} {'':9s} {res['core']:9.4f} "
-                 f"{res['core_nll']:10.4f}")
-    if res["core17"] is None:
-        lines.append(f"CORE-17 [X]: n/a (needs the 17 public task labels, {len(res['core17_missing'])} missing)")
-    else:
-        lines.append(f"{'CORE-17 [X Table 10]':53s} {'':9s} {res['core17']:9.4f} {res['core17_nll']:10.4f}")
-    fixed = {l: r["boundary_fixed"] for l, r in res["tasks"].items() if r["boundary_fixed"]}
-    if fixed:
-        lines.append(f"note: LM items whose prompt-without tokens were not a prefix of prompt-with "
-                     f"(span started at the common prefix; nanochat would assert): {fixed}")
-    short = {l: f"{r['fewshot_used']} of {r['num_fewshot']}" for l, r in res["tasks"].items()
-             if r["fewshot_used"] < r["num_fewshot"]}
-    if short:
-        lines.append(f"note: tasks with fewer other items than shots used all of them (nanochat's sample would "
-                     f"raise): {short}")
-    cropped = {l: r["answer_cropped"] for l, r in res["tasks"].items() if r["answer_cropped"]}
-    if cropped:
-        lines.append(f"note: items whose answer NLL lost tokens to the crop to the model context: {cropped}")
-    return "\n".join(lines)
-
-
-def load_checkpoint(path, device="cpu"):
+def load_model_and_tokenizer(path, device="cpu"):
     """(model on device in eval mode, tokenizer) from a train.py checkpoint."""
     from tooling.checkpoint import load_model  # imported here: the evaluation functions work with any model
     from data.tokenizer import get_tokenizer
@@ -871,44 +594,6 @@ def load_checkpoint(path, device="cpu"):
     return model.to(device).eval(), tokenizer
 
 
-def parse_seeds(text):
-    """--fewshot_seeds '0,1,2' -> [0, 1, 2]."""
-    try:
-        seeds = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--fewshot_seeds must be distinct integers separated by commas like 0,1,2, "
-                         f"got {text!r}") from None
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--fewshot_seeds must be distinct, got {text!r}")
-    return seeds
-
-
-def check_labels(bundle, labels, flag):
-    unknown = [label for label in labels or () if label not in {t["label"] for t in bundle["tasks"]}]
-    if unknown:
-        raise ValueError(f"{flag}: labels not in {os.path.join(bundle['dir'], 'core.yaml')}: {unknown}")
-
-
-def print_kshot_table(sweep):
-    print("\nk-shot sweep [S ICL]: accuracy per k")
-    print(f"{'task':34s} " + " ".join(f"{'k=' + str(k):>7s}" for k in sweep["ks"]))
-    for label, per_k in sweep["tasks"].items():
-        print(f"{label:34s} " + " ".join(f"{per_k[k]['accuracy']:7.4f}" for k in sweep["ks"]))
-    print(f"{'mean centered':34s} " + " ".join(f"{sweep['mean'][k]['centered']:7.4f}" for k in sweep["ks"]))
-    short = {f"{label} k={k}": per_k[k]["fewshot_used"] for label, per_k in sweep["tasks"].items()
-             for k in sweep["ks"] if per_k[k]["fewshot_used"] < k}
-    if short:
-        print(f"note: shots used where a task has fewer other items than k (nanochat's sample would raise): {short}")
-
-
-def print_length_table(buckets, split, data_dir):
-    print(f"\nper-document-length-bucket {split} loss [S] ({data_dir})")
-    print(f"{'bucket':>8s} {'docs':>7s} {'tokens':>9s} {'loss':>8s}")
-    for lab, b in buckets.items():
-        loss = f"{b['loss']:8.4f}" if b["loss"] is not None else f"{'-':>8s}"
-        print(f"{'<=' + lab if lab[0] != '>' else lab:>8s} {b['n_docs']:7d} {b['n_tokens']:9d} {loss}")
-
-
 def run(args):
     """The CLI's work -> report dict. Arguments, the bundle's files and the length-bucket data are checked
     before the model is loaded, so most mistakes cost no evaluation time (a task's items are checked when
@@ -917,7 +602,7 @@ def run(args):
         raise ValueError("give --bundle (CORE) and/or --length_buckets DATA_DIR")
     if args.kshot_sweep and args.bundle is None:
         raise ValueError("--kshot_sweep needs --bundle")
-    seeds = parse_seeds(args.fewshot_seeds)
+    seeds = parse_seeds(args.fewshot_seeds)  # one line naming the flag for a bad list
     device = resolve_device(args.device)
     bundle = labels = ks_labels = length_data = None
     if args.bundle:
@@ -930,7 +615,7 @@ def run(args):
         check_labels(bundle, ks_labels, "--kshot_tasks")
     if args.length_buckets:
         length_data = load_token_split(args.length_buckets, args.length_split)  # (tokens, meta, doc_spans)
-    model, tokenizer = load_checkpoint(args.ckpt, device)
+    model, tokenizer = load_model_and_tokenizer(args.ckpt, device)
     if length_data is not None:
         meta = length_data[1]
         eot, prepared_with = int(meta["eot_token"]), meta.get("tokenizer", tokenizer.name)
@@ -968,35 +653,8 @@ def run(args):
 
 
 def main(argv=None):
-    p = common.parser(PROG, description="DCLM CORE evaluation (nanochat-compatible), answer NLL, sweeps")
-    p.add_argument("--ckpt", required=True, help="checkpoint written by train.py (required)")
-    p.add_argument("--bundle",
-                   help="eval bundle dir (core.yaml, eval_data/, eval_meta_data.csv) (default: none, no CORE)")
-    p.add_argument("--max_per_task", type=number(int, -1), default=-1,
-                   help="items per task after the 1337 shuffle, -1 for all (default: %(default)s)")
-    p.add_argument("--fewshot_seeds", default=str(FEWSHOT_SEED),
-                   help="comma list; item idx draws with random.Random(seed + idx); '0,1,2' = [X] seeds "
-                        "(default: %(default)s, nanochat's)")
-    p.add_argument("--tasks", default=None, help="comma list of task labels (default: all in the bundle)")
-    p.add_argument("--kshot_sweep", action="store_true", help=f"[S ICL] sweep k in {KSHOT_SWEEP} (default: off)")
-    p.add_argument("--kshot_tasks", default=None, help="comma list for the sweep (default: few-shot tasks)")
-    p.add_argument("--length_buckets", metavar="DATA_DIR", default=None,
-                   help="per-document-length-bucket val loss on a data/prepare.py output dir (default: none)")
-    p.add_argument("--length_split", default="val", choices=["train", "val"],
-                   help="the split of --length_buckets' data to measure (default: %(default)s)")
-    p.add_argument("--length_max_tokens", type=number(int, 1), default=1 << 20,
-                   help="token budget for --length_buckets, in whole documents (default: %(default)s)")
-    p.add_argument("--baselines", choices=["bundle", "v1", "2025-09-05"], default="bundle",
-                   help="random baselines: the bundle's csv as is, or one published version for the 3 rows that "
-                        "changed (default: %(default)s)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device to evaluate on, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
-    p.add_argument("--batch_tokens", type=number(int, 1), default=16384,
-                   help="padded tokens per forward (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="autocast on CUDA (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (default: tables)")
-    p.add_argument("--no_progress", action="store_true", help="no tqdm progress bars (default: bars on stderr)")
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    p = build_parser(PROG, FEWSHOT_SEED, KSHOT_SWEEP, default_device)
     args = p.parse_args(argv)
     try:
         run(args)

@@ -10,7 +10,7 @@ Model growth: more core passes mid-training, and the growth-schedule math ([X] A
                            prelude-core-coda model IS a plain transformer of P + K C + D blocks); a
                            layout="plain" model is converted to exactly that (K0 = 1, the [X] even split)
                            before growing, without changing its function or its parameter names.
-  SMELT loop / layer-loop: n_passes is the loop count r; only n_loops changes (tied, like Loop-Grow).
+  SMELT loop / layer-loop: n_passes is the loop count r; only n_passes changes (tied, like Loop-Grow).
 
 Live model (train.py):
     param_map = grow.grow(model, n_passes=4, untie=False)     # model grown in place
@@ -36,8 +36,8 @@ from dataclasses import replace
 import torch.nn as nn
 
 import match
-from model import MAX_PASSES, PASSES_WHY, core_split, execution_plan
-from tooling import checkpoint
+from model import MAX_PASSES, PASSES_WHY, execution_plan
+from tooling import checkpoint, match_cli
 from tooling.checkpoint import load_model
 from tooling import common
 from tooling.common import cli_error
@@ -54,7 +54,7 @@ def grown_config(cfg, n_passes, untie=False):
     growth cannot do; grow() makes exactly this change."""
     if not isinstance(n_passes, int) or isinstance(n_passes, bool):
         raise ValueError(f"n_passes must be an int, got {n_passes!r}")
-    k0 = cfg.passes
+    k0 = cfg.n_passes
     if cfg.layout in ("smelt", "layer_loop"):  # the loop span runs r times: growth = a larger r
         if untie:
             raise ValueError(f"untie=True: layout {cfg.layout!r} has no untied form (use layout='pcc')")
@@ -66,7 +66,7 @@ def grown_config(cfg, n_passes, untie=False):
     if n_passes == k0 and not untie:
         raise ValueError(f"model already has {k0} passes; nothing to grow (pass untie=True to only untie)")
     if cfg.layout in ("smelt", "layer_loop"):
-        return replace(cfg, n_loops=n_passes)  # NOTE: the [S8]-[S9] 1/r update scale changes with r
+        return replace(cfg, n_passes=n_passes)  # NOTE: the [S8]-[S9] 1/r update scale changes with r
     cfg = as_prelude_core_coda(cfg)
     return replace(cfg, n_passes=n_passes) if cfg.tie_core and not untie else \
         replace(cfg, tie_core=False, n_passes=n_passes)
@@ -77,9 +77,7 @@ def as_prelude_core_coda(cfg):
     split, remainder first to core then coda): the same blocks, names and function. Other layouts as is."""
     if cfg.layout != "plain":
         return cfg
-    n_prelude, n_core, n_coda = core_split(cfg.n_layer)
-    return replace(cfg, layout="pcc", tie_core=False, n_passes=1, boundary="none",
-                   n_prelude=n_prelude, n_core=n_core, n_coda=n_coda)
+    return replace(cfg, layout="pcc", tie_core=False, n_passes=1, boundary="none")
 
 
 def grow(model, n_passes, untie=False):
@@ -91,7 +89,7 @@ def grow(model, n_passes, untie=False):
                             coda; config.n_passes and plan updated.
     untie=True (tied pcc):  first turn the tied core into K0 untied copies (function unchanged), then grow.
     plain:                  read as pcc / tie_core=False / boundary="none" with K0 = 1, then grown.
-    smelt / layer_loop:     n_passes is the loop count r: only config.n_loops and the plan change (the
+    smelt / layer_loop:     n_passes is the loop count r: only config.n_passes and the plan change (the
                             function changes beyond the extra passes: updates in the span scale by 1/r).
 
     model.config is REPLACED by grown_config(...) (the caller's ModelConfig object is not mutated, so
@@ -256,22 +254,22 @@ def shapes_of_run(cfg, config, grown=False):
         grown = grown_config(cfg, config.grow_to, config.grow_untie)
         shapes.append((f" after growing to {config.grow_to} passes", grown))
     most = max(config.n_passes_choices, default=0)
-    if most > cfg.passes:
-        shapes.append((f" at {most} passes (n_passes_choices)", cfg.with_passes(most)))
+    if most > cfg.n_passes:
+        shapes.append((f" at {most} passes (n_passes_choices)", replace(cfg, n_passes=most or cfg.n_passes)))
     return shapes
 
 
 def compute_active_params(cfg, n_passes=None):
     """N_c,K [X8], [X10]: prelude, coda and head matrices once, core matrices K times (even when tied),
     no input-embedding lookup. Taken from match.py (the one place for params accounting)."""
-    return match.accounting(cfg.with_passes(n_passes))["params_compute_active"]
+    return match.accounting(replace(cfg, n_passes=n_passes or cfg.n_passes))["params_compute_active"]
 
 
 def stored_params(cfg, n_passes=None):
     """N_s,K [X10]: every stored parameter, token embedding and lm head included. This is the N of the
     [X] code's steps = round(TPP * N / tokens_per_step): d8 Vanilla 205.8M at TPP 5 -> its 1962 steps,
     and [X13]-[X14] with this N reproduce the d8 Loop-Grow / Untied-Grow steps (tests/test_grow.py)."""
-    return match.accounting(cfg.with_passes(n_passes))["params_stored"]
+    return match.accounting(replace(cfg, n_passes=n_passes or cfg.n_passes))["params_stored"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -385,7 +383,7 @@ def grow_checkpoint(ckpt_path, n_passes, out_path, untie=False, copies="fresh", 
 def _grow_checkpoint(ckpt_path, n_passes, out_path, untie, copies, log):
     model, ckpt = load_model(ckpt_path)
     layout, tied = model.config.layout, model.config.tie_core
-    k0 = model.config.passes
+    k0 = model.config.n_passes
     param_map = grow(model, n_passes, untie=untie)
     opt = ckpt.get("optimizer")
     if opt is None:
@@ -459,7 +457,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         if args.schedule:
-            print("\n".join(schedule_table(match.read_config(args.schedule)[0], args.passes, args.law)))
+            print("\n".join(schedule_table(match_cli.read_config(args.schedule)[0], args.passes, args.law)))
             return 0
         if not args.ckpt:
             parser.error("--ckpt is required (or --schedule CONFIG)")

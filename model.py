@@ -14,13 +14,17 @@ One ModelConfig is the single source of truth for a model's shape; match.py read
 """
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+NORM_EPS = 1e-6  # RMSNorm epsilon
+BALANCE_LOSS_COEF = 0.01  # weight of the Switch load-balancing loss
+Z_LOSS_COEF = 0.001  # weight of the router z-loss (ST-MoE)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -108,8 +112,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gain) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_gain) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, NORM_EPS, cfg.norm_gain) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, NORM_EPS, cfg.norm_gain) if cfg.qk_norm else None
 
     def qkv(self, x, ctx):
         """Queries (B, n_head, T, head_dim), keys and values (B, n_kv_head, T, head_dim), rotated."""
@@ -247,7 +251,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.n_expert, self.top_k, self.renormalize = cfg.n_expert, cfg.top_k, cfg.router_renormalize
+        self.n_expert, self.top_k = cfg.n_expert, cfg.top_k
         self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
         self.w_gate = nn.Parameter(torch.empty(cfg.n_expert, cfg.expert_hidden, cfg.n_embd))
         self.w_up = nn.Parameter(torch.empty(cfg.n_expert, cfg.expert_hidden, cfg.n_embd))
@@ -260,8 +264,7 @@ class MoE(nn.Module):
         router_logits = self.router(flat).float()
         probs = router_logits.softmax(dim=-1)
         weights, expert_ids = probs.topk(self.top_k, dim=-1)  # (N, k)
-        if self.renormalize:  # top-k weights sum to 1 (Mixtral / OLMoE style); off = raw softmax mass
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / weights.sum(dim=-1, keepdim=True)  # top-k weights sum to 1 (Mixtral / OLMoE)
         # sparse dispatch: group the N*k (token, expert) assignments by expert
         flat_ids = expert_ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
@@ -291,9 +294,9 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain)
+        self.norm1 = RMSNorm(cfg.n_embd, NORM_EPS, cfg.norm_gain)
         self.attn = Attention(cfg)
-        self.norm2 = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain)
+        self.norm2 = RMSNorm(cfg.n_embd, NORM_EPS, cfg.norm_gain)
         self.ffn = MoE(cfg) if cfg.n_expert > 0 else MLP(cfg)
         self.residual_multiplier = cfg.residual_multiplier  # [X] RM on attention-out and MLP-down
 
@@ -318,7 +321,7 @@ class BoundaryOperator(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         norms = cfg.layout == "pcc" and cfg.boundary in ("both", "norm")
-        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain) if norms else None
+        self.norm = RMSNorm(cfg.n_embd, NORM_EPS, cfg.norm_gain) if norms else None
         self.alpha = cfg.boundary_alpha
 
     def forward(self, h, e, norm=True, inject=True):
@@ -352,15 +355,20 @@ MAX_PASSES = 64  # passes any model runs: 4 x the 16 test-time passes the papers
 PASSES_WHY = "4 x the 16 test-time passes the papers go to; each pass runs the looped blocks again"
 
 
+def most_passes(cfg):
+    """The most passes a model of cfg can run: an untied pcc model one per stored core, others MAX_PASSES."""
+    return cfg.n_passes if cfg.layout == "pcc" and not cfg.tie_core else MAX_PASSES
+
+
 def execution_plan(cfg, n_passes=None):
     """The sequence of steps a forward pass executes. n_passes overrides K (prelude-core-coda) or r
     (SMELT loop / layer-loop) for this plan only: test-time passes, random passes per step, growth."""
     if cfg.layout == "plain":
         return [Step("block", i, 1) for i in range(cfg.n_layer)]
     if cfg.layout in ("smelt", "layer_loop"):
-        r = cfg.passes if n_passes is None else n_passes
+        r = cfg.n_passes if n_passes is None else n_passes
         if not 1 <= r <= MAX_PASSES:
-            raise ValueError(f"n_passes/n_loops must be in [1, {MAX_PASSES}] ({PASSES_WHY}), got {r}")
+            raise ValueError(f"n_passes must be in [1, {MAX_PASSES}] ({PASSES_WHY}), got {r}")
         start, stop = cfg.loop_start, cfg.loop_start + cfg.loop_span
         prelude = [Step("block", i, 1) for i in range(start)]
         coda = [Step("block", i, 1) for i in range(stop, cfg.n_layer)]
@@ -371,11 +379,12 @@ def execution_plan(cfg, n_passes=None):
             loop = [Step("block", i, v, 1.0 / r) for i in span for v in range(1, r + 1)]
         return prelude + loop + coda
     # prelude-core-coda [X1]-[X2]
-    k_passes = cfg.passes if n_passes is None else n_passes
+    k_passes = cfg.n_passes if n_passes is None else n_passes
     if not 1 <= k_passes <= MAX_PASSES:
         raise ValueError(f"n_passes must be in [1, {MAX_PASSES}] ({PASSES_WHY}), got {k_passes}")
-    if not cfg.tie_core and k_passes > cfg.n_passes:
-        raise ValueError(f"an untied model has {cfg.n_passes} cores allocated; cannot run n_passes={k_passes}")
+    if k_passes > most_passes(cfg):
+        raise ValueError(f"n_passes={k_passes}: an untied model has {cfg.n_passes} cores, one per trained pass, "
+                         f"so it runs at most {cfg.n_passes} passes")
     P, C, D = cfg.n_prelude, cfg.n_core, cfg.n_coda
     norm = cfg.boundary in ("both", "norm")
     inject = cfg.boundary in ("both", "inject")
@@ -386,7 +395,7 @@ def execution_plan(cfg, n_passes=None):
             plan.append(Step("boundary", norm=norm, inject=inject))  # [X3] before every core pass
         first = P if cfg.tie_core else P + k * C
         plan += [Step("block", first + j, k + 1 if cfg.tie_core else 1) for j in range(C)]
-    plan.append(Step("boundary", norm=norm, inject=inject and cfg.inject_before_coda))  # [X3] before coda
+    plan.append(Step("boundary", norm=norm, inject=inject))  # [X3] before the coda too (the [X] code's)
     coda_start = P + (C if cfg.tie_core else cfg.n_passes * C)
     plan += [Step("block", coda_start + j, 1) for j in range(D)]
     return plan
@@ -428,9 +437,7 @@ class ModelConfig:
     n_kv_head: int = 0  # 0 -> n_head (no GQA)
     head_dim: int = 0  # 0 -> n_embd // n_head; independent of n_embd ([S] matches KV by head size)
     qk_norm: bool = False  # RMSNorm on queries and keys per head ([X] Table 1)
-    rope_base: float = 10000.0  # RoPE frequency base
     norm_gain: bool = True  # learnable RMSNorm gains ([X]: none)
-    norm_eps: float = 1e-6  # RMSNorm epsilon
     embed_norm: bool = False  # RMSNorm right after the token embedding ([X] Table 1)
     tie_embeddings: bool = False  # the lm head shares the token embedding's weights
     attention: str = "auto"  # "sdpa" (boolean mask), "flex" (FlexAttention block mask), "auto": flex on CUDA
@@ -441,21 +448,14 @@ class ModelConfig:
     n_expert: int = 0  # experts per MoE layer; 0 -> a dense SwiGLU FFN
     top_k: int = 8  # experts each token is routed to
     expert_hidden: int = 0  # 0 -> mlp_hidden // top_k (fine-grained experts)
-    router_renormalize: bool = True  # top-k router weights rescaled to sum to 1 (Mixtral / OLMoE)
-    balance_loss_coef: float = 0.01  # weight of the Switch load-balancing loss
-    z_loss_coef: float = 0.001  # weight of the router z-loss (ST-MoE)
     # depth layout
     layout: str = "plain"  # "plain", "smelt" (model-loop of the middle span), "layer_loop", "pcc" (prelude-core-coda)
-    n_loops: int = 1  # r, times the loop span is executed (smelt / layer_loop)
+    n_passes: int = 1  # how often the looped part runs: K core passes (pcc), r runs of the loop span (smelt,
+    #   layer_loop); 1 for plain
     loop_span: int = -1  # m, -1 -> n_layer // 2; prelude is floor((L - m) / 2)
-    n_prelude: int = -1  # -1 -> core_split(n_layer)
-    n_core: int = -1  # -1 -> core_split(n_layer)
-    n_coda: int = -1  # -1 -> core_split(n_layer)
-    n_passes: int = 1  # K, core passes (pcc)
     tie_core: bool = True  # one set of core weights (looped) or K independent cores (untied)
     boundary: str = "both"  # boundary operator [X3]: "both", "norm", "inject" or "none"
     boundary_alpha: float = 1.0  # alpha of BO(h, e) = RMSNorm(h) + alpha * e [X3]
-    inject_before_coda: bool = True  # [X] applies the full BO before the coda too
     zero_initial_state: bool = True  # [X] Algorithm 1: h0 = 0, the first pass sees BO(0, e) = alpha*e.
     #   False: the first pass sees the prelude output e itself, as the [X] code does (same when alpha = 1)
     # multipliers and init
@@ -492,31 +492,19 @@ class ModelConfig:
             self.expert_hidden = derive(self.expert_hidden, 0, max(1, self.mlp_hidden // self.top_k))
         if self.layout not in ("plain", "smelt", "layer_loop", "pcc"):
             bad("layout", "must be 'plain', 'smelt', 'layer_loop' or 'pcc'")
-        if self.n_loops < 1:
-            bad("n_loops", "must be >= 1")
         self.loop_span = derive(self.loop_span, -1, self.n_layer // 2)
         if not 0 <= self.loop_span <= self.n_layer:
             bad("loop_span", f"must be in [0, n_layer={self.n_layer}]")
-        for name in ("n_loops", "n_passes"):
-            if getattr(self, name) > MAX_PASSES:
-                bad(name, f"at most {MAX_PASSES} ({PASSES_WHY})")
         if self.n_passes < 1:
             bad("n_passes", "must be >= 1")
-        if self.n_passes != 1 and self.layout != "pcc":
-            bad("n_passes", f"is K of layout 'pcc'; layout {self.layout!r} runs n_loops passes (use n_loops)")
+        if self.n_passes > MAX_PASSES:
+            bad("n_passes", f"at most {MAX_PASSES} ({PASSES_WHY})")
+        if self.layout == "plain":
+            self.n_passes = 1  # no loop: every layer runs once (train.py refuses a given n_passes here)
         if self.layout in ("smelt", "layer_loop") and self.loop_span < 1:
             bad("loop_span", f"layout {self.layout!r} needs a loop span of >= 1 layer (n_layer={self.n_layer})")
-        if self.layout == "pcc":
-            split = core_split(self.n_layer)
-            self.n_prelude, self.n_core, self.n_coda = (derive(v, -1, part) for v, part in
-                                                        zip((self.n_prelude, self.n_core, self.n_coda), split))
-            if min(self.n_prelude, self.n_coda) < 0:
-                bad("n_prelude", "n_prelude and n_coda must be >= 0 (-1 derives the [X] even split)")
-            if self.n_core < 1:
-                bad("n_core", "must be >= 1")
-            if self.n_prelude + self.n_core + self.n_coda != self.n_layer:
-                bad("n_layer", f"must equal n_prelude + n_core + n_coda = "
-                               f"{self.n_prelude}+{self.n_core}+{self.n_coda}")
+        if self.layout == "pcc" and self.n_core < 1:
+            bad("n_layer", f"layout 'pcc' needs a core of >= 1 block (n_layer={self.n_layer})")
         if self.attention not in ("auto", "sdpa", "flex"):
             bad("attention", "must be 'auto', 'sdpa' or 'flex'")
         if self.boundary not in ("both", "norm", "inject", "none"):
@@ -539,16 +527,16 @@ class ModelConfig:
         return self.n_layer
 
     @property
-    def passes(self):
-        """How often the looped part runs: K core passes (pcc), r executions of the loop span (smelt,
-        layer_loop); 1 for plain. The one place that reads n_passes or n_loops by layout."""
-        return self.n_passes if self.layout == "pcc" else 1 if self.layout == "plain" else self.n_loops
+    def n_prelude(self):  # [X] the even split of n_layer into prelude / core / coda (core_split)
+        return core_split(self.n_layer)[0]
 
-    def with_passes(self, n_passes):
-        """A copy run with n_passes (K for pcc, r for the loops); None: this config."""
-        if n_passes is None:
-            return self
-        return replace(self, **{"n_passes" if self.layout == "pcc" else "n_loops": n_passes})
+    @property
+    def n_core(self):
+        return core_split(self.n_layer)[1]
+
+    @property
+    def n_coda(self):
+        return core_split(self.n_layer)[2]
 
     def executed_layers(self, n_passes=None):
         """Block executions of one forward pass (each visit of a looped block counts)."""
@@ -620,19 +608,18 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg = config
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.embed_norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain) if cfg.embed_norm else None
+        self.embed_norm = RMSNorm(cfg.n_embd, NORM_EPS, cfg.norm_gain) if cfg.embed_norm else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_blocks))
         self.boundary = BoundaryOperator(cfg)  # [X3] (empty unless prelude-core-coda norms at its boundaries)
-        self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_gain)
+        self.norm_f = RMSNorm(cfg.n_embd, NORM_EPS, cfg.norm_gain)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_base)
+        cos, sin = rope_tables(cfg.head_dim, cfg.block_size)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.plan = execution_plan(cfg)
         self.reset_parameters()
-        self.last_stats = {}  # itemised losses and router load of the last forward (for logging)
         self.activation_checkpointing = False  # recompute each executed block in the backward (train.py)
 
     @torch.no_grad()
@@ -668,8 +655,9 @@ class GPT(nn.Module):
 
     # ---- forward
 
-    def forward(self, idx, targets=None, n_passes=None, cache=None):
-        """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
+    def forward(self, idx, targets=None, n_passes=None, cache=None, return_stats=False):
+        """idx (B, T) token ids -> (logits (B, T, vocab), loss or None), and with return_stats the itemised
+        losses and router load as a third item ({"ce", and for an MoE "balance", "z_loss", "expert_counts"}).
         targets: (B, T), -1 is ignored. n_passes: override K (pcc) or r (loops) for this call.
         cache: a KVCache; idx are then the new tokens that follow the cached ones.
         (probe.py looks inside with forward hooks: the forward pass itself keeps no probe state.)"""
@@ -717,19 +705,18 @@ class GPT(nn.Module):
         logits = scaled(self.lm_head(self.norm_f(h)), cfg.output_multiplier)  # [X] OM on the unembedding
         if cfg.n_logits:  # a padded vocabulary's extra rows are cut before the softmax ([X] code)
             logits = logits[..., :cfg.n_logits]
-        loss = None
+        loss, stats = None, {}
         if targets is not None:
             ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-            loss = ce
-            self.last_stats = {"ce": ce.detach()}
+            loss, stats = ce, {"ce": ce.detach()}
             routers = [r for r in routers if r is not None]
             if routers:
                 balance = torch.stack([r["balance"] for r in routers]).mean()
                 z_loss = torch.stack([r["z_loss"] for r in routers]).mean()
-                loss = ce + cfg.balance_loss_coef * balance + cfg.z_loss_coef * z_loss
-                self.last_stats.update(balance=balance.detach(), z_loss=z_loss.detach(),
-                                       expert_counts=torch.stack([r["counts"] for r in routers]))
-        return logits, loss
+                loss = ce + BALANCE_LOSS_COEF * balance + Z_LOSS_COEF * z_loss
+                stats.update(balance=balance.detach(), z_loss=z_loss.detach(),
+                             expert_counts=torch.stack([r["counts"] for r in routers]))
+        return (logits, loss, stats) if return_stats else (logits, loss)
 
     # ---- generation
 

@@ -6,21 +6,15 @@ the hidden matrices of a transformer. One file with no project imports: copy it 
     opt = Muon(hidden_matrices, lr=0.02, momentum=0.95)      # 2-D (out, in) or stacked experts (E, out, in)
     opt = Muon(hidden_matrices, lr=0.04, variant="x", weight_decay=0.07)   # the [X] paper code's Muon
 
-variant="original": the update below. variant="x": the Muon the [X] paper's code trains with
-(qlabs-eng/scaling-exponents, models/optimizer.py), step by step:
-    buf <- lerp(buf, g, 1 - m); u = lerp(g, buf, m)                 Nesterov momentum
-    u <- u / ||u||_row                                              MuonEq-R: every row to unit norm
-    X = u / (||u||_F * 1.02 + 1e-6); 5 Polar Express steps           orthogonalisation (per-step coefficients)
-    v = mean(X^2) over each row (tall or square) or column (wide); s <- lerp(s, v, 1 - beta2)
-    X <- X * rsqrt(s), rescaled back to the Frobenius norm it had    variance reduction (NorMuon-like)
-    p <- p - lr' X - lr' wd p [X p >= 0],  lr' = lr max(1, rows/cols)^0.5    cautious weight decay
-Matrices of the same shape are orthogonalised in one batched call, as the [X] code does.
-
-The update of each matrix is SGD momentum (Nesterov by default), orthogonalised by five steps of the
-quintic Newton-Schulz iteration (orthogonalize), scaled by lr * max(1, rows/cols)^0.5 so that tall
-matrices get the same RMS update per element. A stacked expert tensor (E, out, in) is orthogonalised
-per expert. Decoupled weight decay p <- p (1 - lr wd). The iteration's Gram product is `opt.gram`
-(None: x @ x.mT); kernels.apply(model, [opt]) sets it to a Triton kernel computing half the tiles.
+Two variants, each a function updating one matrix top to bottom (read them side by side):
+original_update: SGD momentum (Nesterov by default), orthogonalised by five steps of the quintic
+Newton-Schulz iteration (orthogonalize), scaled by lr * max(1, rows/cols)^0.5 so that tall matrices get
+the same RMS update per element; decoupled weight decay p <- p (1 - lr wd).
+x_update: the Muon the [X] paper's code trains with (qlabs-eng/scaling-exponents, models/optimizer.py):
+momentum as an EMA, rows to unit norm (MuonEq-R), 5 Polar Express steps, variance reduction (NorMuon-like),
+cautious weight decay; matrices of one shape orthogonalised in one batched call, as the [X] code does.
+A stacked expert tensor (E, out, in) is orthogonalised per expert. The iteration's Gram product is
+`opt.gram` (None: x @ x.mT); kernels.apply(model, ..., [opt]) sets it to a half-tile Triton kernel.
 
 FSDP2: the same class takes parameters that are DTensors sharded on a 1-D mesh (fully_shard). Momentum
 is elementwise, so it runs on the local shard and its buffer stays sharded (a DTensor like the grad).
@@ -30,10 +24,14 @@ matrix and sends every rank its shard of the result back. Stacked experts sharde
 experts on each rank: they are orthogonalised where they are, with no communication. The collectives
 pair up across ranks, so every rank must step with grads on the same parameters (as FSDP2 gives).
 The momentum buffers are DTensors: torch.distributed.checkpoint saves and loads them sharded.
-Plain tensors (single process, DDP) take the same path as before, with no communication.
+Plain tensors (single process, DDP) take the same path, with no communication. All of it is in Muon.step
+and the helpers it calls: the two updates see this rank's local tensors only.
 """
 
+import contextlib
+import functools
 import sys
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -127,6 +125,45 @@ def newton_schulz_cost(shape):
     return shape[:-2].numel() * (2 * short * short * long + short ** 3)
 
 
+# The two variants. Each updates one matrix, top to bottom: p, grad and state (its buffers) are this rank's
+# tensors (the local shard under FSDP2), shape the matrix's whole (..., rows, cols), reduce the sum over the
+# ranks its rows are split across (else None). `yield` hands Muon.step the direction and takes it back
+# orthogonalised: step orthogonalises every matrix's direction together (batched, or FSDP2: on its owner).
+
+
+def original_update(p, grad, state, group, shape, reduce=None):
+    """Keller Jordan's Muon (KellerJordan/Muon, muon_update)."""
+    buf, m, lr = state["momentum_buffer"], group["momentum"], group["lr"]
+    buf.mul_(m).add_(grad)  # momentum
+    direction = grad.add(buf, alpha=m) if group["nesterov"] else buf  # Nesterov
+    update = yield direction  # orthogonalised: NS_COEFFICIENTS, X / (||X|| + 1e-7)
+    if group["weight_decay"]:
+        p.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
+    p.add_(update.to(p.dtype), alpha=-lr * muon_lr_scale(shape))
+
+
+def x_update(p, grad, state, group, shape, reduce=None):
+    """The [X] paper code's Muon (qlabs-eng/scaling-exponents, models/optimizer.py, muon_step_fused)."""
+    buf, m, lr = state["momentum_buffer"], group["momentum"], group["lr"] * muon_lr_scale(shape)
+    buf.lerp_(grad, 1 - m)  # momentum as an EMA
+    direction = grad.lerp(buf, m) if group["nesterov"] else buf.clone()  # Nesterov
+    update = yield row_normalize(direction)  # MuonEq-R; orthogonalised: POLAR_EXPRESS, X / (1.02 ||X|| + 1e-6)
+    update = variance_reduction(update, state["second_momentum_buffer"], group["beta2"], shape, reduce).to(p.dtype)
+    p.sub_(lr * update + lr * group["weight_decay"] * p * (update * p >= 0))  # cautious weight decay, scaled lr
+
+
+class Variant(NamedTuple):
+    update: Callable  # one matrix's update, above
+    orthogonalize: dict  # orthogonalize's coefficients, norm_scale and eps
+    batched: bool  # the directions of one shape orthogonalised in one call ([X] code), else one by one
+    second_moment: bool  # variance reduction: a second-moment buffer in the state
+
+
+VARIANTS = {"original": Variant(original_update, {}, batched=False, second_moment=False),
+            "x": Variant(x_update, dict(coefficients=POLAR_EXPRESS, norm_scale=1.02, eps=1e-6),
+                         batched=True, second_moment=True)}
+
+
 # FSDP2 helpers: which parameters are split across ranks, and their local shards
 
 
@@ -160,6 +197,21 @@ def all_reduce_sum(t, group):
     return t
 
 
+def second_moment_zeros(p):
+    """The variance reduction's second moment of p, zero: one value per row (tall, square) or column (wide),
+    under FSDP2 sharded like p's rows, or whole on every rank (replicated) for the columns of a matrix whose
+    rows are split. Made from this rank's piece: no collective."""
+    shape = second_moment_shape(p.shape)
+    if not is_dtensor(p):
+        return torch.zeros(shape, dtype=p.dtype, device=p.device)
+    from torch.distributed.tensor import DTensor, Replicate
+    wide_split = split_dim(p) is not None and p.shape[-2] < p.shape[-1]
+    piece = shape if wide_split else (local(p).shape[0], *shape[1:])  # FSDP2 shards dim 0
+    zeros = torch.zeros(piece, dtype=p.dtype, device=local(p).device)
+    return DTensor.from_local(zeros, p.device_mesh, [Replicate()] if wide_split else p.placements, run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+
 def pad(x, dim, size):
     """x zero-padded along dim to `size`, contiguous (collectives need equal, contiguous pieces)."""
     missing = size - x.size(dim)
@@ -174,105 +226,63 @@ class Muon(torch.optim.Optimizer):
     variant: "original" or "x" (the [X] paper code's: beta2 is its variance reduction's EMA).
     ns_dtype: the Newton-Schulz arithmetic dtype (None: bf16 on CUDA, fp32 on CPU).
     gram (attribute, not an argument): the Gram product x -> x @ x.mT of the Newton-Schulz iteration;
-    None -> the plain matmul. kernels.apply(model, [opt]) sets it to the half-tile Triton kernel."""
+    None -> the plain matmul. kernels.apply(model, ..., [opt]) sets it to the half-tile Triton kernel."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
                  ns_dtype=None, variant="original", beta2=0.95):
-        if variant not in ("original", "x"):
+        if variant not in VARIANTS:
             raise ValueError(f"Muon variant={variant!r}: must be 'original' or 'x'")
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                       weight_decay=weight_decay, beta2=beta2))
         self.ns_dtype, self.variant = ns_dtype, variant
         self.gram = None
 
-    def momentum_update(self, p, group):
-        """The Nesterov (or plain) momentum direction of p; the buffer lives in self.state[p]. For a
-        DTensor the buffer is a DTensor like p.grad (this rank holds its shard only) and the math runs on
-        the local shards. original: buf <- m buf + g, g + m buf; x: buf <- lerp(buf, g, 1 - m),
-        lerp(g, buf, m), then every row to unit norm (MuonEq-R; FSDP2 shards hold whole rows)."""
-        state = self.state[p]
-        if "momentum_buffer" not in state:  # on every rank, also one holding no piece of p (FSDP2)
-            state.update(self.empty_state(p))
-        grad, buf, m = local(p.grad), local(state["momentum_buffer"]), group["momentum"]
-        if self.variant == "original":
-            buf.mul_(m).add_(grad)
-            return grad.add(buf, alpha=m) if group["nesterov"] else buf
-        buf.lerp_(grad, 1 - m)
-        return row_normalize(grad.lerp(buf, m) if group["nesterov"] else buf.clone())
-
     def orthogonalize(self, update, steps):
-        if self.variant == "x":  # [X] code: Polar Express, X / (1.02 ||X|| + 1e-6)
-            return orthogonalize(update, steps, 1e-6, self.ns_dtype, self.gram, POLAR_EXPRESS, 1.02)
-        return orthogonalize(update, steps, dtype=self.ns_dtype, gram=self.gram)
+        """update orthogonalised as the variant does (its coefficients, norm scale and eps)."""
+        settings = VARIANTS[self.variant].orthogonalize
+        return orthogonalize(update, steps, dtype=self.ns_dtype, gram=self.gram, **settings)
 
     def empty_state(self, p):
         """p's state before its first step, with the shapes and shards a sharded checkpoint loads into:
-        the momentum, and for the [X] variant the variance reduction's second moment: per row (sharded
-        like p's rows under FSDP2) or per column (replicated: every rank holds it whole)."""
+        the momentum (like p), and for variance reduction its second moment (second_moment_zeros)."""
         state = {"momentum_buffer": torch.zeros_like(p)}
-        if self.variant == "x":
-            shape = second_moment_shape(p.shape)
-            if not is_dtensor(p):
-                state["second_momentum_buffer"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
-                return state
-            # sharded like p (made from this rank's piece: no collective), except the per-column buffer
-            # of a matrix split by rows, which every rank holds whole
-            from torch.distributed.tensor import DTensor, Replicate
-            wide_split = split_dim(p) is not None and p.shape[-2] < p.shape[-1]
-            piece = shape if wide_split else (local(p).shape[0], *shape[1:])  # FSDP2 shards dim 0
-            zeros = torch.zeros(piece, dtype=p.dtype, device=local(p).device)
-            state["second_momentum_buffer"] = DTensor.from_local(
-                zeros, p.device_mesh, [Replicate()] if wide_split else p.placements, run_check=False,
-                shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        if VARIANTS[self.variant].second_moment:
+            state["second_momentum_buffer"] = second_moment_zeros(p)
         return state
-
-    def finish(self, p, group, update, reduce=None):
-        """The [X] variant's variance reduction of an orthogonalised update (reduce: the sum over the ranks
-        p's rows are split across), then the update applied."""
-        if self.variant == "x":
-            second_moment = local(self.state[p]["second_momentum_buffer"])
-            update = variance_reduction(update, second_moment, group["beta2"], p.shape, reduce)
-        self.apply_update(p, group, update)
-
-    def apply_update(self, p, group, update):
-        """The weight decay and the scaled update, on this rank's shard; the lr scale uses p's global
-        (out, in) shape. original: decoupled decay p (1 - lr wd); x: cautious decay at the scaled lr,
-        only where the update and the weight agree in sign."""
-        lr, p_local, update = group["lr"], local(p), update.to(p.dtype)
-        if self.variant == "x":
-            lr = lr * muon_lr_scale(p.shape)
-            p_local.sub_(lr * update + lr * group["weight_decay"] * p_local * (update * p_local >= 0))
-            return
-        if group["weight_decay"]:
-            p_local.mul_(1 - lr * group["weight_decay"])
-        p_local.add_(update, alpha=-lr * muon_lr_scale(p.shape))
 
     @torch.no_grad()
     def step(self, closure=None):  # closure: unused, in the signature that torch.distributed.checkpoint calls
-        split, whole = [], []  # (p, group, local update): matrices split across ranks / whole here
+        """Each matrix's update runs to its yield on this rank's shards, every direction is orthogonalised
+        (orthogonalize_whole, orthogonalize_split), and each update runs on to its end with its result."""
+        split, whole = [], []  # (p, group, direction, its update): matrices split across ranks / whole here
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                update = self.momentum_update(p, group)
-                if split_dim(p) is not None:
-                    split.append((p, group, update))
-                elif update.numel():  # whole matrices here (none if E < world left this rank no expert)
-                    whole.append((p, group, update))
-        for (p, group, _), update in zip(whole, self.orthogonalize_whole(whole)):
-            self.finish(p, group, update)
-        for (p, group, _), update in zip(split, self.orthogonalize_split(split)):
-            mesh = p.device_mesh
-            self.finish(p, group, update, reduce=lambda t: all_reduce_sum(t, mesh.get_group()))
+                if "momentum_buffer" not in self.state[p]:  # on every rank, also one holding no piece of p
+                    self.state[p].update(self.empty_state(p))
+                state = {name: local(buffer) for name, buffer in self.state[p].items()}
+                split_here = split_dim(p) is not None
+                reduce = functools.partial(all_reduce_sum, group=p.device_mesh.get_group()) if split_here else None
+                update = VARIANTS[self.variant].update(local(p), local(p.grad), state, group, p.shape, reduce)
+                direction = next(update)
+                if split_here:
+                    split.append((p, group, direction, update))
+                elif direction.numel():  # whole matrices here (none if E < world left this rank no expert)
+                    whole.append((p, group, direction, update))
+        for matrices, orthogonalize_all in ((whole, self.orthogonalize_whole), (split, self.orthogonalize_split)):
+            for (*_, update), result in zip(matrices, orthogonalize_all(matrices)):
+                with contextlib.suppress(StopIteration):  # the update runs to its end
+                    update.send(result)
 
     def orthogonalize_whole(self, whole):
-        """Each update orthogonalised; the [X] variant batches the updates of one shape and step count
-        into one call (as its code does), the original takes them one by one."""
-        if self.variant == "original":
-            return [self.orthogonalize(update, group["ns_steps"]) for _, group, update in whole]
+        """The directions of the matrices whole on this rank, orthogonalised: one by one, or for a batched
+        variant (the [X] code) those of one shape and step count stacked into one call."""
+        if not VARIANTS[self.variant].batched:
+            return [self.orthogonalize(direction, group["ns_steps"]) for _, group, direction, _ in whole]
         out, buckets = [None] * len(whole), {}
-        for i, (_, group, update) in enumerate(whole):
-            buckets.setdefault((update.shape, update.dtype, group["ns_steps"]), []).append(i)
+        for i, (_, group, direction, _) in enumerate(whole):
+            buckets.setdefault((direction.shape, direction.dtype, group["ns_steps"]), []).append(i)
         for (_, _, steps), members in buckets.items():
             stacked = self.orthogonalize(torch.stack([whole[i][2] for i in members]), steps)
             for i, result in zip(members, stacked):
@@ -300,7 +310,7 @@ class Muon(torch.optim.Optimizer):
         return owners
 
     def orthogonalize_split(self, split):
-        """This rank's shard of the orthogonalised update of each (p, group, local update) in `split`.
+        """This rank's shard of the orthogonalised direction of each (p, group, local direction, _) in `split`.
         Every rank sends its shard to the matrix's owner (gather), the owner orthogonalises the whole
         matrix and sends every rank its shard back (scatter). FSDP2 shards like torch.chunk: ceil(rows /
         world) rows per rank, the last ranks may hold fewer or none, so shards are zero-padded to that
@@ -309,10 +319,10 @@ class Muon(torch.optim.Optimizer):
         scatters."""
         owner_of = dict(zip(self.split_matrices(), self.owners()))
         shards, pieces, handles = [], [], []  # pieces: the gathered shards, on the owner only
-        for p, group, update in split:
+        for p, group, direction, _ in split:
             mesh, dim = p.device_mesh, split_dim(p)
             rows = -(-p.shape[dim] // mesh.size())  # ceil(rows / world): a full shard (along dim)
-            shard = pad(update.to(self.ns_dtype or newton_schulz_dtype(update)), dim, rows)
+            shard = pad(direction.to(self.ns_dtype or newton_schulz_dtype(direction)), dim, rows)
             owned = mesh.get_local_rank() == owner_of[p]
             shards.append(shard)
             pieces.append([torch.empty_like(shard) for _ in range(mesh.size())] if owned else None)
@@ -321,7 +331,7 @@ class Muon(torch.optim.Optimizer):
         for handle in handles:
             handle.wait()
         results, handles = [], []
-        for (p, group, update), shard, gathered in zip(split, shards, pieces):
+        for (p, group, direction, _), shard, gathered in zip(split, shards, pieces):
             mesh, dim = p.device_mesh, split_dim(p)
             if gathered is not None:  # this rank owns p: orthogonalise the whole matrix, cut it into shards
                 whole = torch.cat(gathered, dim).narrow(dim, 0, p.shape[dim])  # without the padding
@@ -330,7 +340,7 @@ class Muon(torch.optim.Optimizer):
             result = torch.empty_like(shard)
             handles.append(dist.scatter(result, gathered, group=mesh.get_group(), group_src=owner_of[p],
                                         async_op=True))
-            results.append(result.narrow(dim, 0, update.size(dim)))  # without the padding
+            results.append(result.narrow(dim, 0, direction.size(dim)))  # without the padding
         for handle in handles:
             handle.wait()
         return results

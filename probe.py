@@ -6,7 +6,7 @@ What the second visit does: SMELT's mechanistic probes [S §6] and the KL effect
     python probe.py --ckpt out/ckpt.pt --plot out/probe      # + sink heatmaps and the KL curve (matplotlib)
 
 Held-out tokens are evenly spaced, non-overlapping windows of the checkpoint's validation split
-(data.prepare.load_split(data_dir, "val"); --data_dir overrides the checkpoint's). One forward with
+(data.shards.load_split(data_dir, "val"); --data_dir overrides the checkpoint's). One forward with
 record_blocks(model) hooks into every block and gives one record per executed block, labelled
 (physical block, visit); the model's forward pass itself carries no probe code.
 A physical block executed at visits a and b (default 1 and 2) is a "loop layer"; for each we report
@@ -47,7 +47,7 @@ from tqdm import tqdm
 from model import MAX_PASSES, PASSES_WHY, scaled
 from sample import check_n_passes
 from tooling import common, rundir
-from tooling.common import cli_error, number, resolve_device, write_atomic
+from tooling.common import cli_error, fmt, number, resolve_device, write_atomic
 from tooling.checkpoint import load_model
 
 ATTENTION_QUANTITIES = (("X", "attn_in"), ("Q", "q"), ("K", "k"), ("V", "v"), ("PV", "attn_context"),
@@ -408,12 +408,12 @@ def resolve_data_dir(data_dir):
 
 
 def load_val_tokens(data_dir, eot_token=None):
-    """The validation split of a prepared data directory (data.prepare format), with clear errors;
+    """The validation split of a prepared data directory (data/prepare.py's format), with clear errors;
     eot_token, if given, must be the separator the data was prepared with."""
     try:
-        from data.prepare import load_meta, load_split
+        from data.shards import load_meta, load_split
     except ImportError as e:
-        raise ValueError(f"cannot load held-out tokens: data.prepare is not available ({e})") from e
+        raise ValueError(f"cannot load held-out tokens: data.shards is not available ({e})") from e
     try:
         meta = load_meta(data_dir)
         tokens = load_split(data_dir, "val", meta)
@@ -442,20 +442,16 @@ def heldout_windows(tokens, n_tokens, seq_len):
 # Report: text, JSON, plots
 
 
-def _fmt(v, spec=".2f"):
-    return "n/a" if v is None else format(v, spec)
-
-
 def format_report(result):
     lines = [f"layout={result['layout']} n_layer={result['n_layer']} executed blocks={result['executed_blocks']} "
              f"tokens={result['n_tokens']}"]
     kl = result["kl"]
-    lines.append("KL(final || logit lens) per executed block: " + " ".join(_fmt(v) for v in kl["curve"]))
-    lines.append(f"KL effective depth: {_fmt(kl['depth'], 'd')} of {result['executed_blocks']} "
+    lines.append("KL(final || logit lens) per executed block: " + " ".join(fmt(v) for v in kl["curve"]))
+    lines.append(f"KL effective depth: {fmt(kl['depth'], 'd')} of {result['executed_blocks']} "
                  f"(peak {kl['peak_kl']:.2f} nats after block {kl['peak']}, threshold {kl['threshold']} nats, "
                  f"status {kl['status']})")
     lines.append("sink mass per executed block (block.visit=mass): " +
-                 " ".join(f"{s['block']}.{s['visit']}={_fmt(s['mean'])}" for s in result["sink"]))
+                 " ".join(f"{s['block']}.{s['visit']}={fmt(s['mean'])}" for s in result["sink"]))
     a, b = result["visits"]
     if not result["looped"]:
         lines.append(f"visit statistics (visit {b} vs {a}): n/a (no block is executed at both visits)")
@@ -465,18 +461,18 @@ def format_report(result):
                  "top8 same/other  sink v%d->v%d" % (a, b))
     for layer in result["layers"]:
         n, c = layer["norm_ratio"], layer["cosine"]
-        lines.append(f"{layer['block']:5d}  {_fmt(layer['routing_overlap']):>5}({_fmt(layer['routing_random'])})  "
-                     f"{_fmt(n['update']):>6} {_fmt(n['attn']):>6} {_fmt(n['ffn']):>6} {_fmt(n['ffn_in']):>6}  "
-                     + " ".join(f"{_fmt(c[q]):>5}" for q, _ in ATTENTION_QUANTITIES)
-                     + f"   {_fmt(layer['topk_overlap_same_head'])}/{_fmt(layer['topk_overlap_other_head'])}"
-                     f"        {_fmt(layer['sink_visit_a'])}->{_fmt(layer['sink_visit_b'])}")
+        lines.append(f"{layer['block']:5d}  {fmt(layer['routing_overlap']):>5}({fmt(layer['routing_random'])})  "
+                     f"{fmt(n['update']):>6} {fmt(n['attn']):>6} {fmt(n['ffn']):>6} {fmt(n['ffn_in']):>6}  "
+                     + " ".join(f"{fmt(c[q]):>5}" for q, _ in ATTENTION_QUANTITIES)
+                     + f"   {fmt(layer['topk_overlap_same_head'])}/{fmt(layer['topk_overlap_other_head'])}"
+                     f"        {fmt(layer['sink_visit_a'])}->{fmt(layer['sink_visit_b'])}")
     lines.append(f"sink mass per head, visit {a} -> visit {b}:")
     for layer in result["layers"]:
         pairs = zip(layer["sink_per_head_visit_a"] or [], layer["sink_per_head_visit_b"] or [])
-        lines.append(f"  block {layer['block']}: " + " ".join(f"{_fmt(x)}->{_fmt(y)}" for x, y in pairs))
+        lines.append(f"  block {layer['block']}: " + " ".join(f"{fmt(x)}->{fmt(y)}" for x, y in pairs))
     u = result["update_cosine"]
-    lines.append(f"update cosine across visits: same layer {_fmt(u['same_layer'])}, "
-                 f"mismatched layers {_fmt(u['mismatched'])}")
+    lines.append(f"update cosine across visits: same layer {fmt(u['same_layer'])}, "
+                 f"mismatched layers {fmt(u['mismatched'])}")
     return "\n".join(lines)
 
 
@@ -533,7 +529,7 @@ def plot_kl_curves(ax, kl_by_label):
     threshold = None
     for label, kl in kl_by_label.items():
         depth = range(1, len(kl["curve"]) + 1)
-        line, = ax.plot(depth, kl["curve"], marker=".", label=f"{label} (depth {_fmt(kl['depth'], 'd')})")
+        line, = ax.plot(depth, kl["curve"], marker=".", label=f"{label} (depth {fmt(kl['depth'], 'd')})")
         if kl["depth"] is not None:
             ax.plot([kl["depth"]], [kl["curve"][kl["depth"] - 1]], "o", color=line.get_color(), fillstyle="none")
         threshold = kl["threshold"]

@@ -30,7 +30,7 @@ import torch
 from tooling import common
 from tooling.common import cli_error, number, resolve_device
 from data.tokenizer import get_tokenizer
-from model import MAX_PASSES, PASSES_WHY
+from model import MAX_PASSES, PASSES_WHY, execution_plan
 from tooling.checkpoint import load_model
 
 SEPARATOR = "---------------"
@@ -88,9 +88,7 @@ def check_n_passes(config, n_passes):
     if config.layout not in LOOPED_LAYOUTS:
         raise ValueError(f"n_passes={n_passes}: the model has layout {config.layout!r}, nothing to loop "
                          f"(n_passes applies to layouts {', '.join(LOOPED_LAYOUTS)})")
-    if config.layout == "pcc" and not config.tie_core and n_passes > config.n_passes:
-        raise ValueError(f"n_passes={n_passes}: this untied pcc model has one core per trained pass, "
-                         f"{config.n_passes} in all, so it can run at most {config.n_passes} passes")
+    execution_plan(config, n_passes)  # an untied model runs at most its cores (model.most_passes)
 
 
 def check_tokenizer(config, tokenizer):

@@ -33,7 +33,7 @@ from tooling.common import number  # noqa: E402
 SHAPE = dict(vocab_size=4096, eot_token=4095, n_layer=4, n_embd=256, n_head=4)
 MODELS = {
     "plain": dict(layout="plain"),
-    "smelt_r2": dict(layout="smelt", n_loops=2),
+    "smelt_r2": dict(layout="smelt", n_passes=2),
     "pcc_tied_k2": dict(layout="pcc", n_passes=2),
     "moe_8e_top2": dict(layout="plain", n_expert=8, top_k=2),
     "moe_64e_top8": dict(layout="plain", n_expert=64, top_k=8),

@@ -37,7 +37,7 @@ def build(name, parallel, device, world):
     config, cfg = train.SETTINGS.build(train.TrainConfig, settings), train.SETTINGS.build(train.ModelConfig, settings)
     torch.manual_seed(0)
     model = GPT(cfg)
-    optimizers = train.prepare(model, config, device, world, use_bf16=False)  # sharded under fsdp
+    optimizers = train.shard_and_build_optimizers(model, config, device, world, use_bf16=False)  # sharded under fsdp
     tokens = np.random.default_rng(0).integers(0, cfg.eot_token, 1 << 20).astype(np.uint16)
     stream = TokenStream(tokens, cfg.block_size, config.seed)
     return config, model, distributed.wrap(model, device, world, config), optimizers, stream

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grow  # noqa: E402
 import match  # noqa: E402
 import train  # noqa: E402
-from tooling import common, guards, memory  # noqa: E402
+from tooling import common, guards, match_cli, memory  # noqa: E402
 
 GPUS, GPU_GB = (8, 16), 80
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,16 +49,16 @@ def models():
     each named config at its own batch (the [X] growth configs also after growth), each [S] preset at one
     sequence per GPU with AdamW ([S] trains with AdamW)."""
     rows = []
-    for path in sorted(glob.glob(os.path.join(REPO, "config", "*.py"))):
+    for path in sorted(glob.glob(os.path.join(REPO, "config", "[!_]*.py"))):
         values = train.SETTINGS.resolve(train.SETTINGS.parse([path]))
         config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(train.ModelConfig, values)
         batches = {w: batch_on(config, w) for w in GPUS}
         for when, shape in grow.shapes_of_run(cfg, config):
             rows.append((f"`{os.path.basename(path)}`{when}", shape, batches, config.activation_checkpointing,
                          config.optimizer))
-    for scale, (*_, experts) in match.SCALES.items():
+    for scale, (*_, experts) in match_cli.SCALES.items():
         for s in experts:
-            base, doc_len = match.preset_baseline(f"smelt-{scale}-s{s}")
+            base, doc_len = match_cli.preset_baseline(f"smelt-{scale}-s{s}")
             twin, _ = match.match(base, "smelt", avg_doc_len=doc_len)
             checkpointing = scale in ("600m", "1.6b")
             rows.append((f"smelt-{scale}-s{s} baseline", base, dict.fromkeys(GPUS, (1, 1)), checkpointing, "adamw"))

@@ -86,7 +86,7 @@ def main():
     # looped r=2 (SMELT layout) vs unrolled untied model with the same executed blocks
     common = dict(vocab_size=512, eot_token=511, block_size=512, n_embd=args.n_embd, n_head=4, init="nanogpt",
                   n_expert=16, top_k=4, expert_hidden=64)
-    looped = GPT(ModelConfig(n_layer=4, layout="smelt", n_loops=2, **common))
+    looped = GPT(ModelConfig(n_layer=4, layout="smelt", n_passes=2, **common))
     unrolled = GPT(ModelConfig(n_layer=looped.config.executed_layers(), **common))
     idx = torch.randint(0, 511, (args.tokens // 512, 512))
 

@@ -30,7 +30,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from data import loader, prepare as prep  # noqa: E402
+from data import documents, loader, prepare as prep, shards  # noqa: E402
 from data.tokenizer import get_tokenizer  # noqa: E402
 from tooling.common import number, parser as common_parser  # noqa: E402
 
@@ -105,7 +105,7 @@ def run_measured(cmd):
 
 def raw_tiktoken(paths, limit_tokens):
     """tokens/s of encode_ordinary_batch(num_threads=1) on the documents of paths (up to limit_tokens)."""
-    texts = [row["text"] for path in paths for _, row in prep.read_jsonl(path)]
+    texts = [row["text"] for path in paths for _, row in documents.read_jsonl(path)]
     enc = get_tokenizer("gpt2").encoding
     t0 = time.perf_counter()
     n, i = 0, 0
@@ -159,7 +159,7 @@ def main(argv=None):
                     [sys.executable, "data/prepare.py", *paths, "--tokenizer", "gpt2", "--out", out,
                      "--workers", str(workers), "--val_tokens", "100000"])
                 seconds = float(re.search(r"prepared .* in ([\d.]+)s", stdout).group(1))
-                meta = prep.load_meta(out)
+                meta = shards.load_meta(out)
                 tokens = sum(meta["splits"][s]["tokens"] for s in prep.SPLITS)
                 disk = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
                 print(json.dumps(dict(

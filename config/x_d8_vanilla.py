@@ -1,54 +1,16 @@
 # [X] Vanilla, d8: a plain pre-norm transformer, 8 blocks, width 128 x 8 = 1024, no boundary operator.
-# Numbers: the [X] code's ladder, d8 row: github.com/qlabs-eng/scaling-exponents,
-# ladder_scripts/vanilla.sh, run vanilla_d08; the architecture is Table 1 of the [X] paper.
-# 1962 steps x 524,288 tokens = TPP 5 on N_s = 205.8M stored params (token embedding included).
-# Data: FineWeb with the GPT-2 tokenizer; prepare it yourself (nothing is downloaded):
-#   python data/prepare.py fineweb_docs/ --tokenizer gpt2 --out data/cache/fineweb_gpt2
-# Global batch: 256 sequences x 2048 tokens on any number of GPUs (global_batch; the [X] code's 32 x 1 x 8):
-# grad_accum follows from the world size, 32 x 1 on 8 GPUs, 32 x 8 on one (16 GPUs: --batch_size=16).
-# Validation: each eval reads eval_tokens (8,192: a cheap curve), the last one the [X] code's 10M tokens
-# (final_eval_tokens; data/prepare.py --val_tokens 10000000 holds them).
-# model (Table 1: RoPE, SwiGLU, QK-norm, no biases, no norm gains, RMSNorm after the embedding)
-vocab_size = 50304  # GPT-2 50257 padded to a multiple of 64, as the [X] code
-n_logits = 50257  # the padded rows are cut before the softmax, as the [X] code (logits[..., :vocab])
-eot_token = 50256
-block_size = 2048
-document_mask = False  # the [X] code trains on windows that may start inside a document, attending across them
-n_layer = 8
-n_embd = 1024
-n_head = 8
-head_dim = 128
-n_expert = 0  # dense SwiGLU (say it: train.py's tiny default is an MoE)
-qk_norm = True
-norm_gain = False
-embed_norm = True
-init = "x"  # zero out-projections and lm head, normal embedding, uniform Q/K/V and MLP-in
+# ladder_scripts/vanilla.sh, run vanilla_d08: 1962 steps x 524,288 tokens = TPP 5 on N_s = 205.8M stored
+# params (token embedding included). Micro-batch 32: 32 x 1 on 8 GPUs, 32 x 8 on one (16 GPUs: --batch_size=16).
+include("_x_d8.py")  # the shared [X] d8 recipe
 layout = "plain"
 residual_multiplier = 0.25
 output_multiplier = 0.5
 embed_init_std = 0.00707106781187  # wte_init_std
 uniform_init_scale = 0.0625  # U(-s, s), s = 0.0625 / sqrt(n_embd)
-# training
-data_dir = "data/cache/fineweb_gpt2"
 run_name = "x_d8_vanilla"
-optimizer = "muon"
-muon_variant = "x"  # the [X] code's Muon: MuonEq-R, Polar Express, variance reduction, cautious decay
-muon_momentum_warmup = 300  # momentum 0.85 -> 0.95 over the first 300 steps, as the [X] code
-grad_clip = 0.0  # the [X] code never clips
-matrix_lr = 0.04
 embedding_lr = 0.01810193359836
 unembedding_lr = 0.0045254833996
-weight_decay = 0.0707106781187  # Muon's cautious decay of the matrices; the embedding and lm head decay alike
-embedding_weight_decay = 0.0707106781187  # the [X] code's default: the matrices' weight decay
-unembedding_weight_decay = 0.0707106781187
-adam_betas = (0.8, 0.95)
-adam_eps = 1e-10
-warmup_steps = 40
+weight_decay = 0.0707106781187  # Muon's cautious decay of the matrices; the embedding and lm head alike
 decay_fraction = 0.6  # warmdown_ratio
-decay_shape = "linear"  # the [X] code's warm-down: 1 at its first step, 0 at the last
-min_lr_fraction = 0.0
-batch_size = 32  # sequences per micro-batch per GPU
-global_batch = 256  # sequences per step on all GPUs together: grad_accum = 256 / (batch_size x GPUs)
+batch_size = 32
 max_steps = 1962
-eval_interval = 250
-final_eval_tokens = 10_000_000  # the last eval's validation tokens

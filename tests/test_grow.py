@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import grow
-import match
+from tooling import match_cli
 from model import GPT, ModelConfig, execution_plan
 from tooling.checkpoint import load_model, plain_config, save_file
 from tooling.settings import read_config_file
@@ -30,7 +30,7 @@ def tiny_config(**overrides):
                 n_passes=2, tie_core=True, norm_gain=False, qk_norm=True, embed_norm=True,
                 residual_multiplier=0.5, boundary_alpha=0.7)
     base.update(overrides)
-    if base["layout"] != "pcc":  # n_passes is K of the pcc layout only
+    if base["layout"] == "plain":  # no loop: every layer once
         base.pop("n_passes")
     return ModelConfig(**base)
 
@@ -85,13 +85,13 @@ def test_tied_growth_changes_only_the_pass_count():
 
 
 def test_smelt_loop_growth_changes_only_the_loop_count():
-    model = random_model(tiny_config(layout="smelt", n_loops=2, n_layer=4))
+    model = random_model(tiny_config(layout="smelt", n_passes=2, n_layer=4))
     before = {n: p for n, p in model.named_parameters()}
     idx = tokens()
     with torch.no_grad():
         expected = model(idx, n_passes=3)[0]
     assert grow.grow(model, 3) == {n: n for n in before}
-    assert model.config.n_loops == 3 and model.plan == execution_plan(model.config)
+    assert model.config.n_passes == 3 and model.plan == execution_plan(model.config)
     assert all(p is before[n] for n, p in model.named_parameters())
     with torch.no_grad():
         assert torch.equal(model(idx)[0], expected)
@@ -188,8 +188,8 @@ def test_deep_vanilla_growth_of_a_plain_transformer():
     with torch.no_grad():
         plain_out = model(idx)[0]
     # the same blocks read as pcc with boundary "none" and K=1 compute the same function
-    as_pcc = hand_built({**asdict(cfg), "layout": "pcc", "tie_core": False, "n_passes": 1, "boundary": "none",
-                         "n_prelude": 1, "n_core": 2, "n_coda": 2}, list(range(5)), model)
+    as_pcc = hand_built({**asdict(cfg), "layout": "pcc", "tie_core": False, "n_passes": 1, "boundary": "none"},
+                        list(range(5)), model)
     with torch.no_grad():
         assert torch.equal(as_pcc(idx)[0], plain_out)
     param_map = grow.grow(model, 2)
@@ -208,8 +208,8 @@ def test_deep_vanilla_growth_of_a_plain_transformer():
     (dict(), 3, True),                                # untie, then grow
     (dict(tie_core=False), 4, False),                 # Untied-Grow
     (dict(layout="plain", n_layer=5), 2, False),      # Deep Vanilla growth of a plain transformer
-    (dict(layout="smelt", n_loops=2), 3, False),      # SMELT: a larger r
-    (dict(layout="layer_loop", n_loops=2), 4, False),
+    (dict(layout="smelt", n_passes=2), 3, False),      # SMELT: a larger r
+    (dict(layout="layer_loop", n_passes=2), 4, False),
 ])
 def test_grown_config_is_what_growth_leaves(overrides, n_passes, untie):
     cfg = tiny_config(**overrides)
@@ -231,7 +231,7 @@ def test_growth_errors_are_clear():
         grow.grow(untied, 4, untie=True)
     with pytest.raises(ValueError, match="already untied"):
         grow.grow(random_model(tiny_config(layout="plain")), 2, untie=True)
-    smelt = random_model(tiny_config(layout="smelt", n_loops=2))
+    smelt = random_model(tiny_config(layout="smelt", n_passes=2))
     with pytest.raises(ValueError, match="fewer passes"):
         grow.grow(smelt, 1)
     with pytest.raises(ValueError, match="no untied form"):
@@ -425,9 +425,7 @@ def test_x_d8_grow_configs_follow_x13_x14(name, tpp_ref, rho):
     """The [X] code's d8 step counts (2563 Loop-Grow, 3341 Untied-Grow) are the Table 9 recipe: a fixed
     K=2 run at TPP t_ref over the initial stored params sets the compute, [X13] gives the grown tokens."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", f"x_d8_{name}.py")
-    cfg = match.read_config(path)[0]
-    settings = {}
-    exec(open(path).read(), {}, settings)
+    cfg, settings = match_cli.read_config(path)
     assert (cfg.n_prelude, cfg.n_core, cfg.n_coda, cfg.n_passes, cfg.n_embd) == (2, 3, 3, 2, 1024)
     assert settings["grow_to"] == 4 and settings["grow_at"] == pytest.approx(1 - rho)
     tokens_per_step = settings["global_batch"] * cfg.block_size  # on any number of GPUs -> 524,288
@@ -491,8 +489,8 @@ def test_x_d8_configs_give_the_same_model_through_train_py(name):
     train = pytest.importorskip("train")
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", f"x_d8_{name}.py")
     via_train = asdict(train.SETTINGS.build(train.ModelConfig, train.SETTINGS.resolve(read_config_file(path))))
-    cfg = match.read_config(path)[0]
-    unused = {"top_k", "expert_hidden", "n_loops", "loop_span"}  # dense, not a SMELT / layer loop
+    cfg = match_cli.read_config(path)[0]
+    unused = {"top_k", "expert_hidden", "n_passes", "loop_span"}  # dense, not a SMELT / layer loop
     assert {k: v for k, v in via_train.items() if k not in unused} == \
         {k: v for k, v in asdict(cfg).items() if k not in unused}
     assert (cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.vocab_size, cfg.block_size, cfg.n_expert) == \

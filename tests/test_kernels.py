@@ -26,6 +26,7 @@ from the project and runs copied alone (the last tests).
 """
 import ast
 import copy
+import inspect
 import os
 import shutil
 import subprocess
@@ -440,7 +441,7 @@ def test_muon_with_gram_kernel_matches_plain_muon(ns_dtype, atol, monkeypatch):
     opts = {flag: Muon(ps, lr=lr, ns_dtype=ns_dtype) for flag, ps in params.items()}
     assert opts[True].gram is None and opts[False].gram is None
     adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
-    kernels.apply(torch.nn.Linear(2, 2), optimizers=[opts[True], adamw])
+    kernels.apply(torch.nn.Linear(2, 2), {}, optimizers=[opts[True], adamw])
     assert opts[True].gram is kernels.gram and not hasattr(adamw, "gram")
     for flag, ps in params.items():
         for p, g in zip(ps, grads):
@@ -581,6 +582,8 @@ def test_moe_experts_twin_is_model_run_experts_under_autocast():
 # kernels.apply on each kind of module: the class swapped, nothing else; the kernel runs where the
 # module's own code ran, within the kernel-vs-twin tolerances above (a GPT per family: test_model.py)
 
+KERNELS = {model.RMSNorm: kernels.RMSNormKernel, model.MLP: kernels.MLPKernel, model.MoE: kernels.MoEKernel,
+           model.BoundaryOperator: kernels.BoundaryOperatorKernel}  # as train.py maps them (test_model.py too)
 MODULES = {"RMSNorm": lambda: model.RMSNorm(37, eps=1e-5), "MLP": lambda: model.MLP(model_config()),
            "MoE": lambda: model.MoE(model_config()), "BoundaryOperator": lambda: model.BoundaryOperator(model_config())}
 
@@ -601,7 +604,7 @@ def test_apply_swaps_the_class_and_nothing_else(name):
     module = randomised(MODULES[name]())
     plain_class, params = type(module), dict(module.named_parameters())
     state = {k: v.clone() for k, v in module.state_dict().items()}
-    assert kernels.apply(module) is module
+    assert kernels.apply(module, KERNELS) is module
     assert type(module) is not plain_class and isinstance(module, plain_class)
     assert type(module).__name__ == f"Triton{name}"
     assert dict(module.named_parameters()).keys() == params.keys()
@@ -609,8 +612,8 @@ def test_apply_swaps_the_class_and_nothing_else(name):
     assert module.state_dict().keys() == state.keys()
     assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
     swapped = type(module)
-    assert type(kernels.apply(module)) is swapped  # idempotent
-    assert type(kernels.apply(MODULES[name]())) is swapped  # one cached subclass per class
+    assert type(kernels.apply(module, KERNELS)) is swapped  # idempotent
+    assert type(kernels.apply(MODULES[name](), KERNELS)) is swapped  # one cached subclass per class
     copied = copy.deepcopy(module)
     assert type(copied) is swapped and all(type(a) is type(b) for a, b in zip(copied.modules(), module.modules()))
     module.load_state_dict(MODULES[name]().state_dict())  # a plain module's checkpoint loads
@@ -640,7 +643,7 @@ def test_applied_module_matches_its_own_code(name, kwargs, expected_calls, tol, 
 
     y_plain, grads_plain = run()
     calls = count_kernel_calls(monkeypatch)
-    kernels.apply(module)
+    kernels.apply(module, KERNELS)
     y, grads = run()
     assert calls == {**dict.fromkeys(calls, 0), **expected_calls}
     torch.testing.assert_close(y, y_plain, **tol)
@@ -649,6 +652,53 @@ def test_applied_module_matches_its_own_code(name, kwargs, expected_calls, tol, 
     for i, (a, b) in enumerate(zip(grads, grads_plain)):
         if b is not None:
             torch.testing.assert_close(a, b, **tol, msg=lambda m: f"gradient {i} of {len(wrt)}: {m}")
+
+
+def renamed_copy(cls, name, *renames):
+    """A copy of one of model.py's classes under another name: its source run again (in model.py's globals)
+    with `class NAME(` and each (old, new) of renames replaced."""
+    source = inspect.getsource(cls).replace(f"class {cls.__name__}(", f"class {name}(", 1)
+    for old, new in renames:
+        source = source.replace(old, new)
+    namespace = dict(vars(model))
+    exec(source, namespace)
+    return namespace[name]
+
+
+def test_a_renamed_class_keeps_its_kernel_or_fails_loudly(monkeypatch):
+    """kernels.apply goes by type, never by class name: a subclass of model.MoE under another name gets the
+    MoE kernel (the nearest mapped class in its MRO), and so does a renamed copy of MoE that the caller maps.
+    MoE renamed in model.py is gone from the caller's mapping (an AttributeError there), and a mapped class
+    whose method the kernel replaces is renamed or has another signature raises a one-line TypeError: no
+    module runs silently without its kernel."""
+    class Experts(model.MoE):
+        pass
+
+    routed = renamed_copy(model.MoE, "Routed")
+    calls, x = count_kernel_calls(monkeypatch), randn(2, 9, 37)
+    for cls, replacements in ((Experts, KERNELS), (routed, {routed: kernels.MoEKernel})):
+        module = randomised(cls(model_config()))
+        expected = module(x)[0]
+        kernels.apply(module, replacements)
+        assert isinstance(module, cls) and isinstance(module, kernels.MoEKernel)
+        assert type(module).__name__ == f"Triton{cls.__name__}"
+        torch.testing.assert_close(module(x)[0], expected, **MOE_TOL)
+    assert calls["moe_experts"] == 2
+
+    class ChangedExperts(model.MoE):  # the method with another signature
+        def experts(self, x, token_of, counts, weight_of, group_align=None):
+            return super().experts(x, token_of, counts, weight_of)
+
+    method_renamed = renamed_copy(model.MoE, "MoE", ("def experts(", "def routed("), ("self.experts(", "self.routed("))
+    for cls, replacements in ((ChangedExperts, KERNELS), (method_renamed, {method_renamed: kernels.MoEKernel})):
+        with pytest.raises(TypeError, match=r"^kernels.apply: \S*(ChangedExperts|model.MoE) has no method experts\(self, "
+                                            r"x, token_of, counts, weight_of\) for MoEKernel.experts to replace$"):
+            kernels.apply(torch.nn.Sequential(cls(model_config())), replacements)
+    with pytest.raises(TypeError, match="replacements maps model classes to kernel classes, not list"):
+        kernels.apply(torch.nn.Linear(2, 2), [])  # the call before the mapping: kernels.apply(model, optimizers)
+    monkeypatch.delattr(model, "MoE")  # MoE renamed in model.py: the caller's mapping fails to build
+    with pytest.raises(AttributeError, match="MoE"):
+        {model.MoE: kernels.MoEKernel}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -709,7 +759,7 @@ check("moe_experts", kernels.moe_experts, kernels.moe_experts_reference, r(14, 1
 check("gram", kernels.gram, kernels.gram_reference, r(2, 37, 13))
 
 
-class RMSNorm(torch.nn.Module):  # kernels.apply goes by the class name, nothing else
+class Norm(torch.nn.Module):  # any class with RMSNorm's forward(x), weight and eps: the caller maps it
     def __init__(self):
         super().__init__()
         self.weight, self.eps = torch.nn.Parameter(torch.randn(19)), 1e-6
@@ -718,10 +768,10 @@ class RMSNorm(torch.nn.Module):  # kernels.apply goes by the class name, nothing
         return kernels.rmsnorm_reference(x, self.weight, self.eps)
 
 
-norm, x = RMSNorm(), torch.randn(4, 19)
+norm, x = Norm(), torch.randn(4, 19)
 expected = norm(x)
-kernels.apply(torch.nn.Sequential(norm))
-assert type(norm).__name__ == "TritonRMSNorm"
+kernels.apply(torch.nn.Sequential(norm), {Norm: kernels.RMSNormKernel})
+assert type(norm).__name__ == "TritonNorm"
 torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
 assert not {"model", "muon"} & set(sys.modules)
 print("all ok")

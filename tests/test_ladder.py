@@ -1,4 +1,4 @@
-"""ladder.py: the micro presets run the whole pipeline (LR sweep, matching, WSD stable runs with seeds,
+"""ladder.py and ladders/: the micro presets run the whole pipeline (LR sweep, matching, WSD stable runs with seeds,
 decay branches, growth, CSV, fits, bootstrap, report, figures), an interrupted ladder resumes without
 retraining finished runs, the cpu-mini designs keep their principles (TPP, growth, epochs), and the
 noise bookkeeping marks what is within the measured seed spread."""
@@ -19,10 +19,21 @@ import numpy as np
 import pytest
 
 import fit
+import grow
 import ladder
 import train
 from conftest import REPO, one_line_error
+from ladders import pipeline
+from ladders.common import data_plan, tokens_per_step, world_size
+from ladders.stats import seed_spread, within_noise
+from ladders.presets import PRESETS, SEEDS, X_LR_BETA, LRSweep, get_preset
+from ladders.recipe import recipe_plan
+from ladders.smelt import surface_bootstrap
+from ladders.specs import build, describe_presets, full_plan
+from ladders.sweep import best_lrs, bracketed_sweep, sweep_table
+from ladders.x import multiplier_bootstrap, x_config
 from tooling.checkpoint import load_model
+from tooling.jobs import RunSpec, load_result, write_json_atomic
 
 
 class Interrupted(Exception):
@@ -52,17 +63,17 @@ def quiet(*args, **kwargs):
 
 def test_smelt_micro_end_to_end_and_resume(tmp_path):
     out = str(tmp_path / "smelt")
-    preset = ladder.get_preset("smelt-micro")
-    data = ladder.data_plan(preset)
-    sweep, cells = ladder.build(preset, data)
+    preset = get_preset("smelt-micro")
+    data = data_plan(preset)
+    sweep, cells = build(preset, data)
     assert [s.role for s in sweep] == ["sweep"] * 4  # 2 LRs x (baseline, twin) at the first cell
-    plan, _ = ladder.full_plan(preset, data)
-    n_branches, seeds = len(preset["branch_tpp"]), len(preset["seeds"])
+    plan, _ = full_plan(preset, data)
+    n_branches, seeds = len(preset.branch_tpp), len(preset.seeds)
     assert len(plan) == 4 + len(cells) * (seeds + 1) * (1 + n_branches)
 
     # matching: every twin is a SMELT model within the [S] tolerances of its baseline
     for name, base, twin, report in cells:
-        assert twin.layout == "smelt" and twin.n_loops == 2 and base.layout == "plain"
+        assert twin.layout == "smelt" and twin.n_passes == 2 and base.layout == "plain"
         r = report["ratios"]
         assert 1.0 <= r["flops"] <= 1.05 and abs(r["params"] - 1) <= 0.015 and abs(r["kv"] - 1) <= 0.04
 
@@ -70,7 +81,7 @@ def test_smelt_micro_end_to_end_and_resume(tmp_path):
     calls = []
     kill = counting_train(calls, stop_after=2, stop_at_step=3)
     with pytest.raises(Interrupted):
-        ladder.ladder("smelt-micro", out_dir=out, train_fn=kill, progress=False, log=quiet)
+        pipeline.ladder("smelt-micro", out_dir=out, train_fn=kill, progress=False, log=quiet)
     assert calls == [s.run_id for s in sweep[:2]]
     mtimes = {rid: os.path.getmtime(os.path.join(out, "runs", rid, "result.json")) for rid in calls}
     killed = os.path.join(out, "runs", sweep[2].run_id)
@@ -78,27 +89,27 @@ def test_smelt_micro_end_to_end_and_resume(tmp_path):
 
     # the rerun trains exactly the missing runs, never the finished ones; a third invocation trains nothing
     calls2 = []
-    report = ladder.ladder("smelt-micro", out_dir=out, train_fn=counting_train(calls2), progress=False,
+    report = pipeline.ladder("smelt-micro", out_dir=out, train_fn=counting_train(calls2), progress=False,
                            bootstrap=20, log=quiet)
     assert set(calls2) == {s.run_id for s in plan} - set(calls) and len(calls2) == len(plan) - 2
     for rid, t in mtimes.items():
         assert os.path.getmtime(os.path.join(out, "runs", rid, "result.json")) == t
     calls3 = []
-    ladder.ladder("smelt-micro", out_dir=out, train_fn=counting_train(calls3), progress=False, bootstrap=0, log=quiet)
+    pipeline.ladder("smelt-micro", out_dir=out, train_fn=counting_train(calls3), progress=False, bootstrap=0, log=quiet)
     assert calls3 == []
 
     # the LR sweep picked, per architecture, the value with the lowest validation loss, and every later run uses it
-    key = preset["lr_sweep"]["key"]
+    key = preset.lr_sweep.key
     results = {s.run_id: json.load(open(os.path.join(out, "runs", s.run_id, "result.json"))) for s in plan}
     for arch in ("baseline", "smelt"):
         swept = {s.settings[key]: results[s.run_id]["val_loss"] for s in sweep if s.arch == arch}
         assert report["lrs"][arch] == min(swept, key=swept.get)
-    specs, _ = ladder.build(preset, data, report["lrs"])
+    specs, _ = build(preset, data, report["lrs"])
     assert {s.settings[key] for s in specs if s.role == "stable"} == set(report["lrs"].values())
     assert all(s.settings[key] == report["lrs"][s.arch] for s in specs if s.role == "stable")
 
     # decay branches: start from the stable checkpoint, read only held-back data, D = stable + decay tokens
-    step_tokens = ladder.tokens_per_step(preset)
+    step_tokens = tokens_per_step(preset)
     for s in plan:
         r = results[s.run_id]
         if s.role == "branch":
@@ -110,8 +121,8 @@ def test_smelt_micro_end_to_end_and_resume(tmp_path):
             assert r["ckpt_path"] is None  # pruned
     # baseline and twin of the first seed read the same token sequence (same windows); other seeds others
     for cell, *_ in cells:
-        first, second = (f"baseline-{cell}-s{seed}-stable" for seed in preset["seeds"])
-        assert results[first]["data_read"] == results[f"smelt-{cell}-s{preset['seeds'][0]}-stable"]["data_read"]
+        first, second = (f"baseline-{cell}-s{seed}-stable" for seed in preset.seeds)
+        assert results[first]["data_read"] == results[f"smelt-{cell}-s{preset.seeds[0]}-stable"]["data_read"]
 
     # runs.csv: one row per branch with the fit columns, the seed, TPP, epochs and the per-source losses
     rows = read_csv(os.path.join(out, "runs.csv"))
@@ -138,25 +149,25 @@ def test_smelt_micro_end_to_end_and_resume(tmp_path):
 def x_micro(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("x"))
     archs = ["vanilla", "loop-2", "untied-grow"]  # a subset keeps the test fast; the preset has all six
-    report = ladder.ladder("x-micro", out_dir=out, progress=False, log=quiet, archs=archs, workers=2)
+    report = pipeline.ladder("x-micro", out_dir=out, progress=False, log=quiet, archs=archs, workers=2)
     return out, archs, report
 
 
 def test_x_micro_budgets_growth_fits_and_noise(x_micro):
     out, archs, report = x_micro
-    preset = ladder.get_preset("x-micro", archs=archs)
+    preset = get_preset("x-micro", archs=archs)
     rows = read_csv(os.path.join(out, "runs.csv"))
-    seeds = len(preset["seeds"])
-    assert len(rows) == len(preset["depths"]) * len(archs) * seeds  # every architecture runs every seed
-    step_tokens = ladder.tokens_per_step(preset)
+    seeds = len(preset.seeds)
+    assert len(rows) == len(preset.depths) * len(archs) * seeds  # every architecture runs every seed
+    step_tokens = tokens_per_step(preset)
     for r in rows:  # every architecture at its own budget: its [X] TPP x its own stored parameters, whole steps
-        assert 0 <= float(r["D"]) - preset["tpp_stored"][r["arch"]] * float(r["N_s"]) < step_tokens
+        assert 0 <= float(r["D"]) - preset.tpp_stored[r["arch"]] * float(r["N_s"]) < step_tokens
         assert float(r["epochs"]) < 1  # no data repetition
     by = {(r["arch"], int(r["depth"])): r for r in rows}
-    for d in preset["depths"]:  # the looped models run more blocks per token: more compute at the same TPP
+    for d in preset.depths:  # the looped models run more blocks per token: more compute at the same TPP
         assert float(by[("loop-2", d)]["C"]) > float(by[("vanilla", d)]["C"])
     # untied-grow grew at its [X15] step: its log shows passes 2 then 4 and its checkpoint 4 untied cores
-    grown = [r for r in rows if r["arch"] == "untied-grow" and int(r["depth"]) == preset["depths"][-1]][0]
+    grown = [r for r in rows if r["arch"] == "untied-grow" and int(r["depth"]) == preset.depths[-1]][0]
     log = [json.loads(line) for line in open(os.path.join(out, "runs", grown["run_id"], "log.jsonl"))]
     assert set(log[-1]["flops_by_passes"]) == {"2", "4"}
     model, _ = load_model(os.path.join(out, "runs", grown["run_id"], "ckpt.pt"))
@@ -169,7 +180,7 @@ def test_x_micro_budgets_growth_fits_and_noise(x_micro):
     assert report["seed_spread"]["pooled_std"] > 0
     for a in archs[1:]:
         records = report["multipliers"][a]
-        assert len(records) == len(preset["depths"])
+        assert len(records) == len(preset.depths)
         for m in records:
             assert m["fitted_lo"] <= m["fitted"] <= m["fitted_hi"] or m["fitted"] is None
             assert m["within_noise"] == (m["fitted_lo"] <= 1.0 <= m["fitted_hi"])
@@ -187,12 +198,14 @@ def test_x_report_says_what_it_compares_and_rebuilds_from_csv(x_micro, tmp_path)
     assert f"{tokens:.2f}/" in text and tokens > 1
     # each LR: the mean-best of the sweep's seeds, carried up by [X16] with the architecture's own beta
     lr_line = next(line for line in text.splitlines() if "carried up by [X16]" in line)
-    assert all(f"{a} {report['lrs'][a]:g} (beta {ladder.X_LR_BETA[a]:g})" in lr_line for a in archs)
-    preset = ladder.get_preset("x-micro", archs=archs)
-    run = next(r for r in rows if r["arch"] == "untied-grow" and r["depth"] == str(preset["depths"][-1]))
+    assert all(f"{a} {report['lrs'][a]:g} (beta {X_LR_BETA[a]:g})" in lr_line for a in archs)
+    preset = get_preset("x-micro", archs=archs)
+    run = next(r for r in rows if r["arch"] == "untied-grow" and r["depth"] == str(preset.depths[-1]))
     settings = json.load(open(os.path.join(out, "runs", run["run_id"], "result.json")))["settings"]
-    first = ladder.x_config(preset, "untied-grow", preset["depths"][0])[0]
-    assert settings["lr_anchor_params"] == ladder.grow.stored_params(first) and settings["lr_scaling_beta"] == -0.6
+    first = x_config(preset, "untied-grow", preset.depths[0])[0]
+    last = x_config(preset, "untied-grow", preset.depths[-1])[0]  # [X16] carried from the first depth's N_s
+    scale = (grow.stored_params(last) / grow.stored_params(first)) ** -0.6
+    assert settings["matrix_lr"] == pytest.approx(report["lrs"]["untied-grow"] * scale, rel=1e-12)
     assert settings["adam_betas"] == [0.8, 0.99] and settings["muon_variant"] == "x"  # its recipe, config/x_d8_*
     assert settings["embedding_lr"] == pytest.approx(settings["matrix_lr"] * 0.0064 / 0.04)
     # multipliers by interpolation only (the fitted ones are not printed)
@@ -207,11 +220,11 @@ def test_x_report_says_what_it_compares_and_rebuilds_from_csv(x_micro, tmp_path)
     assert {r["arch"] for r in sweep} == set(archs) and sum(r["carried"] == "True" for r in sweep) == len(archs)
     for name in ("runs.csv", "lr_sweep.csv"):
         shutil.copy(os.path.join(out, name), tmp_path / f"x-micro-{name}")
-    again = ladder.rereport("x-micro", str(tmp_path / "x-micro-runs.csv"), log=quiet, archs=archs)
+    again = pipeline.rereport("x-micro", str(tmp_path / "x-micro-runs.csv"), log=quiet, archs=archs)
     assert (tmp_path / "x-micro-report.txt").read_text() == text
     assert again["multipliers"] == json.load(open(os.path.join(out, "report.json")))["multipliers"]
     with pytest.raises(ValueError, match="expected a file named runs.csv"):
-        ladder.rereport("x-micro", os.path.join(out, "report.json"), log=quiet)
+        pipeline.rereport("x-micro", os.path.join(out, "report.json"), log=quiet)
 
 
 def committed(name):
@@ -243,7 +256,7 @@ def test_committed_smelt_report_prints_no_undefined_number(tmp_path):
     nor an interval; the matching is the matcher's tolerance; the grid cannot identify the surface."""
     for name in ("runs.csv", "lr_sweep.csv"):
         shutil.copy(committed(f"smelt-cpu-mini-v1-{name}"), tmp_path / f"smelt-cpu-mini-v1-{name}")
-    report = ladder.rereport("smelt-cpu-mini-v1", str(tmp_path / "smelt-cpu-mini-v1-runs.csv"), bootstrap=20, log=quiet,
+    report = pipeline.rereport("smelt-cpu-mini-v1", str(tmp_path / "smelt-cpu-mini-v1-runs.csv"), bootstrap=20, log=quiet,
                              progress=False)
     text = (tmp_path / "smelt-cpu-mini-v1-report.txt").read_text()
     assert "+1.0000" not in text and "[undefined" not in text and "undefined]" not in text
@@ -262,7 +275,7 @@ def test_committed_smelt_report_prints_no_undefined_number(tmp_path):
 def test_plot_writes_figures_or_says_how_to_get_matplotlib(x_micro, tmp_path, monkeypatch, capsys):
     out, archs, _ = x_micro
     pytest.importorskip("matplotlib")
-    report = ladder.ladder("x-micro", out_dir=out, progress=False, log=quiet, archs=archs, fit_only=True, plot=True)
+    report = pipeline.ladder("x-micro", out_dir=out, progress=False, log=quiet, archs=archs, fit_only=True, plot=True)
     assert [os.path.basename(p) for p in report["plots"]] == ["loss_vs_compute.png", "multipliers.png"]
     assert all(open(p, "rb").read(4) == b"\x89PNG" for p in report["plots"])
     capsys.readouterr()
@@ -270,7 +283,7 @@ def test_plot_writes_figures_or_says_how_to_get_matplotlib(x_micro, tmp_path, mo
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     for p in report["plots"]:
         os.remove(p)
-    again = ladder.ladder("x-micro", out_dir=out, progress=False, log=quiet, archs=archs, fit_only=True, plot=True)
+    again = pipeline.ladder("x-micro", out_dir=out, progress=False, log=quiet, archs=archs, fit_only=True, plot=True)
     err = capsys.readouterr().err.strip().splitlines()
     assert again["plots"] == [] and len(err) == 1 and "requirements-plot.txt" in err[0]
     assert not any(os.path.exists(p) for p in report["plots"])
@@ -280,8 +293,8 @@ def test_plot_writes_figures_or_says_how_to_get_matplotlib(x_micro, tmp_path, mo
 def test_cpu_mini_designs_sit_near_the_frontier(name):
     """Checked on the plan, before anything trains: TPP >= 10 for every run, the same TPP (within 2x)
     from the smallest to the largest point, at most 4 epochs, and no growth on the decay-start step."""
-    preset = ladder.get_preset(name)
-    records = json.loads(ladder.describe_presets(as_json=True))["presets"][name]["runs"]
+    preset = get_preset(name)
+    records = json.loads(describe_presets(as_json=True))["presets"][name]["runs"]
     assert records and all(r["tpp"] >= 10 for r in records)
     assert all(r["epochs"] is not None and r["epochs"] <= 4 for r in records)
     groups = {}
@@ -298,10 +311,10 @@ def test_cpu_mini_designs_sit_near_the_frontier(name):
             pytest.fail(f"{r['run_id']} should grow")
     if name == "x-cpu-mini-v1":
         depths = {r["cell"] for r in records if r["role"] == "run"}
-        assert depths == {f"d{d}" for d in preset["depths"]}
-        for d in preset["depths"]:  # three seeds of the reference at every point (first depth: in the sweep too)
+        assert depths == {f"d{d}" for d in preset.depths}
+        for d in preset.depths:  # three seeds of the reference at every point (first depth: in the sweep too)
             seeds = {r["run_id"].rsplit("-s", 1)[1] for r in records if r["arch"] == "vanilla" and r["cell"] == f"d{d}"}
-            assert seeds == {str(s) for s in ladder.SEEDS}
+            assert seeds == {str(s) for s in SEEDS}
 
 
 def test_seed_spread_and_within_noise_marking():
@@ -316,18 +329,18 @@ def test_seed_spread_and_within_noise_marking():
               "same": [(C, law(C), i) for i, C in enumerate(budgets)],
               "better": [(C, law(C, 1.5), i) for i, C in enumerate(budgets)]}
     rows = [dict(arch=a, depth=d, loss=l) for a, pts in points.items() for _, l, d in pts]
-    per, pooled = ladder.seed_spread(rows, ("depth",), "vanilla")
+    per, pooled = seed_spread(rows, ("depth",), "vanilla")
     assert pooled == pytest.approx(sigma, rel=0.5) and all(n == 3 for *_, n in per.values())
     exact = [dict(arch="vanilla", depth=0, loss=v) for v in (1.0, 1.2, 1.4)] + \
         [dict(arch="vanilla", depth=1, loss=v) for v in (2.0, 2.2)]
-    assert ladder.seed_spread(exact, ("depth",), "vanilla")[1] == pytest.approx(np.sqrt((0.08 + 0.02) / 3))
-    ref_C, bands = ladder.multiplier_bootstrap(points, "vanilla", pooled, n_draws=200, seed=1)
+    assert seed_spread(exact, ("depth",), "vanilla")[1] == pytest.approx(np.sqrt((0.08 + 0.02) / 3))
+    ref_C, bands = multiplier_bootstrap(points, "vanilla", pooled, n_draws=200, seed=1)
     lo, hi = bands["same"]["fitted"]
     assert np.all(lo <= 1.0) and np.all(hi >= 1.0)
     lo, hi = bands["better"]["fitted"]
     assert np.all(lo > 1.2) and np.all(hi < 1.8)
-    assert ladder.within_noise(0.9, 1.1, 1.0) is True and ladder.within_noise(1.1, 1.3, 1.0) is False
-    assert ladder.within_noise(None, 1.0, 1.0) is None
+    assert within_noise(0.9, 1.1, 1.0) is True and within_noise(1.1, 1.3, 1.0) is False
+    assert within_noise(None, 1.0, 1.0) is None
 
 
 def test_bootstrap_skips_underdetermined_draws():
@@ -340,25 +353,25 @@ def test_bootstrap_skips_underdetermined_draws():
         for c in cells:
             keep[np.flatnonzero((runs["arch"] == arch) & (runs["cell"] == c))[:3]] = True
     runs = {k: np.asarray(v)[keep] for k, v in runs.items()}
-    out = ladder.surface_bootstrap(runs, "baseline", "smelt", [1e20], [0.85], 8, seed=3, progress=False)
+    out = surface_bootstrap(runs, "baseline", "smelt", [1e20], [0.85], 8, seed=3, progress=False)
     assert 0 < out["skipped"] < 8
     assert np.all(np.isfinite(out["lo"]["ref.gamma"]))
 
 
 def test_changed_settings_are_refused(tmp_path):
-    spec = ladder.RunSpec("r1", "vanilla", "d2", "run", dict(max_steps=3), {})
-    ladder.write_json_atomic(os.path.join(tmp_path, "runs", "r1", "result.json"), dict(settings=dict(max_steps=4)))
+    spec = RunSpec("r1", "vanilla", "d2", "run", dict(max_steps=3), {})
+    write_json_atomic(os.path.join(tmp_path, "runs", "r1", "result.json"), dict(settings=dict(max_steps=4)))
     with pytest.raises(ValueError, match="different settings"):
-        ladder.load_result(str(tmp_path), spec)
+        load_result(str(tmp_path), spec, train.DEFAULTS)
     # a setting added to model.py / train.py since (absent from the stored result) counts when not at its default
-    ok = ladder.RunSpec("r2", "vanilla", "d2", "run", dict(max_steps=3, zero_initial_state=True, qk_norm=False), {})
-    ladder.write_json_atomic(os.path.join(tmp_path, "runs", "r2", "result.json"), dict(settings=dict(max_steps=3)))
-    assert ladder.load_result(str(tmp_path), ok) is not None
-    changed = ladder.RunSpec("r2", "vanilla", "d2", "run", dict(max_steps=3, qk_norm=True), {})
+    ok = RunSpec("r2", "vanilla", "d2", "run", dict(max_steps=3, zero_initial_state=True, qk_norm=False), {})
+    write_json_atomic(os.path.join(tmp_path, "runs", "r2", "result.json"), dict(settings=dict(max_steps=3)))
+    assert load_result(str(tmp_path), ok, train.DEFAULTS) is not None
+    changed = RunSpec("r2", "vanilla", "d2", "run", dict(max_steps=3, qk_norm=True), {})
     with pytest.raises(ValueError, match="different settings"):
-        ladder.load_result(str(tmp_path), changed)
+        load_result(str(tmp_path), changed, train.DEFAULTS)
     with pytest.raises(ValueError, match="unknown preset"):
-        ladder.get_preset("nope")
+        get_preset("nope")
     assert ladder.main(["--preset", "nope"]) == 2
 
 
@@ -366,11 +379,11 @@ def test_every_preset_builds_with_valid_train_settings(capsys):
     # GPU presets are documented, not run: they must still match every cell and give valid settings
     assert ladder.main(["--list"]) == 0
     listing = capsys.readouterr().out
-    for name in ladder.PRESETS:
+    for name in PRESETS:
         assert name in listing and "not buildable" not in listing
     for name in ("smelt-gpu-1node", "x-gpu-2node", "x-cpu-mini", "x-cpu-mini-v1", "x-cpu-repeat", "smelt-cpu-mini", "smelt-cpu-mini-v1"):
-        preset = ladder.get_preset(name)
-        specs, _ = ladder.full_plan(preset, world=ladder.world_size(preset))
+        preset = get_preset(name)
+        specs, _ = full_plan(preset, world=world_size(preset))
         for s in specs:
             for key, value in s.settings.items():
                 train.SETTINGS.check(key, value)
@@ -383,8 +396,8 @@ def test_sweep_extends_until_every_optimum_is_bracketed():
     inside the grid adds nothing; one at the edge adds values beyond it until it is inside, at most
     `extend` steps; missing results (--fit-only) stop the extension."""
     archs = ["vanilla", "operator-1", "loop-2"]
-    preset = ladder.get_preset("x-micro", archs=archs, lr_sweep=dict(key="matrix_lr", values=[0.02, 0.04], extend=2))
-    data = ladder.data_plan(preset)
+    preset = get_preset("x-micro", archs=archs, lr_sweep=LRSweep(key="matrix_lr", values=[0.02, 0.04], extend=2))
+    data = data_plan(preset)
     optimum = {"vanilla": 0.03, "operator-1": 0.012, "loop-2": 0.5}  # inside, below, far above the grid
     rounds = []
 
@@ -392,22 +405,22 @@ def test_sweep_extends_until_every_optimum_is_bracketed():
         rounds.append(sorted((s.arch, s.settings["matrix_lr"]) for s in specs))
         return {s.run_id: dict(val_loss=1 + np.log(s.settings["matrix_lr"] / optimum[s.arch]) ** 2) for s in specs}
 
-    results, specs = ladder.bracketed_sweep(preset, data, run)
+    results, specs = bracketed_sweep(preset, data, run)
     tried = {a: sorted(s.settings["matrix_lr"] for s in specs if s.arch == a) for a in archs}
     assert tried == {"vanilla": [0.02, 0.04, 0.08],  # 0.04 was best at the edge; 0.08 brackets it
                      "operator-1": [0.005, 0.01, 0.02, 0.04],
                      "loop-2": [0.02, 0.04, 0.08, 0.16]}  # still rising at 2 steps beyond: the limit
     assert len(rounds) == 3 and rounds[1] == [("loop-2", 0.08), ("operator-1", 0.01), ("vanilla", 0.08)]
-    assert ladder.best_lrs(preset, results, specs) == {"vanilla": 0.04, "operator-1": 0.01, "loop-2": 0.16}
+    assert best_lrs(preset, results, specs) == {"vanilla": 0.04, "operator-1": 0.01, "loop-2": 0.16}
     assert all(s.role == "sweep" and s.cell == "d3" for s in specs)
-    lines, table = ladder.sweep_table(preset, results, specs, ladder.best_lrs(preset, results, specs))
+    lines, table = sweep_table(preset, results, specs, best_lrs(preset, results, specs))
     assert set(table["vanilla"]) == {"0.005", "0.01", "0.02", "0.04", "0.08", "0.16"}
     assert table["vanilla"]["0.16"] is None and table["loop-2"]["0.16"] == pytest.approx(1 + np.log(0.16 / 0.5) ** 2)
 
     # --fit-only over a sweep whose extension was never trained: the grid's results only, no error
     missing = lambda specs: {s.run_id: (dict(val_loss=1 + np.log(s.settings["matrix_lr"] / optimum[s.arch]) ** 2)  # noqa: E731
                                         if s.settings["matrix_lr"] in (0.02, 0.04) else None) for s in specs}
-    _, grid_only = ladder.bracketed_sweep(preset, data, missing)
+    _, grid_only = bracketed_sweep(preset, data, missing)
     assert sorted({s.settings["matrix_lr"] for s in grid_only}) == [0.02, 0.04]
 
 
@@ -432,7 +445,7 @@ def test_plan_of_the_smelt_twin_has_its_stable_run_and_six_branches(monkeypatch,
     monkeypatch.chdir(REPO)
     path = "config/smelt_200m_s95.py"
     v = config_values(path)
-    plan = ladder.recipe_plan(path)
+    plan = recipe_plan(path)
     runs = plan["runs"]
     assert len(runs) == 7 and [r["role"] for r in runs] == ["stable"] + ["branch"] * 6
     stable, branches = runs[0], runs[1:]
@@ -489,7 +502,7 @@ def test_plan_of_the_x_configs_is_one_run_with_its_growth_step(monkeypatch):
     for name, grows in (("x_d8_loop_grow", True), ("x_d8_vanilla", False)):
         path = f"config/{name}.py"
         v = config_values(path)
-        plan = ladder.recipe_plan(path)
+        plan = recipe_plan(path)
         (r,) = plan["runs"]
         step_tokens = v["global_batch"] * v["block_size"]  # 256 sequences on any number of processes
         assert r["role"] == "run" and r["run_name"] == name and r["steps"] == v["max_steps"]
@@ -506,7 +519,7 @@ def test_plan_of_the_x_configs_is_one_run_with_its_growth_step(monkeypatch):
         assert r["flops"] == pytest.approx(flops, rel=1e-12)
         assert train_args(r["command"]) == (["torchrun", "--standalone", "--nproc_per_node=8"], [path])
         assert any("no run of this plan reads" in n for n in plan["data"]["notes"])  # train.py's default tail
-    one = ladder.recipe_plan("config/x_d8_vanilla.py", gpus=1)["runs"][0]
+    one = recipe_plan("config/x_d8_vanilla.py", gpus=1)["runs"][0]
     assert train_args(one["command"]) == (["python"], ["config/x_d8_vanilla.py"])
 
 
@@ -539,7 +552,7 @@ def test_plan_checks_the_prepared_data(tmp_path, data_dir):
     region the stable run reads more than once; the fraction itself fits these runs (0.5)."""
     text = STABLE.replace("batch_size = 2", "batch_size = 8") + f"data_dir = {data_dir!r}\nsave_steps = [20]\n" \
         "decay_tokens = 40 * 8 * 32\nbranch_data_fraction = 0.5\n"
-    d = ladder.recipe_plan(write_config(tmp_path, text), gpus=1)["data"]
+    d = recipe_plan(write_config(tmp_path, text), gpus=1)["data"]
     assert d["exact_fraction"] == pytest.approx(0.5, abs=1e-4) and d["prepared_train_tokens"] < d["read_tokens"]
     stable, branch = d["problems"]
     assert data_dir in stable and "epochs: data repeats" in stable

@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import match
+from tooling import match_cli
 import model as model_module
 from match import accounting, flops_per_token, fully_activated, run_flops, sparsity
 from model import GPT, KVCache, ModelConfig
@@ -27,12 +28,12 @@ FAMILIES = {
     "dense_no_gain_qknorm": dict(norm_gain=False, qk_norm=True),
     "moe": dict(MOE),
     "moe_tied_embed_norm": dict(MOE, tie_embeddings=True, embed_norm=True),
-    "smelt_moe": dict(MOE, layout="smelt", n_loops=2),
-    "smelt_dense_r3": dict(layout="smelt", n_loops=3, loop_span=2),
-    "layer_loop_moe": dict(MOE, layout="layer_loop", n_loops=2),
+    "smelt_moe": dict(MOE, layout="smelt", n_passes=2),
+    "smelt_dense_r3": dict(layout="smelt", n_passes=3, loop_span=2),
+    "layer_loop_moe": dict(MOE, layout="layer_loop", n_passes=2),
     "pcc_tied_both": dict(layout="pcc", n_layer=5, n_passes=3),
     "pcc_tied_norm_nogain": dict(layout="pcc", n_layer=5, n_passes=2, boundary="norm", norm_gain=False),
-    "pcc_tied_inject_nocoda": dict(layout="pcc", n_passes=2, boundary="inject", inject_before_coda=False),
+    "pcc_tied_inject": dict(layout="pcc", n_passes=2, boundary="inject"),
     "pcc_tied_none_moe": dict(MOE, layout="pcc", n_passes=2, boundary="none"),
     "pcc_untied_both_qk": dict(layout="pcc", n_layer=5, n_passes=2, tie_core=False, qk_norm=True),
     "pcc_untied_moe_embed_norm": dict(MOE, layout="pcc", n_passes=3, tie_core=False, embed_norm=True,
@@ -192,10 +193,10 @@ def test_sparsity_is_zero_for_the_fully_activated_reference():
 
 
 def test_kv_grows_with_executed_not_stored_layers():
-    kv = {r: accounting(make("smelt_moe", n_loops=r))["kv_per_token"] for r in (1, 2, 3)}
+    kv = {r: accounting(make("smelt_moe", n_passes=r))["kv_per_token"] for r in (1, 2, 3)}
     per_layer = 2 * 4 * 8  # 2 x n_kv_head x head_dim
     assert kv == {1: 4 * per_layer, 2: 6 * per_layer, 3: 8 * per_layer}
-    assert accounting(make("smelt_moe", n_loops=3))["stored_blocks"] == 4
+    assert accounting(make("smelt_moe", n_passes=3))["stored_blocks"] == 4
     tied, untied = accounting(make("pcc_tied_both")), accounting(make("pcc_tied_both", tie_core=False))
     assert tied["kv_per_token"] == untied["kv_per_token"] and tied["stored_blocks"] < untied["stored_blocks"]
     assert accounting(make("dense"), kv_bytes_per_element=4)["kv_bytes_per_token"] == 4 * 4 * per_layer
@@ -220,7 +221,7 @@ def test_run_flops_token_weights_growth_phases():
 
 def load(name):
     """config/NAME -> (ModelConfig, avg_doc_len)."""
-    cfg, settings = match.read_config(os.path.join(ROOT, "config", name))
+    cfg, settings = match_cli.read_config(os.path.join(ROOT, "config", name))
     return cfg, settings["avg_doc_len"]
 
 
@@ -276,7 +277,7 @@ def test_flops_only_matching_of_a_prelude_core_coda_recipe():
 def test_infeasible_requests_say_which_budget_and_by_how_much():
     tiny_kv = ModelConfig(**{**SMALL, **MOE, "n_embd": 64, "n_head": 4, "n_kv_head": 1, "head_dim": 16})
     with pytest.raises(ValueError, match=r"KV budget cannot be met.*off by 200\.0%"):
-        match.match(tiny_kv, dict(layout="smelt", n_loops=3, loop_span=4))
+        match.match(tiny_kv, dict(layout="smelt", n_passes=3, loop_span=4))
     dense = ModelConfig(**{**SMALL, "n_embd": 128})
     with pytest.raises(ValueError, match=r"params budget not met: ratio 0\.\d+ outside 1 \+- 0\.015 by \d+\.\d+%"):
         match.match(dense, "smelt")  # a dense model cannot buy back the params it loses by narrowing
@@ -285,7 +286,7 @@ def test_infeasible_requests_say_which_budget_and_by_how_much():
 
 
 def test_cli_json_and_table(capsys):
-    assert match.main(["--preset", "smelt-200m-s95", "--json"]) == 0
+    assert match_cli.main(["--preset", "smelt-200m-s95", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"baseline", "matched", "ratios"}
     keys = {"n_embd", "n_expert", "n_layer", "executed_layers", "head_dim", "n_kv_head", "flops_per_token",
@@ -293,7 +294,7 @@ def test_cli_json_and_table(capsys):
     assert keys <= set(out["baseline"]) and keys <= set(out["matched"])
     assert set(out["ratios"]) == {"flops", "params", "kv"}
     assert (out["matched"]["n_embd"], out["matched"]["n_expert"], out["matched"]["executed_layers"]) == (1056, 288, 18)
-    assert match.main([os.path.join(ROOT, "config", "smelt_200m_base.py")]) == 0
+    assert match_cli.main([os.path.join(ROOT, "config", "smelt_200m_base.py")]) == 0
     table = capsys.readouterr().out
     assert "flops_per_token" in table and "kv_per_token" in table and "sparsity_S" in table
 
@@ -305,7 +306,7 @@ def test_cli_json_and_table(capsys):
     (["--preset", "smelt-200m-s95", "--memory"], "unrecognized arguments: --memory"),  # now tooling/memory.py
 ])
 def test_cli_mistakes_are_one_line_and_exit_2(argv, message, capsys):
-    assert message in one_line_error(match.main, argv, capsys, "match.py")
+    assert message in one_line_error(match_cli.main, argv, capsys, "match.py")
 
 
 # match.py --preset smelt-SCALE-sS: the twin's (n_embd, n_expert, expert_hidden, n_head, n_kv_head, head_dim) and
@@ -327,22 +328,22 @@ PRESET_TWINS = {
 
 
 def test_every_scale_preset_matches():
-    assert sorted(PRESET_TWINS) == sorted(f"{scale}-s{s}" for scale, v in match.SCALES.items() for s in v[-1])
+    assert sorted(PRESET_TWINS) == sorted(f"{scale}-s{s}" for scale, v in match_cli.SCALES.items() for s in v[-1])
     for name, (shape, ratios) in PRESET_TWINS.items():
-        base, doc_len = match.preset_baseline(f"smelt-{name}")
+        base, doc_len = match_cli.preset_baseline(f"smelt-{name}")
         twin, report = match.match(base, "smelt", avg_doc_len=doc_len)
         assert (twin.n_embd, twin.n_expert, twin.expert_hidden, twin.n_head, twin.n_kv_head, twin.head_dim) == shape
         assert tuple(round(report["ratios"][b], 4) for b in ("flops", "params", "kv")) == ratios
         assert report["sparsity_baseline"]["S"] == pytest.approx(int(name[-2:]) / 100, abs=0.015)
     # the paper's sizes at 1.6B, S~0.97: 53.9B total params, a 504-expert SMELT twin
-    base, _ = match.preset_baseline("smelt-1.6b-s97")
+    base, _ = match_cli.preset_baseline("smelt-1.6b-s97")
     assert accounting(base)["params_total"] == pytest.approx(53.89e9, rel=1e-3)
 
 
 def test_read_config_uses_the_model_reader(tmp_path):
     path = tmp_path / "c.py"
     path.write_text("n_layer = 2\nn_embd = 64\nn_head = 2\navg_doc_len = 0\nbatch_size = 5\n")
-    cfg, settings = match.read_config(str(path))
+    cfg, settings = match_cli.read_config(str(path))
     assert (cfg.n_layer, cfg.n_embd) == (2, 64)
     assert settings == {"avg_doc_len": None, "batch_size": 5}  # 0: a full block_size document, as train.py
 
@@ -360,11 +361,11 @@ SMALL_CONFIG = "n_layer = 4\nn_embd = 64\nn_head = 2\n"
 @pytest.mark.parametrize("config, argv, message", [
     # a recipe that gives a twin which does not loop: nothing to match
     (ONE_LAYER, ["--recipe", "smelt"], "loop_span=0"),  # n_layer // 2 = 0 layers loop
-    (SMALL_CONFIG, ["--recipe", "layout=smelt,n_loops=1"],
-     "n_loops=1: the twin runs every block once"),
+    (SMALL_CONFIG, ["--recipe", "layout=smelt,n_passes=1"],
+     "n_passes=1: the twin runs every block once"),
     (SMALL_CONFIG, ["--recipe", "layout=pcc,n_passes=1"], "n_passes=1: the twin runs every block once"),
     (SMALL_CONFIG, ["--recipe", "layout=plain"], "layout='plain': the twin runs every block once"),
-    (SMALL_CONFIG, ["--recipe", "layout=pcc,n_passes=2,n_core=0,n_prelude=2,n_coda=2"], "n_core=0: must be >= 1"),
+    (SMALL_CONFIG, ["--recipe", "layout=pcc,n_passes=2,n_layer=0"], "n_layer=0"),
     (None, ["--recipe", "smelt"], "the recipe adds no loop to it"),  # the SMELT twin is looped already
     # numbers out of range, named by their flag
     (SMALL_CONFIG, ["--avg_doc_len", "nan"], "argument --avg_doc_len: nan: must be a finite number >= 1"),
@@ -375,7 +376,7 @@ SMALL_CONFIG = "n_layer = 4\nn_embd = 64\nn_head = 2\n"
 ])
 def test_refused_recipes_and_numbers_are_one_line(tmp_path, capsys, config, argv, message):
     path = config_file(tmp_path, config) if config else os.path.join(ROOT, "config", "smelt_200m_s95.py")
-    assert message in one_line_error(match.main, [path, *argv], capsys, "match.py")
+    assert message in one_line_error(match_cli.main, [path, *argv], capsys, "match.py")
 
 
 @pytest.mark.parametrize("options, message", [

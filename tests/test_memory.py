@@ -13,7 +13,7 @@ from test_match import FAMILIES, SMALL, make  # the same model families as the a
 
 import match
 from model import GPT, ModelConfig
-from tooling import memory
+from tooling import match_cli, memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,7 +113,7 @@ def saved_activation_bytes(model, idx, targets, autocast=False):
 ACTIVATION_LAYOUTS = {
     "dense": dict(),
     "dense_gqa_qknorm_nogain": dict(n_kv_head=2, head_dim=24, qk_norm=True, norm_gain=False, embed_norm=True),
-    "smelt_moe": dict(n_expert=8, top_k=2, expert_hidden=32, layout="smelt", n_loops=2),
+    "smelt_moe": dict(n_expert=8, top_k=2, expert_hidden=32, layout="smelt", n_passes=2),
     "pcc_tied_k2": dict(layout="pcc", n_layer=5, n_passes=2),
 }
 
@@ -125,7 +125,8 @@ def measure(layout, autocast=False, kernels=False, **extra):
     model = GPT(cfg)
     if kernels:
         import kernels as triton_kernels
-        triton_kernels.apply(model)
+        from test_kernels import KERNELS  # model.py's classes -> their kernels, as train.py maps them
+        triton_kernels.apply(model, KERNELS)
     idx, targets = torch.randint(0, cfg.eot_token, (2, 2, cfg.block_size))  # no eot: no document mask
     return cfg, saved_activation_bytes(model, idx, targets, autocast)
 
@@ -166,7 +167,7 @@ def test_one_more_executed_block_saves_one_block():
     """per_block (what a block recomputes under activation checkpointing) equals the measured cost of one
     more loop visit; with checkpointing the visit keeps only its fp32 input, 4 x n_embd bytes per token."""
     cfg2, real2 = measure("smelt_moe")
-    cfg3, real3 = measure("smelt_moe", n_loops=3)  # 2 more visits (loop span 2)
+    cfg3, real3 = measure("smelt_moe", n_passes=3)  # 2 more visits (loop span 2)
     est = memory.activation_bytes(cfg2, 2, mixed_precision=False, kernels=False)
     assert real3 - real2 == pytest.approx(2 * est["per_block"], rel=0.01)
     ckpt2, ckpt3 = (memory.activation_bytes(c, 2, mixed_precision=False, activation_checkpointing=True,
@@ -177,7 +178,7 @@ def test_one_more_executed_block_saves_one_block():
 
 
 def test_memory_plan_is_consistent():
-    base, _ = match.preset_baseline("smelt-200m-s95")
+    base, _ = match_cli.preset_baseline("smelt-200m-s95")
     plan = memory.memory_plan(base, world_size=16, micro_batch=2)
     for name in ("ddp", "fsdp"):
         m = plan[name]
@@ -193,7 +194,7 @@ def test_memory_plan_is_consistent():
     adamw = memory.memory_plan(base, 16, 2, optimizer="adamw")
     assert adamw["ddp"]["states_gb_per_gpu"] > plan["ddp"]["states_gb_per_gpu"]  # 16 vs 12 bytes per matrix weight
     # the 1.6B, S~0.97 baseline (53.9B params) needs FSDP: 16 x 53.9e9 bytes of AdamW-level state alone
-    big, _ = match.preset_baseline("smelt-1.6b-s97")
+    big, _ = match_cli.preset_baseline("smelt-1.6b-s97")
     big_plan = memory.memory_plan(big, 16, 1, activation_checkpointing=True)
     assert not big_plan["ddp"]["fits"] and big_plan["fsdp"]["fits"]
 
@@ -242,7 +243,7 @@ def gpu_runs():
             flags = dict(w[2:].split("=", 1) for w in words[:words.index("train.py")] if w.startswith("--") and "=" in w)
             world = int(flags.get("nproc_per_node", 1)) * int(flags.get("nnodes", 1))
             yield " ".join(words), world, words[words.index("train.py") + 1:]
-    for path in sorted(glob.glob(os.path.join(ROOT, "config", "*.py"))):
+    for path in sorted(glob.glob(os.path.join(ROOT, "config", "[!_]*.py"))):
         yield f"torchrun --nproc_per_node=8 train.py {os.path.relpath(path, ROOT)}", 8, [path]
 
 
@@ -266,7 +267,7 @@ def test_every_documented_gpu_run_fits_on_80_gb_gpus(label, world, argv):
 
 
 @pytest.mark.parametrize("layout, grad_accum", [(dict(layout="pcc", n_layer=3, n_passes=2, n_expert=0), 1),
-                                                (dict(layout="smelt", n_layer=4, n_loops=2, n_expert=8, top_k=2), 2)])
+                                                (dict(layout="smelt", n_layer=4, n_passes=2, n_expert=8, top_k=2), 2)])
 def test_planner_agrees_with_pytorchs_fsdp_memory_tracker(layout, grad_accum):
     """bench/fsdp_memory.py at toy size: one of 4 FSDP2 ranks (fake process group, FakeTensorMode, the bf16
     policy, Muon + AdamW, two steps) under torch's FSDPMemTracker; the planner's FSDP total within 10% of

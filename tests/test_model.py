@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model as model_module
 from model import GPT, MoE, ForwardContext, ModelConfig, execution_plan
 from probe import record_blocks
 from tooling.checkpoint import load_model
@@ -39,7 +40,7 @@ def tokens(B=2, T=24, seed=1, eot_at=()):
 
 @pytest.mark.parametrize("L, first, last", [(10, 3, 7), (12, 4, 9), (20, 6, 15), (30, 8, 22)])
 def test_smelt_loops_the_middle_half(L, first, last):
-    cfg = ModelConfig(n_layer=L, n_embd=64, n_head=4, layout="smelt", n_loops=2)
+    cfg = ModelConfig(n_layer=L, n_embd=64, n_head=4, layout="smelt", n_passes=2)
     plan = [s for s in execution_plan(cfg) if s.kind == "block"]
     looped = sorted({s.block + 1 for s in plan if s.visit == 2})  # 1-based
     assert looped == list(range(first, last + 1))
@@ -52,7 +53,7 @@ def test_smelt_loops_the_middle_half(L, first, last):
 
 
 def test_layer_loop_repeats_each_layer_in_place():
-    cfg = tiny(n_layer=4, layout="layer_loop", n_loops=3, loop_span=2)
+    cfg = tiny(n_layer=4, layout="layer_loop", n_passes=3, loop_span=2)
     order = [(s.block, s.visit) for s in execution_plan(cfg) if s.kind == "block"]
     assert order == [(0, 1), (1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3), (3, 1)]
 
@@ -61,7 +62,7 @@ def test_layer_loop_repeats_each_layer_in_place():
 def test_every_update_inside_the_loop_is_scaled_by_one_over_r(layout):
     """[S8]-[S9] in the forward itself: each block execution receives the scale its Step says, 1/r inside
     the loop span, 1 outside; and the update a block writes is its unscaled update times that scale."""
-    model = build(n_layer=4, layout=layout, n_loops=3, loop_span=2)
+    model = build(n_layer=4, layout=layout, n_passes=3, loop_span=2)
     seen = []
     hooks = [b.register_forward_pre_hook(lambda m, args, i=i: seen.append((i, args[1]))) for i, b in enumerate(model.blocks)]
     model(tokens(B=1, T=8))
@@ -157,14 +158,14 @@ def test_prelude_core_coda_split(depth, split):
 
 def test_smelt_r1_is_the_baseline_bit_for_bit():
     base = build(layout="plain")
-    looped = GPT(tiny(layout="smelt", n_loops=1)).eval()
+    looped = GPT(tiny(layout="smelt", n_passes=1)).eval()
     looped.load_state_dict(base.state_dict())
     idx = tokens(eot_at=(9,))
     assert torch.equal(base(idx)[0], looped(idx)[0])
 
 
 def test_smelt_r2_matches_hand_unrolled_S8_S9():
-    model = build(layout="smelt", n_loops=2, n_layer=4, n_expert=6, top_k=2, expert_hidden=16)
+    model = build(layout="smelt", n_passes=2, n_layer=4, n_expert=6, top_k=2, expert_hidden=16)
     idx = tokens()
     T = idx.size(1)
     ctx = ForwardContext(model.rope_cos[:T], model.rope_sin[:T], None)
@@ -209,9 +210,8 @@ def test_untied_copies_of_the_tied_core_compute_the_same_function():
     assert untied.num_params()["total"] - tied.num_params()["total"] == (K - 1) * core_params
 
 
-def pcc_records(boundary="both", inject_before_coda=True, alpha=0.7, K=2):
-    model = build(layout="pcc", n_layer=3, n_passes=K, boundary=boundary, boundary_alpha=alpha,
-                  inject_before_coda=inject_before_coda, norm_gain=False)
+def pcc_records(boundary="both", alpha=0.7, K=2):
+    model = build(layout="pcc", n_layer=3, n_passes=K, boundary=boundary, boundary_alpha=alpha, norm_gain=False)
     with record_blocks(model) as records:
         logits = model(tokens())[0]
     return model, records, logits
@@ -242,8 +242,6 @@ def test_boundary_switches():
     _, rec, _ = pcc_records("none")  # a plain deep transformer
     assert torch.equal(rec[1]["resid_in"], rec[0]["resid_out"])
     assert torch.equal(rec[3]["resid_in"], rec[2]["resid_out"])
-    _, rec, _ = pcc_records("both", inject_before_coda=False)
-    torch.testing.assert_close(rec[3]["resid_in"], rms(rec[2]["resid_out"]))
     outputs = [pcc_records(b)[2] for b in ("both", "norm", "inject", "none")]
     for i in range(4):
         for j in range(i):
@@ -268,7 +266,7 @@ def test_test_time_passes_override():
 
 @pytest.mark.parametrize("layout", ["plain", "smelt", "pcc"])
 def test_causal_and_document_mask(layout):
-    model = build(layout=layout, n_layer=4, **({"n_passes": 2} if layout == "pcc" else {"n_loops": 2}))
+    model = build(layout=layout, n_layer=4, **({"n_passes": 2} if layout == "pcc" else {"n_passes": 2}))
     idx = tokens(B=1, T=30, eot_at=(0, 12))
     logits = model(idx)[0]
     later = idx.clone()
@@ -328,15 +326,14 @@ def naive_moe(moe, x, renormalize):
     return torch.stack(rows).view_as(x)
 
 
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_moe_sparse_dispatch_equals_naive_reference(renormalize):
+def test_moe_sparse_dispatch_equals_naive_reference():
     torch.manual_seed(0)
-    moe = MoE(tiny(n_expert=7, top_k=3, expert_hidden=12, router_renormalize=renormalize))
+    moe = MoE(tiny(n_expert=7, top_k=3, expert_hidden=12))
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(2, 9, 32, requires_grad=True)
     out, router = moe(x)
-    ref = naive_moe(moe, x, renormalize)
+    ref = naive_moe(moe, x, True)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, [x] + list(moe.parameters()), g)
@@ -415,11 +412,11 @@ def test_gradients_reach_every_pass_and_every_used_expert():
 
     handle = core.register_forward_hook(keep_grad)
     idx = tokens(B=2, T=32)
-    _, loss = model(idx, idx)
+    _, loss, stats = model(idx, idx, return_stats=True)
     loss.backward()
     handle.remove()
     assert len(pass_grads) == 3 and all(g > 0 for g in pass_grads)
-    counts = model.last_stats["expert_counts"]  # (MoE executions, E)
+    counts = stats["expert_counts"]  # (MoE executions, E)
     for i, block in enumerate(model.blocks):
         used = [s for s in model.plan if s.kind == "block" and s.block == i]
         rows = [n for n, s in enumerate([s for s in model.plan if s.kind == "block"]) if s.block == i]
@@ -440,8 +437,8 @@ def test_untied_cores_all_receive_gradients():
 
 
 @pytest.mark.parametrize("kw", [dict(layout="plain"),
-                                dict(layout="smelt", n_loops=2, n_expert=5, top_k=2, expert_hidden=8),
-                                dict(layout="layer_loop", n_loops=2),
+                                dict(layout="smelt", n_passes=2, n_expert=5, top_k=2, expert_hidden=8),
+                                dict(layout="layer_loop", n_passes=2),
                                 dict(layout="pcc", n_layer=3, n_passes=2),
                                 dict(layout="pcc", n_layer=3, n_passes=4),
                                 dict(layout="pcc", n_layer=3, n_passes=2, tie_core=False),
@@ -492,12 +489,12 @@ def test_num_params_breakdown():
     (dict(n_expert=4, top_k=5), "top_k"),
     (dict(layout="smelt", loop_span=9), "loop_span"),
     (dict(layout="pcc", n_passes=0), "n_passes"),
-    (dict(n_loops=0), "n_loops"),
+    (dict(n_passes=0), "n_passes"),
     (dict(layout="spiral"), "layout"),
     (dict(boundary="maybe"), "boundary"),
     (dict(head_dim=7), "head_dim"),
     (dict(eot_token=500), "eot_token"),
-    (dict(layout="pcc", n_layer=4, n_prelude=1, n_core=1, n_coda=1), "n_layer"),
+    (dict(layout="pcc", n_layer=0), "n_layer"),
     (dict(init="x", tie_embeddings=True), "tie_embeddings"),
 ])
 def test_bad_configs_name_the_field(kw, field):
@@ -521,7 +518,7 @@ def test_x_init_zeroes_outputs():
 
 def test_checkpoint_round_trip(tmp_path):
     from tooling.checkpoint import plain_config, save_file
-    model = build(layout="smelt", n_loops=2)
+    model = build(layout="smelt", n_passes=2)
     path = tmp_path / "ckpt.pt"
     save_file(str(path), {"model_config": plain_config(model.config), "model": model.state_dict()})
     loaded, _ = load_model(str(path))
@@ -535,22 +532,23 @@ def test_checkpoint_round_trip(tmp_path):
 
 
 def test_loss_ignores_minus_one_and_includes_router_losses():
-    model = build(n_expert=4, top_k=2, expert_hidden=8, balance_loss_coef=0.5, z_loss_coef=0.1)
+    model = build(n_expert=4, top_k=2, expert_hidden=8)
     idx = tokens()
     targets = idx.clone()
     targets[:, :5] = -1
-    logits, loss = model(idx, targets)
+    logits, loss, s = model(idx, targets, return_stats=True)
     ce = F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-1)
-    s = model.last_stats
-    torch.testing.assert_close(loss, ce + 0.5 * s["balance"] + 0.1 * s["z_loss"])
+    torch.testing.assert_close(s["ce"], ce)
+    torch.testing.assert_close(loss, ce + model_module.BALANCE_LOSS_COEF * s["balance"]
+                               + model_module.Z_LOSS_COEF * s["z_loss"])
 
 
 def test_flex_attention_path_equals_sdpa_path():
     """FlexAttention (the CUDA fast path) computes the same document-masked attention as SDPA.
     Forward only: FlexAttention has no backward on CPU in torch 2.13."""
     import warnings
-    sdpa = build(layout="smelt", n_loops=2, attention="sdpa")
-    flex = GPT(tiny(layout="smelt", n_loops=2, attention="flex")).eval()
+    sdpa = build(layout="smelt", n_passes=2, attention="sdpa")
+    flex = GPT(tiny(layout="smelt", n_passes=2, attention="flex")).eval()
     flex.load_state_dict(sdpa.state_dict())
     idx = tokens(B=2, T=40, eot_at=(0, 11, 29))
     with warnings.catch_warnings():
@@ -561,12 +559,12 @@ def test_flex_attention_path_equals_sdpa_path():
 
 KERNEL_FAMILIES = {  # each family's modules that kernels.apply swaps, and the kernels they call
     "plain_dense": (dict(layout="plain", n_layer=2, qk_norm=True), ("rmsnorm", "swiglu")),
-    "smelt_moe": (dict(layout="smelt", n_loops=2, n_layer=2, n_expert=6, top_k=2, expert_hidden=8),
+    "smelt_moe": (dict(layout="smelt", n_passes=2, n_layer=2, n_expert=6, top_k=2, expert_hidden=8),
                   ("rmsnorm", "moe_experts")),
     "pcc_both": (dict(layout="pcc", n_layer=3, n_passes=2, qk_norm=True, norm_gain=False),
                  ("rmsnorm", "swiglu", "boundary_operator")),
-    # a gain on every norm; the coda's boundary only norms (BO's parts: the swapped RMSNorm)
-    "pcc_both_gain": (dict(layout="pcc", n_layer=3, n_passes=2, inject_before_coda=False),
+    # a gain on every norm, the boundary operator's too
+    "pcc_both_gain": (dict(layout="pcc", n_layer=3, n_passes=2),
                       ("rmsnorm", "swiglu", "boundary_operator")),
 }
 # the kernels run compiled on CUDA, in the Triton interpreter on CPU (conftest.py sets it without CUDA)
@@ -582,7 +580,7 @@ def test_kernels_apply_gives_the_same_loss_and_gradients(family, monkeypatch):
     pytest.importorskip("triton")
     import kernels
     from model import MLP, BoundaryOperator, RMSNorm
-    from test_kernels import count_kernel_calls
+    from test_kernels import KERNELS, count_kernel_calls
     kw, expected_kernels = KERNEL_FAMILIES[family]
     torch.manual_seed(0)
     ref = GPT(tiny(n_embd=32, n_head=2, n_kv_head=1, head_dim=16, **kw))
@@ -590,7 +588,7 @@ def test_kernels_apply_gives_the_same_loss_and_gradients(family, monkeypatch):
     fast.load_state_dict(ref.state_dict())
     ref, fast = ref.to(KERNEL_DEVICE), fast.to(KERNEL_DEVICE)
     params, state = dict(fast.named_parameters()), fast.state_dict()
-    assert kernels.apply(fast) is fast
+    assert kernels.apply(fast, KERNELS) is fast
     assert all(p is params[n] for n, p in fast.named_parameters()) and len(params) == len(list(fast.parameters()))
     assert fast.state_dict().keys() == state.keys()
     swappable = [m for m in fast.modules() if isinstance(m, (RMSNorm, MLP, MoE, BoundaryOperator))]
@@ -613,11 +611,11 @@ def test_kernels_apply_is_idempotent_and_survives_a_block_copy(monkeypatch):
     calls the kernels."""
     pytest.importorskip("triton")
     import kernels
-    from test_kernels import count_kernel_calls
-    model = kernels.apply(build(layout="smelt", n_loops=2, n_layer=2, n_embd=32, n_head=2, n_kv_head=1,
-                                head_dim=16, n_expert=4, top_k=2, expert_hidden=8).to(KERNEL_DEVICE))
+    from test_kernels import KERNELS, count_kernel_calls
+    model = kernels.apply(build(layout="smelt", n_passes=2, n_layer=2, n_embd=32, n_head=2, n_kv_head=1,
+                                head_dim=16, n_expert=4, top_k=2, expert_hidden=8).to(KERNEL_DEVICE), KERNELS)
     classes = [type(m) for m in model.modules()]
-    assert [type(m) for m in kernels.apply(model).modules()] == classes
+    assert [type(m) for m in kernels.apply(model, KERNELS).modules()] == classes
     idx = tokens(B=1, T=12).to(KERNEL_DEVICE)
     loss = model(idx, idx)[1]
     block = copy.deepcopy(model.blocks[1])
@@ -659,8 +657,8 @@ def test_model_py_works_copied_alone(tmp_path):
 import sys, torch
 from model import GPT, ModelConfig
 torch.manual_seed(0)
-for kw in [dict(layout="smelt", n_loops=2, n_expert=4, top_k=2), dict(layout="pcc", n_passes=2),
-           dict(layout="layer_loop", n_loops=2), dict()]:
+for kw in [dict(layout="smelt", n_passes=2, n_expert=4, top_k=2), dict(layout="pcc", n_passes=2),
+           dict(layout="layer_loop", n_passes=2), dict()]:
     model = GPT(ModelConfig(vocab_size=64, eot_token=63, block_size=16, n_embd=32, n_head=2, **kw))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     idx = torch.randint(0, 63, (4, 16))

@@ -17,9 +17,9 @@ MOE = dict(n_expert=4, top_k=2, expert_hidden=16)
 PCC = dict(layout="pcc", n_layer=3, boundary="both", boundary_alpha=0.7)
 CASES = {  # the optimizers alternate so both (and the [X] Muon's sharded variance reduction) run in parallel
     "plain_moe": dict(MOE, layout="plain", optimizer="muon", muon_variant="x"),
-    "smelt_moe_grow": dict(MOE, layout="smelt", n_loops=1, grow_at=2.0, grow_to=2, optimizer="muon"),
-    "smelt_moe_random": dict(MOE, layout="smelt", n_loops=2, n_passes_choices=[1, 2, 3], optimizer="adamw"),
-    "layer_loop_random": dict(layout="layer_loop", n_loops=2, n_passes_choices=[1, 2], optimizer="muon",
+    "smelt_moe_grow": dict(MOE, layout="smelt", n_passes=1, grow_at=2.0, grow_to=2, optimizer="muon"),
+    "smelt_moe_random": dict(MOE, layout="smelt", n_passes=2, n_passes_choices=[1, 2, 3], optimizer="adamw"),
+    "layer_loop_random": dict(layout="layer_loop", n_passes=2, n_passes_choices=[1, 2], optimizer="muon",
                               muon_variant="x"),
     "pcc_grow_tied": dict(PCC, n_passes=1, grow_at=2.0, grow_to=2, optimizer="muon"),
     "pcc_grow_untied": dict(PCC, n_passes=1, grow_at=2.0, grow_to=2, grow_untie=True, optimizer="adamw"),
@@ -58,7 +58,8 @@ def parallel_runs(tmp_path_factory, data_dir, torchrun):
                 for option, overrides in variants(case, grad_accum, parallel):
                     name = job_name(case, parallel, grad_accum, option)
                     jobs.append(dict(name=name, settings=BASE | settings | overrides | dict(
-                        parallel=parallel, grad_accum=grad_accum, data_dir=data_dir, out_dir=str(root / name))))
+                        parallel=parallel, global_batch=2 * BASE["batch_size"] * grad_accum, data_dir=data_dir,
+                        out_dir=str(root / name))))
     (root / "jobs.json").write_text(json.dumps(jobs))
     torchrun(["tests/fsdp_driver.py", str(root / "jobs.json"), str(root / "results.json"), "--compile_backend",
               "aot_eager"], nproc=2, timeout=600)
@@ -69,8 +70,9 @@ def parallel_runs(tmp_path_factory, data_dir, torchrun):
 def one_process(tmp_path_factory, data_dir):
     """The reference of each (case, accumulation of the 2-process job): one process, twice the micro-batches."""
     root = tmp_path_factory.mktemp("one")
-    return {(case, grad_accum): train.train(BASE | settings | dict(grad_accum=2 * grad_accum, data_dir=data_dir,
-                                                                  out_dir=str(root / f"{case}-{grad_accum}")))
+    return {(case, grad_accum): train.train(BASE | settings | dict(
+                global_batch=2 * BASE["batch_size"] * grad_accum, data_dir=data_dir,
+                out_dir=str(root / f"{case}-{grad_accum}")))
             for case, settings in CASES.items() for grad_accum in (1, 2)}
 
 

@@ -16,6 +16,8 @@ import pytest
 import train
 from conftest import one_line_error, small_corpus
 from data import loader, prepare as prep
+from data import shards as prepared  # the reading of a prepared folder
+from tooling.common import read_jsonl
 from data.tokenizer import get_tokenizer, token_byte_lengths
 from model import ModelConfig
 
@@ -58,11 +60,12 @@ def corpus(tmp_path_factory):
 def test_jsonl_prepares_into_fixed_size_shards_that_decode_to_the_documents(corpus, tmp_path):
     docs, path = corpus
     out = prep.prepare([path], str(tmp_path / "out"), shard_tokens=2048, verbose=False)
-    meta, tok = prep.load_meta(out), get_tokenizer("gpt2-4096")
+    meta, tok = prepared.load_meta(out), get_tokenizer("gpt2-4096")
     assert meta["sources"] == ["code", "news"] and meta["version"] == prep.PREPARE_VERSION
     seen = set()
     for split in prep.SPLITS:
-        shards, tokens, spans = meta["shards"][split], prep.load_split(out, split), prep.load_sources(out, split)
+        shards = meta["shards"][split]
+        tokens, spans = prepared.load_split(out, split), prepared.load_sources(out, split)
         assert [s["tokens"] for s in shards[:-1]] == [2048] * (len(shards) - 1) and 0 < shards[-1]["tokens"] <= 2048
         assert len(tokens) == meta["splits"][split]["tokens"] == sum(s["tokens"] for s in shards)
         flat = np.asarray(tokens)
@@ -77,12 +80,12 @@ def test_jsonl_prepares_into_fixed_size_shards_that_decode_to_the_documents(corp
         seen |= set(spans[:, 3].tolist())
     assert len(meta["shards"]["train"]) >= 10 and seen == set(range(len(docs)))
     # the unigram baselines, computed from per-chunk counts, against the tokens themselves
-    train_counts = np.bincount(np.asarray(prep.load_split(out, "train")), minlength=4096).astype(np.float64)
+    train_counts = np.bincount(np.asarray(prepared.load_split(out, "train")), minlength=4096).astype(np.float64)
     p = train_counts[train_counts > 0] / train_counts.sum()
     assert meta["unigram_entropy_train_nats"] == pytest.approx(-(p * np.log(p)).sum(), rel=1e-12)
     smoothed = (train_counts + 1) / (train_counts.sum() + 4096)
     assert meta["unigram_xent_val_nats"] == pytest.approx(
-        -np.log(smoothed[np.asarray(prep.load_split(out, "val"))]).mean(), rel=1e-12)
+        -np.log(smoothed[np.asarray(prepared.load_split(out, "val"))]).mean(), rel=1e-12)
     prep.verify(out, verbose=False)
 
 
@@ -97,7 +100,7 @@ def test_parquet_gives_the_same_shards_as_jsonl(corpus, tmp_path):
     assert shard_files(a) == shard_files(b)
     pq.write_table(pa.table({"text": [t for t, _ in docs[:5]]}), tmp_path / "nosource.parquet")  # source: the stem
     c = prep.prepare([str(tmp_path / "nosource.parquet")], str(tmp_path / "nosource"), verbose=False)
-    assert prep.load_meta(c)["sources"] == ["nosource"]
+    assert prepared.load_meta(c)["sources"] == ["nosource"]
 
 
 def test_output_is_byte_identical_for_one_and_two_workers(corpus, tmp_path):
@@ -154,21 +157,22 @@ def test_val_fraction_streams_the_first_versions_split(tmp_path, seed):
     docs = documents(60, seed=seed) + [("a lone document", "solo")]
     path = write_jsonl(tmp_path / "d.jsonl", docs)
     out = prep.prepare([path], str(tmp_path / "out"), val_fraction=0.2, seed=seed, verbose=False)
-    val = set(prep.load_sources(out, "val")[:, 3].tolist())
+    val = set(prepared.load_sources(out, "val")[:, 3].tolist())
     assert val == first_version_split([s for _, s in docs], 0.2, seed)
     single = [(f"document {i}", f"s{i}") for i in range(5)]  # every source has one document: split across them
     out = prep.prepare([write_jsonl(tmp_path / "s.jsonl", single)], str(tmp_path / "single"), val_fraction=0.4,
                        seed=seed, verbose=False)
-    assert set(prep.load_sources(out, "val")[:, 3].tolist()) == first_version_split([s for _, s in single], 0.4, seed)
+    val = set(prepared.load_sources(out, "val")[:, 3].tolist())
+    assert val == first_version_split([s for _, s in single], 0.4, seed)
 
 
 def test_val_tokens_is_a_whole_document_budget_stratified_by_source(tmp_path):
     docs = documents(600, seed=1)
     path = write_jsonl(tmp_path / "d.jsonl", docs)
     out = prep.prepare([path], str(tmp_path / "a"), val_tokens=12_000, shard_tokens=8192, verbose=False)
-    meta = prep.load_meta(out)
-    train_docs = set(prep.load_sources(out, "train")[:, 3].tolist())
-    val_spans = prep.load_sources(out, "val")
+    meta = prepared.load_meta(out)
+    train_docs = set(prepared.load_sources(out, "train")[:, 3].tolist())
+    val_spans = prepared.load_sources(out, "val")
     val_docs = set(val_spans[:, 3].tolist())
     assert train_docs.isdisjoint(val_docs) and train_docs | val_docs == set(range(len(docs)))  # no straddling
     assert abs(meta["splits"]["val"]["tokens"] - 12_000) < 0.25 * 12_000  # whole documents, drawn: about the budget
@@ -180,7 +184,7 @@ def test_val_tokens_is_a_whole_document_budget_stratified_by_source(tmp_path):
     again = prep.prepare([path], str(tmp_path / "b"), val_tokens=12_000, shard_tokens=8192, verbose=False)
     other = prep.prepare([path], str(tmp_path / "c"), val_tokens=12_000, shard_tokens=8192, seed=1, verbose=False)
     assert files_of(again) == files_of(out)
-    assert set(prep.load_sources(other, "val")[:, 3].tolist()) != val_docs
+    assert set(prepared.load_sources(other, "val")[:, 3].tolist()) != val_docs
 
 
 # -----------------------------------------------------------------------------
@@ -213,7 +217,7 @@ def test_prepare_killed_mid_shard_then_rerun_gives_the_uninterrupted_output(corp
 # -----------------------------------------------------------------------------
 # training from shards
 
-SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_loops=2, block_size=128,
+SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_passes=2, block_size=128,
              batch_size=4, eval_tokens=512, warmup_steps=2, eval_interval=2, progress=False, sample=False)
 
 
@@ -290,10 +294,10 @@ def test_token_byte_lengths_sum_to_the_utf8_length(name):
 def test_meta_bytes_are_the_token_byte_lengths(corpus, tmp_path):
     _, path = corpus
     out = prep.prepare([path], str(tmp_path / "out"), shard_tokens=4096, verbose=False)
-    meta = prep.load_meta(out)
+    meta = prepared.load_meta(out)
     lengths = token_byte_lengths(meta)
     for split in prep.SPLITS:
-        assert int(lengths[np.asarray(prep.load_split(out, split))].sum()) == meta["splits"][split]["bytes"]
+        assert int(lengths[np.asarray(prepared.load_split(out, split))].sum()) == meta["splits"][split]["bytes"]
 
 
 # -----------------------------------------------------------------------------
@@ -371,7 +375,7 @@ def test_an_old_layout_folder_is_refused_then_rebuilt(tmp_path):
     with pytest.raises(ValueError, match="format version 1, this one reads 2"):
         loader.load_data(str(out))
     prep.prepare_default(str(out), verbose=False)
-    assert "train.bin" not in os.listdir(out) and prep.load_meta(str(out))["version"] == prep.PREPARE_VERSION
+    assert "train.bin" not in os.listdir(out) and prepared.load_meta(str(out))["version"] == prep.PREPARE_VERSION
 
 
 # -----------------------------------------------------------------------------
@@ -391,7 +395,7 @@ def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
     texts = ["one\u2028two", "three\x85four", "five\u2029", "six"]
     path = tmp_path / "u.jsonl"
     path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
-    assert [row["text"] for _, row in prep.read_jsonl(str(path))] == texts
+    assert [row["text"] for _, row in read_jsonl(str(path))] == texts
 
 
 def test_an_input_given_twice_is_refused(corpus, tmp_path, capsys):
@@ -417,13 +421,13 @@ def test_an_output_folder_holding_other_data_is_refused_untouched(corpus, tmp_pa
 
 def test_a_failing_prepare_keeps_the_previous_one(corpus, tmp_path, capsys):
     out = prep.prepare([corpus[1]], str(tmp_path / "out"), verbose=False)
-    before = prep.load_meta(out)
+    before = prepared.load_meta(out)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": \n')
     for argv in ([str(bad)], [corpus[1], "--val_tokens", "100000000"], [corpus[1], "--seed", "-1"]):
         err = one_line_error(prep.main, [*argv, "--out", out], capsys, "prepare.py")
         assert "bad.jsonl:2" in err or "--val_tokens" in err or "--seed must be >= 0" in err
-        assert prep.load_meta(out) == before
+        assert prepared.load_meta(out) == before
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -459,20 +463,22 @@ def test_resume_on_another_prepared_corpus_is_refused_init_from_starts_its_data_
     from tooling.checkpoint import load_checkpoint
     state = load_checkpoint(forked["ckpt_path"])["state"]  # one step (4 windows) read from the new data's first window
     assert forked["step"] == 3 and state["data_position"] == 4
-    assert state["data_fingerprint"] == prep.load_meta(many)["fingerprint"] != prep.load_meta(one)["fingerprint"]
+    fingerprints = prepared.load_meta(many)["fingerprint"], prepared.load_meta(one)["fingerprint"]
+    assert state["data_fingerprint"] == fingerprints[0] != fingerprints[1]
 
 
 def test_the_ladder_plan_cuts_a_prepared_folder_as_training_does(sharded):
     """ladder --plan checks a prepared folder's regions with the cut Data.stream makes (the held-back tail
     starting at a shard boundary), not with the single-shard formula."""
-    import ladder
     from types import SimpleNamespace
+
+    from ladders.recipe import data_needs
     many = sharded[1]
     data, T, f = loader.load_data(many), 32, 0.3
     stable, branch = data.stream(T, 0, f), data.stream(T, 0, f, branch=True)
     config = SimpleNamespace(block_size=T, branch_data_fraction=f, data_dir=many)
-    fits = ladder.data_needs(config, config, stable.n_windows, branch.n_windows, True)
-    beyond = ladder.data_needs(config, config, stable.n_windows + 1, branch.n_windows + 1, True)
+    fits = data_needs(config, config, stable.n_windows, branch.n_windows, True)
+    beyond = data_needs(config, config, stable.n_windows + 1, branch.n_windows + 1, True)
     assert stable.stop != len(data.train_tokens) - int(len(data.train_tokens) * f)  # the cut did move
     region = lambda plan: [p for p in plan["problems"] if "train tokens: its" in p]  # noqa: E731 (the folder's regions)
     assert region(fits) == [] and len(region(beyond)) == 2

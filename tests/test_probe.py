@@ -173,7 +173,7 @@ def tiny_tokens(rows=4, seq_len=64, seed=0):
 
 def test_record_blocks_records_every_executed_block_and_changes_nothing():
     torch.manual_seed(0)
-    model = GPT(tiny_config(layout="smelt", n_loops=2, n_expert=4, top_k=2, expert_hidden=8, n_kv_head=2)).eval()
+    model = GPT(tiny_config(layout="smelt", n_passes=2, n_expert=4, top_k=2, expert_hidden=8, n_kv_head=2)).eval()
     idx = tiny_tokens(rows=2, seq_len=24)
     idx[:, 7] = EOT
     plain_logits = model(idx)[0]
@@ -200,7 +200,7 @@ def test_run_probes_identical_visits_give_overlap_k_and_cosine_1():
     """With zero out-projections in the loop span the stream entering visit 2 equals visit 1's: every
     routing set, attention pattern and projection repeats exactly."""
     torch.manual_seed(0)
-    model = GPT(tiny_config(layout="smelt", n_loops=2, n_expert=8, top_k=2))
+    model = GPT(tiny_config(layout="smelt", n_passes=2, n_expert=8, top_k=2))
     start, stop = model.config.loop_start, model.config.loop_start + model.config.loop_span
     with torch.no_grad():
         for block in model.blocks[start:stop]:
@@ -220,7 +220,7 @@ def test_run_probes_identical_visits_give_overlap_k_and_cosine_1():
 
 def test_run_probes_micro_batches_agree_and_last_lens_is_final():
     torch.manual_seed(1)
-    model = GPT(tiny_config(layout="smelt", n_loops=2, n_expert=8, top_k=2))
+    model = GPT(tiny_config(layout="smelt", n_passes=2, n_expert=8, top_k=2))
     idx = tiny_tokens(rows=4)
     whole = probe.run_probes(model, idx, batch_size=4, attn_topk=4)
     split = probe.run_probes(model, idx, batch_size=1, attn_topk=4)
@@ -280,7 +280,7 @@ def write_checkpoint(tmp_path, data_dir, name, **overrides):
 
 
 def test_cli_looped_moe_json_and_text(tmp_path, data_dir, capsys):
-    ckpt = write_checkpoint(tmp_path, data_dir, "looped", layout="smelt", n_loops=2, n_expert=8, top_k=2)
+    ckpt = write_checkpoint(tmp_path, data_dir, "looped", layout="smelt", n_passes=2, n_expert=8, top_k=2)
     run = subprocess.run([sys.executable, "probe.py", "--ckpt", ckpt, "--tokens", "256", "--json"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

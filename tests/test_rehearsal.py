@@ -20,8 +20,8 @@ from tooling.checkpoint import load_model
 VOCAB, EOT = 256, 255
 LAYOUTS = {
     "plain-gqa-qknorm": dict(layout="plain", n_kv_head=1, qk_norm=True),
-    "smelt-moe": dict(layout="smelt", n_loops=2, n_expert=4, top_k=2, expert_hidden=16),
-    "layer-loop": dict(layout="layer_loop", n_loops=2),
+    "smelt-moe": dict(layout="smelt", n_passes=2, n_expert=4, top_k=2, expert_hidden=16),
+    "layer-loop": dict(layout="layer_loop", n_passes=2),
     "pcc-tied-boundary": dict(layout="pcc", n_layer=3, n_passes=2, boundary="both", boundary_alpha=0.7,
                               norm_gain=False, qk_norm=True, embed_norm=True),
     "pcc-untied-moe": dict(layout="pcc", n_layer=3, n_passes=2, tie_core=False, n_expert=4, top_k=2),
@@ -83,7 +83,7 @@ def test_eval_core_and_probe_entry_points_under_bf16():
 # ---- train.py --dtype=bfloat16
 
 
-SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_loops=2, block_size=32,
+SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_passes=2, block_size=32,
              batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=100, progress=False, sample=False,
              dtype="bfloat16")
 
@@ -138,7 +138,7 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-HOST_READ_CASES = {**LAYOUTS, "smelt-moe-random-passes": LAYOUTS["smelt-moe"] | dict(n_loops=3),
+HOST_READ_CASES = {**LAYOUTS, "smelt-moe-random-passes": LAYOUTS["smelt-moe"] | dict(n_passes=3),
                    "pcc-untied-fewer-passes": LAYOUTS["pcc-untied-moe"] | dict(n_passes=3)}
 
 

@@ -1,4 +1,4 @@
-"""The [X] data-constrained ladder (ladder.py kind "repeat", x-cpu-repeat) and the redesigned x-cpu-mini:
+"""The [X] data-constrained ladder (ladders/repeat.py, kind "repeat", x-cpu-repeat) and the redesigned x-cpu-mini:
 train.py --unique_tokens reads only that many tokens, for as many epochs as the run needs; the micro
 preset runs end to end (LR sweep, weight-decay grid and its bracketing, seeds at the best weight decay,
 report, figures) and its report rebuilds from runs.csv byte for byte; the analysis recovers known answers
@@ -13,9 +13,20 @@ import shutil
 import numpy as np
 import pytest
 
-import ladder
+import fit
+import grow
 import train
 from conftest import one_line_error
+from ladders import pipeline
+from ladders.common import data_plan, tokens_per_step
+from fit import wd_regression
+from ladders.stats import interpolated_optimum
+from ladders.presets import SEEDS, X_GLR_TIED, X_LR_BETA, X_OPERATOR1, X_OPERATOR1_TRAIN, X_TPP_STORED, get_preset
+from ladders.repeat import envelope, reach_compute, repeat_analysis
+from ladders.smelt import smelt_cells
+from ladders.specs import build, describe_presets, full_plan
+from ladders.x import depth_means, multiplier_bootstrap, x_config, x_recipe
+from tooling import tables
 
 
 def quiet(*args, **kwargs):
@@ -23,10 +34,10 @@ def quiet(*args, **kwargs):
 
 
 def test_unique_tokens_reads_only_them_for_many_epochs(tmp_path, capsys):
-    base = dict(n_layer=1, n_embd=16, n_head=2, n_expert=0, layout="plain", n_loops=1, vocab_size=257, eot_token=256,
+    base = dict(n_layer=1, n_embd=16, n_head=2, n_expert=0, layout="plain", n_passes=1, vocab_size=257, eot_token=256,
                 block_size=16, batch_size=4, max_steps=30, eval_interval=30, eval_tokens=256, progress=False,
                 sample=False, out_dir=str(tmp_path),
-                data_dir=ladder.data_plan(ladder.get_preset("x-repeat-micro")).data_dir)
+                data_dir=data_plan(get_preset("x-repeat-micro")).data_dir)
     summary = train.train(dict(base, run_name="u", unique_tokens=500))
     lo, hi = summary["data_read"]
     assert lo == 0 and hi <= 500  # every window inside the first 500 tokens
@@ -46,32 +57,32 @@ def test_unique_tokens_reads_only_them_for_many_epochs(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def repeat_micro(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("repeat"))
-    report = ladder.ladder("x-repeat-micro", out_dir=out, progress=False, log=quiet, workers=2, plot=True)
+    report = pipeline.ladder("x-repeat-micro", out_dir=out, progress=False, log=quiet, workers=2, plot=True)
     return out, report
 
 
 def test_repeat_micro_end_to_end(repeat_micro):
     out, report = repeat_micro
-    preset = ladder.get_preset("x-repeat-micro")
-    rows = [r for r in ladder.tables.read_rows_csv(os.path.join(out, "runs.csv"))]
-    step_tokens = ladder.tokens_per_step(preset)
-    steps = math.ceil(preset["epochs"] * preset["unique_tokens"] / step_tokens)
+    preset = get_preset("x-repeat-micro")
+    rows = [r for r in tables.read_rows_csv(os.path.join(out, "runs.csv"))]
+    step_tokens = tokens_per_step(preset)
+    steps = math.ceil(preset.epochs * preset.unique_tokens / step_tokens)
     for r in rows:  # every run: epochs x the unique tokens (whole steps), reading only those tokens
         assert r["D"] == steps * step_tokens
-        assert r["epochs"] == pytest.approx(steps * step_tokens / preset["unique_tokens"])
+        assert r["epochs"] == pytest.approx(steps * step_tokens / preset.unique_tokens)
         result = json.load(open(os.path.join(out, "runs", r["run_id"], "result.json")))
-        assert result["data_read"][1] <= preset["unique_tokens"]
-        assert result["settings"]["weight_decay"] == result["settings"]["embedding_weight_decay"] == r["wd"]
+        assert result["data_read"][1] <= preset.unique_tokens
+        assert result["settings"]["weight_decay"] == r["wd"]
     first = [r for r in rows if r["role"] == "run"]
-    for k in preset["passes"]:  # the grid at every K x depth, extended below its edge where the best sat there
-        for d in preset["depths"]:
+    for k in preset.passes:  # the grid at every K x depth, extended below its edge where the best sat there
+        for d in preset.depths:
             point = {r["wd"]: r["loss"] for r in first if r["K"] == k and r["depth"] == d}
-            assert set(preset["weight_decays"]) <= set(point)
+            assert set(preset.weight_decays) <= set(point)
             best = min(point, key=point.get)
-            lowest = preset["weight_decays"][0] / (preset["weight_decays"][1] / preset["weight_decays"][0])
+            lowest = preset.weight_decays[0] / (preset.weight_decays[1] / preset.weight_decays[0])
             assert best != min(point) or best == pytest.approx(lowest)  # at the lower edge only at the limit
             seeds = [r for r in rows if r["role"] == "seed" and r["K"] == k and r["depth"] == d]
-            assert {r["seed"] for r in seeds} == set(preset["seeds"][1:]) and {r["wd"] for r in seeds} == {best}
+            assert {r["seed"] for r in seeds} == set(preset.seeds[1:]) and {r["wd"] for r in seeds} == {best}
     # K > 1 executes more layers from the same stored parameters, so it costs more compute at the same tokens
     by = {(r["K"], r["depth"], r["wd"]): r for r in first}
     for (k, d, w), r in by.items():
@@ -79,7 +90,7 @@ def test_repeat_micro_end_to_end(repeat_micro):
             assert r["N_s"] == by[1, d, w]["N_s"] and r["executed"] > by[1, d, w]["executed"]
             assert r["C"] > by[1, d, w]["C"]
     assert set(report) >= {"best_K", "L_star", "loop_compute_ratio", "wd_star", "frontier", "seed_spread"}
-    assert report["seed_spread"]["points"] == len(preset["seeded_passes"]) * len(preset["depths"])
+    assert report["seed_spread"]["points"] == len(preset.seeded_passes) * len(preset.depths)
     text = open(os.path.join(out, "report.txt")).read()
     assert "best K per training budget" in text and "best weight decay" in text and "LR sweep" in text
     assert sorted(os.path.basename(p) for p in report["plots"]) == ["frontier.png", "weight_decay.png"]
@@ -89,7 +100,7 @@ def test_repeat_report_rebuilds_from_its_csv(repeat_micro, tmp_path):
     out, _ = repeat_micro
     for name in ("runs.csv", "lr_sweep.csv"):
         shutil.copy(os.path.join(out, name), tmp_path / f"x-repeat-micro-{name}")
-    ladder.rereport("x-repeat-micro", str(tmp_path / "x-repeat-micro-runs.csv"), log=quiet)
+    pipeline.rereport("x-repeat-micro", str(tmp_path / "x-repeat-micro-runs.csv"), log=quiet)
     assert (tmp_path / "x-repeat-micro-report.txt").read_text() == open(os.path.join(out, "report.txt")).read()
 
 
@@ -98,98 +109,101 @@ def test_repeat_analysis_recovers_known_answers():
     C1 = [1e12, 2e12, 4e12, 8e12]
     frontier = {1: list(zip(C1, [2.0, 1.8, 1.7, 1.75])), 2: list(zip([1.5 * c for c in C1], [1.95, 1.72, 1.6, 1.5]))}
     budgets = [1e12, 2e12, 1.2e13]
-    best, l_star, c_star, reach = ladder.repeat_analysis(frontier, budgets)
+    best, l_star, c_star, reach = repeat_analysis(frontier, budgets)
     assert best == [1, 1, 2] and (l_star, c_star) == (1.7, 4e12)
     # K = 2 passes 1.72 at 3e12 and 1.6 at 6e12: log-linear, 1.7 is reached at 3e12 * 2^(0.02 / 0.12)
     assert reach == pytest.approx(3e12 * 2 ** (0.02 / 0.12))
-    assert ladder.envelope(frontier[1], 1.2e13) == 1.7  # the best at most that compute, not the largest size's
-    assert ladder.envelope(frontier[1], 5e11) == np.inf and math.isnan(ladder.reach_compute(frontier[1], 1.0))
+    assert envelope(frontier[1], 1.2e13) == 1.7  # the best at most that compute, not the largest size's
+    assert envelope(frontier[1], 5e11) == np.inf and math.isnan(reach_compute(frontier[1], 1.0))
     # the best weight decay: log WD* = 0.5 log N_s + 0 log executed, recovered; collinear cells are undecided
     cells = [(n, e, 0.1 * (n / 1e5) ** 0.5) for n in (1e5, 2e5, 4e5) for e in (3, 6, 12)]
-    b, c, sb, sc = ladder.wd_regression(cells)
+    b, c, sb, sc = wd_regression(cells)
     assert b == pytest.approx(0.5) and c == pytest.approx(0.0, abs=1e-9)
-    assert ladder.wd_regression([(n, n / 1e4, 0.1) for n in (1e5, 2e5, 4e5, 8e5)]) is None
+    assert wd_regression([(n, n / 1e4, 0.1) for n in (1e5, 2e5, 4e5, 8e5)]) is None
     # the optimum of a parabola in log WD, and an edge
     w = [0.1, 0.2, 0.4, 0.8]
-    x, edge = ladder.interpolated_optimum(w, [(np.log(v) - np.log(0.3)) ** 2 for v in w])
+    x, edge = interpolated_optimum(w, [(np.log(v) - np.log(0.3)) ** 2 for v in w])
     assert x == pytest.approx(0.3) and edge == 0
-    assert ladder.interpolated_optimum(w, [1.0, 1.1, 1.2, 1.3]) == (0.1, -1)
+    assert interpolated_optimum(w, [1.0, 1.1, 1.2, 1.3]) == (0.1, -1)
 
 
 def test_cpu_repeat_design_on_the_plan():
     """x-cpu-repeat, checked before anything trains: U unique tokens x epochs per run inside the stable
     region, stored parameters per bit of unique text spanning [X]'s range, three seeds at K = 1 and the
     largest K at every depth, a weight-decay grid at every point, its plan and budget listed."""
-    preset = ladder.get_preset("x-cpu-repeat")
-    data = ladder.data_plan(preset)
-    assert preset["unique_tokens"] <= data.stable_tokens
-    listing = json.loads(ladder.describe_presets(as_json=True))["presets"]["x-cpu-repeat"]
+    preset = get_preset("x-cpu-repeat")
+    data = data_plan(preset)
+    assert preset.unique_tokens <= data.stable_tokens
+    listing = json.loads(describe_presets(as_json=True))["presets"]["x-cpu-repeat"]
     runs = listing["runs"]
     assert listing["flops"] == pytest.approx(sum(r["flops"] for r in runs)) and len(runs) == 82
-    presets = json.loads(ladder.describe_presets(as_json=True))["presets"]
+    presets = json.loads(describe_presets(as_json=True))["presets"]
     for name in ("x-cpu-repeat", "x-cpu-mini", "smelt-cpu-mini"):  # the budget written before the run
         budget = presets[name]["budget"]
         assert budget.startswith("written before the run: ") and "min on 2 workers" in budget
     assert all(9.9 < r["epochs"] < 10.1 for r in runs)
     grid = [r for r in runs if r["role"] == "run"]
-    assert len(grid) == len(preset["passes"]) * len(preset["depths"]) * len(preset["weight_decays"]) - 1  # 1: swept
+    assert len(grid) == len(preset.passes) * len(preset.depths) * len(preset.weight_decays) - 1  # 1: swept
     stored = sorted({r["params_stored"] for r in runs})
-    bits = 2.2 * preset["unique_tokens"]  # ~2.2 bits per byte token
+    bits = 2.2 * preset.unique_tokens  # ~2.2 bits per byte token
     assert 0.25 <= stored[0] / bits < 0.5 and 1.5 < stored[-1] / bits <= 2.9  # [X]: 0.25 .. 2.9
     seeds = [r for r in runs if r["role"] == "seed"]
-    assert len(seeds) == 2 * len(preset["seeded_passes"]) * len(preset["depths"])
+    assert len(seeds) == 2 * len(preset.seeded_passes) * len(preset.depths)
 
 
 def test_cpu_mini_design_on_the_plan():
     """The redesigned x-cpu-mini: each architecture's [X] TPP per stored parameter, its [X16] beta from
     the first depth, no data repetition, three seeds for every architecture at every depth, an LR sweep
     with two seeds per value, growth never on the decay-start step."""
-    preset = ladder.get_preset("x-cpu-mini")
-    specs, _ = ladder.full_plan(preset)
-    step_tokens = ladder.tokens_per_step(preset)
+    preset = get_preset("x-cpu-mini")
+    specs, _ = full_plan(preset)
+    step_tokens = tokens_per_step(preset)
+    unscaled = {}  # run id -> its matrix LR before [X16]
     for s in specs:
         a = s.arch
-        assert 0 <= s.meta["tokens"] - ladder.X_TPP_STORED[a] * s.meta["N_s"] < step_tokens
+        assert 0 <= s.meta["tokens"] - X_TPP_STORED[a] * s.meta["N_s"] < step_tokens
         assert s.meta["epochs"] < 1
-        first = ladder.x_config(preset, a, preset["depths"][0])[0]
-        assert s.settings["lr_anchor_params"] == ladder.grow.stored_params(first)
-        assert s.settings["lr_scaling_beta"] == ladder.X_LR_BETA[a]
+        first = x_config(preset, a, preset.depths[0])[0]
+        scale = (s.meta["N_s"] / grow.stored_params(first)) ** X_LR_BETA[a]  # [X16], the first depth's N_s
+        unscaled[s.run_id] = s.settings["matrix_lr"] / scale
+        if s.role == "sweep":  # at the first depth: its values as they are
+            assert scale == 1.0 and s.settings["matrix_lr"] in preset.lr_sweep.values
         if s.meta["grow_step"] is not None:
             assert s.meta["grow_step"] != s.meta["decay_start_step"]
-    for a in preset["archs"]:
-        for d in preset["depths"]:
-            carried = preset["lr_sweep"]["values"][1]  # the plan's placeholder (the first depth: the sweep's runs)
+    for a in preset.archs:
+        for d in preset.depths:
+            carried = preset.lr_sweep.values[1]  # the plan's placeholder (the first depth: the sweep's runs)
             seeds = {s.meta["seed"] for s in specs if s.arch == a and s.meta["depth"] == d and
-                     s.settings["matrix_lr"] == carried}
-            assert seeds == set(ladder.SEEDS)
+                     unscaled[s.run_id] == pytest.approx(carried, rel=1e-12)}
+            assert seeds == set(SEEDS)
         swept = [s for s in specs if s.arch == a and s.role == "sweep"]
-        assert len(swept) == 2 * len(preset["lr_sweep"]["values"])
+        assert len(swept) == 2 * len(preset.lr_sweep.values)
 
 
 def test_smelt_cpu_mini_design_on_the_plan():
     """The redesigned smelt-cpu-mini: 3 scales x 3 sparsities (9 cells, as [S] has 4 x 3), depth and width
     both varying so that F spans >= 10x (the [S2] surface's F axis), each architecture's own LR sweep."""
-    preset = ladder.get_preset("smelt-cpu-mini")
-    cells = ladder.smelt_cells(preset)
+    preset = get_preset("smelt-cpu-mini")
+    cells = smelt_cells(preset)
     assert len(cells) >= 9 and len({c[1].n_layer for c in cells}) == 3 and len({c[1].n_embd for c in cells}) == 3
-    F = [ladder.train.flops_per_token(c[1]) for c in cells]
+    F = [train.flops_per_token(c[1]) for c in cells]
     assert max(F) / min(F) >= 10
-    sweep, _ = ladder.build(preset)
-    assert {s.arch for s in sweep} == {"baseline", "smelt"} and preset["bootstrap"] >= 1000
+    sweep, _ = build(preset)
+    assert {s.arch for s in sweep} == {"baseline", "smelt"} and preset.bootstrap >= 1000
 
 
 def test_repeat_recipe_is_operator1s():
     """x-cpu-repeat's Operator-1 settings are config/x_d8_operator1.py's (the recipe x-cpu-mini reads)."""
-    model, training, fractions = ladder.x_recipe("operator-1")
-    for key, value in ladder.X_OPERATOR1.items():
+    model, training, fractions = x_recipe("operator-1")
+    for key, value in X_OPERATOR1.items():
         if key in model:
             assert model[key] == value, key
-    for key, value in ladder.X_OPERATOR1_TRAIN.items():
+    for key, value in X_OPERATOR1_TRAIN.items():
         if key in fractions:  # a step count: a fraction of the run
             assert fractions[key] * 100 == value, key
             continue
         assert list(training[key]) == value if isinstance(value, list) else training[key] == value, key
-    assert fractions["warmup_steps"] == 0 and ladder.X_GLR_TIED == pytest.approx(
+    assert fractions["warmup_steps"] == 0 and X_GLR_TIED == pytest.approx(
         {k: training[k] / training["matrix_lr"] for k in ("embedding_lr", "unembedding_lr")})
 
 
@@ -199,7 +213,7 @@ def test_committed_repeat_report_rebuilds_from_its_csv(tmp_path):
     docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ladder")
     for name in ("runs.csv", "lr_sweep.csv"):
         shutil.copy(os.path.join(docs, f"x-cpu-repeat-{name}"), tmp_path / f"x-cpu-repeat-{name}")
-    report = ladder.rereport("x-cpu-repeat", str(tmp_path / "x-cpu-repeat-runs.csv"), log=quiet)
+    report = pipeline.rereport("x-cpu-repeat", str(tmp_path / "x-cpu-repeat-runs.csv"), log=quiet)
     text = (tmp_path / "x-cpu-repeat-report.txt").read_text()
     mask = lambda t: re.sub(r"\[[-+0-9.,e ]*\]|\[95% band [^;]*;|agree .*|in [01]\.[0-9]+ of the draws", "", t)  # noqa: E731
     assert mask(text) == mask(open(os.path.join(docs, "x-cpu-repeat-report.txt")).read())
@@ -211,12 +225,12 @@ def test_multipliers_read_seed_means_when_every_architecture_has_seeds():
     each architecture's per-depth means (1.91 at 1e12, 1.85 at 2e12 reach 1.90 at 1e12 x 2^(1/6))."""
     ref = [(1e12, 1.95, 3), (1e12, 1.95, 3), (2e12, 1.90, 4), (2e12, 1.90, 4), (4e12, 1.85, 5), (4e12, 1.85, 5)]
     arm = [(1e12, 1.93, 3), (1e12, 1.89, 3), (2e12, 1.86, 4), (2e12, 1.84, 4), (4e12, 1.80, 5), (4e12, 1.80, 5)]
-    C, L = ladder.depth_means(arm)
+    C, L = depth_means(arm)
     assert list(C) == [1e12, 2e12, 4e12] and L == pytest.approx([1.91, 1.85, 1.80])
-    measured = ladder.fit.compute_multiplier([2e12], [1.90], C, L)
+    measured = fit.compute_multiplier([2e12], [1.90], C, L)
     assert measured[0] == pytest.approx(2 / 2 ** (1 / 6))
     points = {"vanilla": ref, "b": arm}
-    _, bands = ladder.multiplier_bootstrap(points, "vanilla", 0.01, n_draws=50, seed=0)
+    _, bands = multiplier_bootstrap(points, "vanilla", 0.01, n_draws=50, seed=0)
     lo, hi = bands["b"]["measured"]
     assert lo[1] <= 2 / 2 ** (1 / 6) <= hi[1]
 
@@ -227,7 +241,7 @@ def test_committed_smelt_report_says_what_the_readme_quotes(tmp_path):
     docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ladder")
     for name in ("runs.csv", "lr_sweep.csv"):
         shutil.copy(os.path.join(docs, f"smelt-cpu-mini-{name}"), tmp_path / f"smelt-cpu-mini-{name}")
-    report = ladder.rereport("smelt-cpu-mini", str(tmp_path / "smelt-cpu-mini-runs.csv"), bootstrap=20, log=quiet,
+    report = pipeline.rereport("smelt-cpu-mini", str(tmp_path / "smelt-cpu-mini-runs.csv"), bootstrap=20, log=quiet,
                              progress=False)
     text = (tmp_path / "smelt-cpu-mini-report.txt").read_text()
     committed = open(os.path.join(docs, "smelt-cpu-mini-report.txt")).read()

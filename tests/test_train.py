@@ -14,17 +14,17 @@ import torch
 
 import grow
 import train
-from data import prepare as prep
+from data import prepare as prep, shards
 from data.loader import TokenStream
 from model import GPT, ModelConfig
 from tooling import memory, rundir
-from tooling.checkpoint import load_model
+from tooling.checkpoint import NonFiniteLoss, load_model
 from tooling.settings import described_fields
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # a very small SMELT MoE: block 0 looped twice, block 1 once; 4 experts, top-2
-SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_loops=2, block_size=32,
+SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_passes=2, block_size=32,
              batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=100, progress=False, sample=False)
 
 
@@ -45,7 +45,7 @@ def test_defaults_live_in_one_place_and_train_the_tiny_smelt_moe():
     wide = train.SETTINGS.build(train.ModelConfig, train.SETTINGS.resolve({"n_embd": 256, "n_head": 2}))
     assert (wide.head_dim, wide.n_kv_head, wide.mlp_hidden) == (128, 2, 768)  # derived from the run's own sizes
     cfg = train.SETTINGS.build(train.ModelConfig, train.DEFAULTS)
-    assert (cfg.layout, cfg.n_loops, cfg.passes, cfg.n_expert, cfg.top_k, cfg.block_size) == ("smelt", 2, 2, 8, 2, 128)
+    assert (cfg.layout, cfg.n_passes, cfg.n_passes, cfg.n_expert, cfg.top_k, cfg.block_size) == ("smelt", 2, 2, 8, 2, 128)
 
 
 def test_unknown_key_and_wrong_type_fail_clearly(tmp_path):
@@ -59,8 +59,8 @@ def test_unknown_key_and_wrong_type_fail_clearly(tmp_path):
     bad.write_text("import math\nlearning_rate = 0.1\n")
     with pytest.raises(ValueError, match="unknown key in .*bad.py 'learning_rate'"):
         train.SETTINGS.parse([str(bad)])
-    assert train.SETTINGS.parse(["--max_tokens=1e6", "--layout=pcc", "--grow_at=300"]) == \
-        dict(max_tokens=1000000, layout="pcc", grow_at=300.0)
+    assert train.SETTINGS.parse(["--max_steps=1e6", "--layout=pcc", "--grow_at=300"]) == \
+        dict(max_steps=1000000, layout="pcc", grow_at=300.0)
     with pytest.raises(ValueError, match="unknown setting 'nope'"):
         train.train({"nope": 1})
     assert train.main(["--optimizer=sgd"]) == 2  # CLI: one clear line and exit status 2, no traceback
@@ -101,15 +101,14 @@ def test_param_groups_cover_every_parameter_once(model_overrides, optimizer):
         assert kinds["router"] == "AdamW"
 
 
-def test_wsd_schedule_warmup_stable_decay_to_floor():
-    lrs = [train.wsd_multiplier(s, 4, 10, 20, "cosine", 0.1) for s in range(20)]
+def test_wsd_schedule_warmup_stable_decay_to_zero():
+    lrs = [train.wsd_multiplier(s, 4, 10, 20, "cosine") for s in range(20)]
     assert lrs[0] == 0.25 and lrs[3] == 1.0 and lrs[4:10] == [1.0] * 6
-    assert all(a > b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(0.1)
-    # linear: the [X] code's warm-down, 1 at the decay's first step, the floor at the last, (it - start) / (n - 1)
-    linear = [train.wsd_multiplier(s, 0, 10, 20, "linear", 0.0) for s in range(20)]
+    assert all(a > b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(0.0)
+    # linear: the [X] code's warm-down, 1 at the decay's first step, 0 at the last, (it - start) / (n - 1)
+    linear = [train.wsd_multiplier(s, 0, 10, 20, "linear") for s in range(20)]
     assert linear[10] == 1.0 and linear[14] == pytest.approx(1 - 4 / 9) and linear[-1] == 0.0
-    assert train.wsd_multiplier(10, 0, 10, 11, "linear", 0.2) == pytest.approx(0.2)  # a one-step decay
-    assert train.lr_scaling(4e6, 1e6, -0.5) == pytest.approx(0.5)  # [X16]
+    assert train.wsd_multiplier(10, 0, 10, 11, "linear") == 0.0  # a one-step decay
 
 
 def test_token_stream_is_seeded_and_covers_every_window_each_epoch():
@@ -148,7 +147,7 @@ def test_loss_falls_on_the_tiny_default(tmp_path, data_dir):
 
 
 def test_resume_gives_identical_losses(tmp_path, data_dir):
-    common = dict(max_steps=6, n_passes_choices=[1, 2, 3], eval_interval=3, grad_accum=2)
+    common = dict(max_steps=6, n_passes_choices=[1, 2, 3], eval_interval=3, global_batch=8)  # 2 micro-batches
     straight = run(data_dir, tmp_path / "a", **common)
     first = run(data_dir, tmp_path / "b", stop_at_step=3, **common)
     assert first["step"] == 3
@@ -163,25 +162,25 @@ def test_resume_gives_identical_losses(tmp_path, data_dir):
     assert len(log_a[-1]["flops_by_passes"]) > 1  # random passes per step: several K were run
 
 
-def test_decay_branch_forks_weights_decays_to_floor_on_unseen_data(tmp_path, data_dir):
+def test_decay_branch_forks_weights_decays_to_zero_on_unseen_data(tmp_path, data_dir):
     stable = run(data_dir, tmp_path, run_name="stable", max_steps=6, decay_fraction=0.0, save_steps=[4],
                  matrix_lr=0.03)
     assert stable["data_region"] == "stable" and stable["data_read"][1] <= stable["data_split"]
     ckpt_path = os.path.join(stable["run_dir"], "ckpt_step4.pt")
     branch = train.train(dict(out_dir=str(tmp_path), init_from=ckpt_path, decay_branch=True,
-                              decay_tokens=5 * 4 * 32, min_lr_fraction=0.1, progress=False))
+                              decay_tokens=5 * 4 * 32, progress=False))
     assert branch["run_dir"].endswith("stable_decay4") and os.path.exists(branch["ckpt_path"])
     assert branch["step"] == 4 + 5 and branch["max_steps"] == 9
     assert branch["data_region"] == "branch" and branch["data_read"][0] >= branch["data_split"]  # unseen data
     # its first loss is the step-4 checkpoint's loss on the first held-back batch: it starts from those weights
     model, ckpt = load_model(ckpt_path)
-    train_tokens = prep.load_split(data_dir, "train")
+    train_tokens = shards.load_split(data_dir, "train")
     stream = TokenStream(train_tokens, 32, 1337, branch["data_split"], len(train_tokens))
     x, y = stream.batch(0, 4)
-    model(x, y)
-    assert branch["train_losses"][0] == pytest.approx(model.last_stats["ce"].item(), rel=1e-5)
+    assert branch["train_losses"][0] == pytest.approx(model(x, y, return_stats=True)[2]["ce"].item(), rel=1e-5)
     log = [json.loads(l) for l in open(branch["log_path"])]
-    assert log[-1]["lr"] == pytest.approx(0.1 * 0.03)  # the floor, inherited matrix_lr
+    assert log[-1]["lr"] == 0.0  # decayed to 0 at the last step
+    assert load_model(branch["ckpt_path"])[1]["train_config"]["matrix_lr"] == 0.03  # inherited
     assert log[-1]["tokens"] == ckpt["state"]["tokens_seen"] + 5 * 4 * 32
 
 
@@ -212,11 +211,11 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, mon
     original = GPT.forward
 
     def poisoned(self, idx, targets=None, **kw):
-        logits, loss = original(self, idx, targets, **kw)
-        return logits, loss * float("nan")
+        logits, loss, *stats = original(self, idx, targets, **kw)
+        return logits, loss * float("nan"), *stats
 
     monkeypatch.setattr(GPT, "forward", poisoned)
-    with pytest.raises(train.NonFiniteLoss, match="non-finite loss .* at step 2.*last good checkpoint is kept"):
+    with pytest.raises(NonFiniteLoss, match="non-finite loss .* at step 2.*last good checkpoint is kept"):
         train.train(dict(out_dir=str(tmp_path), run_name="nan", resume=True, max_steps=4, progress=False))
     after = torch.load(path, weights_only=True)
     assert after["state"]["step"] == before["state"]["step"] == 2
@@ -230,15 +229,15 @@ def test_a_loss_read_late_is_still_refused_before_the_checkpoint(tmp_path, data_
     original, calls = GPT.forward, []
 
     def poisoned_at_step_4(self, idx, targets=None, **kw):
-        logits, loss = original(self, idx, targets, **kw)
+        logits, loss, *stats = original(self, idx, targets, **kw)
         if targets is not None and self.training:
             calls.append(1)
             if len(calls) == 4:
                 loss = loss * float("inf")
-        return logits, loss
+        return logits, loss, *stats
 
     monkeypatch.setattr(GPT, "forward", poisoned_at_step_4)
-    with pytest.raises(train.NonFiniteLoss, match=r"non-finite loss \(inf\) at step 3\. Stopped; the last good "
+    with pytest.raises(NonFiniteLoss, match=r"non-finite loss \(inf\) at step 3\. Stopped; the last good "
                                                   r"checkpoint is kept: .*ckpt\.pt"):
         run(data_dir, tmp_path, run_name="late", max_steps=8, eval_interval=2, log_interval=3)
     assert len(calls) == 4  # the read after the 4th step refused before its eval and checkpoint
@@ -282,7 +281,7 @@ def test_interrupted_checkpoint_write_keeps_previous(tmp_path, data_dir, monkeyp
 
 def test_ddp_two_processes_match_one_process_with_accumulation(tmp_path, data_dir, torchrun):
     settings = dict(max_steps=3, eval_interval=1, eval_tokens=512)
-    single = run(data_dir, tmp_path / "one", grad_accum=2, **settings)
+    single = run(data_dir, tmp_path / "one", global_batch=8, **settings)  # 2 micro-batches of 4
     two_processes = SMALL | settings | dict(data_dir=data_dir, out_dir=str(tmp_path / "two"))
     torchrun(["train.py", *[f"--{k}={v!r}" for k, v in two_processes.items()]], nproc=2)
     one = [json.loads(l) for l in open(single["log_path"])]
@@ -325,21 +324,6 @@ def test_ctrl_c_says_where_the_checkpoint_is_and_how_to_resume(tmp_path, data_di
     assert f"--out_dir={tmp_path} --run_name=c --resume=True" in err and "Traceback" not in err
 
 
-def test_lr_scaling_uses_stored_params_with_embedding(tmp_path, data_dir):
-    """[X16]: N is the stored parameter count at initialisation, token embedding and lm head included
-    (the [X] code's N, grow.stored_params), not the non-embedding count."""
-    anchor, beta = 10_000, -0.6
-    summary = run(data_dir, tmp_path, max_steps=2, warmup_steps=0, eval_interval=1, lr_anchor_params=anchor,
-                  lr_scaling_beta=beta)
-    cfg = train.SETTINGS.build(train.ModelConfig, train.DEFAULTS | SMALL)
-    stored, non_embedding = grow.stored_params(cfg), GPT(cfg).num_params()["non_embedding"]
-    assert stored > 2 * non_embedding  # the embedding matters here: the two rules differ
-    log = [json.loads(line) for line in open(summary["log_path"])]
-    assert log[1]["lr"] == pytest.approx(0.02 * (stored / anchor) ** beta, rel=1e-12)  # Muon's matrix LR
-    _, ckpt = load_model(summary["ckpt_path"])
-    assert ckpt["state"]["lr_scaling_params"] == stored
-
-
 def test_data_repetition_is_logged_warned_and_refused_for_branches(tmp_path, data_dir, capsys):
     # the stable region holds 127 windows of 33 tokens at this size; 40 steps x 4 sequences read 160
     wraps = run(data_dir, tmp_path, run_name="wraps", block_size=128, max_steps=40, eval_interval=20,
@@ -357,8 +341,13 @@ def test_help_describes_every_setting():
     missing = sorted(k for k in train.DEFAULTS if not described.get(k))
     assert missing == []
     text = train.SETTINGS.help()
-    assert "--matrix_lr=0.02" in text and "Muon LR of the hidden matrices" in text
+    assert "--matrix_lr=0.0 " in text and "LR of the hidden matrices" in text
     assert "the first pass sees the prelude output e itself" in text  # a continued comment line
+    titles = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert titles == [f"{t}:" for t in train.HELP_GROUPS] and "other" not in text  # every setting in a named group
+    n = len(train.DEFAULTS)
+    assert f"lists every setting, each in a named group: {n} (" in open(os.path.join(REPO, "docs", "training.md")).read()
+    assert f"({n} settings:" in open(os.path.join(REPO, "README.md")).read()  # the count the docs give is the real one
 
 
 # ---- reliability: never save a bad checkpoint, never leave junk, never accept nonsense
@@ -377,7 +366,7 @@ def test_non_finite_weights_are_never_written(tmp_path, data_dir, monkeypatch):
         return out
 
     monkeypatch.setattr(torch.optim.AdamW, "step", blows_up)
-    with pytest.raises(train.NonFiniteLoss,
+    with pytest.raises(NonFiniteLoss,
                        match="weights became non-finite at step 2.*previous checkpoint there is kept. Stopped. Lower"):
         train.train(dict(out_dir=str(tmp_path), run_name="nan", resume=True, max_steps=3, progress=False))
     model, ckpt = load_model(os.path.join(tmp_path, "nan", "ckpt.pt"))
@@ -478,10 +467,10 @@ def test_memory_check_covers_the_model_at_its_most_passes(tmp_path, monkeypatch,
 
 
 def test_untied_model_cannot_be_asked_for_more_passes_than_cores(tmp_path, data_dir):
-    with pytest.raises(ValueError, match=r"an untied model has 2 cores, it cannot run \[3\] passes"):
+    with pytest.raises(ValueError, match=r"the untied model has 2 cores, one per trained pass: it cannot run \[3\] passes"):
         run(data_dir, tmp_path, layout="pcc", n_layer=3, n_expert=0, n_passes=2, tie_core=False,
             n_passes_choices=[1, 3])
-    with pytest.raises(ValueError, match=r"after growth the untied model has 2 cores, it cannot run \[3\] passes"):
+    with pytest.raises(ValueError, match=r"after growth the untied model has 2 cores, one per trained pass: it cannot run \[3\] passes"):
         run(data_dir, tmp_path, layout="pcc", n_layer=3, n_expert=0, n_passes=1, grow_at=2.0, grow_to=2,
             grow_untie=True, n_passes_choices=[1, 3])  # tied before growth: it could, until the growth step
     assert not os.path.exists(os.path.join(tmp_path, "tiny"))  # refused before anything was written
@@ -576,11 +565,11 @@ def test_schedule_rewarms_after_growth_and_warms_up_muon_momentum():
     grow_rewarm_steps), and Muon's momentum rises from 0.85 over muon_momentum_warmup steps ([X] code)."""
     config = train.TrainConfig(max_steps=100, warmup_steps=0, decay_fraction=0.0, grow_at=40.0, grow_to=4,
                                grow_rewarm_steps=10, muon_momentum_warmup=300)
-    schedule = train.plan_schedule(config, train.TrainState(lr_scaling_params=1), tokens_per_step=1)
+    schedule = train.plan_schedule(config, train.TrainState(), tokens_per_step=1)
     assert [schedule.lr_multiplier(s) for s in (39, 40, 45, 50, 99)] == [1.0, 0.0, 0.5, 1.0, 1.0]
     assert [schedule.muon_momentum(s) for s in (0, 150, 300, 1000)] == pytest.approx([0.85, 0.9, 0.95, 0.95])
     optimizers = train.build_optimizers(GPT(ModelConfig(n_layer=1, n_embd=32, n_head=2)), config)
-    assert train.set_schedule(optimizers, 0.5, 0.9) == pytest.approx(0.5 * config.matrix_lr)
+    assert train.set_schedule(optimizers, 0.5, 0.9) == pytest.approx(0.5 * train.MATRIX_LR["muon"])
     assert [g["momentum"] for g in optimizers[-1].param_groups] == [0.9]
 
 
@@ -644,21 +633,20 @@ def test_val_bits_per_byte_of_a_uniform_model(data_dir):
 
 def test_planned_schedule_decays_over_exactly_the_last_fraction():
     """decay_fraction 0.3 of 100 steps: steps 70..99 decay, so 69 is the last at the peak and 70 the first below
-    it (cosine: 0.5 (1 + cos(pi / 30))), 99 at the floor; linear: 1 at 70, 1 - 1/29 at 71. The same through
-    max_tokens, and for a decay branch forked at step 50 over 20 steps. Warmup: (step + 1) / warmup_steps."""
-    state = train.TrainState(lr_scaling_params=1)
-    for settings in (dict(max_steps=100), dict(max_tokens=1000)):  # 10 tokens per step
-        config = train.TrainConfig(warmup_steps=10, decay_fraction=0.3, **settings)
-        schedule = train.plan_schedule(config, state, tokens_per_step=10)
-        lrs = [schedule.lr_multiplier(s) for s in range(100)]
-        assert schedule.max_steps == 100 and state.decay_start == 70
-        assert lrs[0] == 0.1 and lrs[9:70] == [1.0] * 61
-        assert lrs[70] == pytest.approx(0.5 * (1 + math.cos(math.pi / 30))) and lrs[99] == pytest.approx(0.0)
+    it (cosine: 0.5 (1 + cos(pi / 30))), 99 at the floor; linear: 1 at 70, 1 - 1/29 at 71. The same for a
+    decay branch forked at step 50 over 20 steps. Warmup: (step + 1) / warmup_steps."""
+    state = train.TrainState()
+    config = train.TrainConfig(warmup_steps=10, decay_fraction=0.3, max_steps=100)
+    schedule = train.plan_schedule(config, state, tokens_per_step=10)
+    lrs = [schedule.lr_multiplier(s) for s in range(100)]
+    assert schedule.max_steps == 100 and state.decay_start == 70
+    assert lrs[0] == 0.1 and lrs[9:70] == [1.0] * 61
+    assert lrs[70] == pytest.approx(0.5 * (1 + math.cos(math.pi / 30))) and lrs[99] == pytest.approx(0.0)
     config = train.TrainConfig(max_steps=100, warmup_steps=10, decay_fraction=0.3, decay_shape="linear")
     linear = train.plan_schedule(config, state, tokens_per_step=1)
     assert [linear.lr_multiplier(s) for s in (69, 70, 71, 99)] == pytest.approx([1.0, 1.0, 1 - 1 / 29, 0.0])
     config = train.TrainConfig(warmup_steps=10, decay_branch=True, init_from="stable.pt", decay_tokens=200)
-    forked = train.TrainState(lr_scaling_params=1, branch_start_step=50)
+    forked = train.TrainState(branch_start_step=50)
     branch = train.plan_schedule(config, forked, tokens_per_step=10)
     assert (branch.max_steps, branch.decay_start, branch.lr_multiplier(49)) == (70, 50, 1.0)
     assert branch.lr_multiplier(50) == pytest.approx(0.5 * (1 + math.cos(math.pi / 20)))

@@ -16,7 +16,7 @@ from tooling import memory
 from tooling.checkpoint import load_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_loops=2, block_size=32,
+SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_passes=2, block_size=32,
              batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=1, max_steps=4, progress=False,
              sample=False)
 PCC = dict(layout="pcc", n_layer=3, n_expert=0, n_passes=2, boundary="both", boundary_alpha=0.7)
@@ -57,7 +57,7 @@ def fsdp(tmp_path_factory, data_dir, torchrun):
 @pytest.mark.parametrize("name", JOBS)
 def test_two_fsdp_processes_equal_one_process_with_accumulation(fsdp, tmp_path, data_dir, name):
     results, _ = fsdp
-    one = train.train(SMALL | JOBS[name] | dict(data_dir=data_dir, out_dir=str(tmp_path), grad_accum=2))
+    one = train.train(SMALL | JOBS[name] | dict(data_dir=data_dir, out_dir=str(tmp_path), global_batch=8))
     two = results[name]["summaries"][0]
     log_one, log_two = log_of(one), log_of(two)
     assert [r["tokens"] for r in log_two] == [r["tokens"] for r in log_one]  # the same global batch

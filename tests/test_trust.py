@@ -27,15 +27,14 @@ import eval_core
 import fit
 import grow
 import ladder
-import match
 import probe
 import sample
 import train
 from conftest import REPO, one_line_error
 from data import prepare as prep
-from tooling import checkpoint, convert_checkpoint, guards, memory, plots, rundir
+from tooling import checkpoint, convert_checkpoint, core_bundle, guards, match_cli, memory, plots, rundir
 
-SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_loops=2, block_size=32,
+SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_passes=2, block_size=32,
              batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=2, progress=False, sample=False)
 
 
@@ -205,7 +204,7 @@ def test_eval_core_reads_only_the_bundles_own_files(tmp_path):
         (bundle / "core.yaml").write_text(f"icl_tasks:\n- label: t\n  dataset_uri: {uri}\n  num_fewshot: [0]\n"
                                           "  icl_task_type: multiple_choice\n")
         with pytest.raises(ValueError, match="outside the bundle's eval_data/: refused"):
-            eval_core.load_bundle(str(bundle))
+            core_bundle.load_bundle(str(bundle))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -471,10 +470,10 @@ def test_a_resume_keeps_the_global_batch_on_any_number_of_processes(trained, tmp
     config = train.SETTINGS.build(train.TrainConfig, values | dict(batch_size=2))
     guards.derive_grad_accum(config, 1, source)
     assert config.grad_accum == 2  # half the sequences per micro-batch: twice the accumulation
-    values, _, _ = rundir.resolve_run(train.SETTINGS, resume | dict(grad_accum=3))
+    values, _, _ = rundir.resolve_run(train.SETTINGS, resume | dict(batch_size=3))
     config = train.SETTINGS.build(train.TrainConfig, values)
-    with pytest.raises(ValueError, match=r"grad_accum=3: batch_size x grad_accum x processes = 4 x 3 x 1 = 12 "
-                                         r"sequences per step, but the run it continues took 4"):
+    with pytest.raises(ValueError, match=r"global_batch=4 \(the sequences per step of the run it continues\) is "
+                                         r"not a multiple of batch_size x processes = 3 x 1"):
         guards.derive_grad_accum(config, 1, source)
 
 
@@ -555,9 +554,9 @@ def _ckpt(trained):
 
 
 BAD_SETTINGS = [  # (prog, argv, what the line must name); CKPT / DATA are filled in
-    ("train.py", ["--lr_scaling_beta=-1e999"], "lr_scaling_beta=-inf: must be a finite number"),
+    ("train.py", ["--boundary_alpha=-1e999"], "boundary_alpha=-inf: must be a finite number"),
     ("train.py", ["--grad_clip=nan"], "grad_clip=nan: must be a finite number"),
-    ("train.py", ["--matrix_lr=0"], "matrix_lr=0.0: must be > 0"),
+    ("train.py", ["--matrix_lr=-1"], "matrix_lr=-1.0: must be > 0"),
     ("train.py", ["--avg_doc_len=1000000000"], "avg_doc_len=1000000000"),
     ("train.py", ["--seed=-1"], "seed=-1: must be >= 0"),
     ("train.py", ["--run_name=a\nb"], "run_name="),
@@ -565,15 +564,14 @@ BAD_SETTINGS = [  # (prog, argv, what the line must name); CKPT / DATA are fille
     ("train.py", ["--run_name=bad\udcff"], "run_name="),
     ("train.py", ["--run_name=a b"], "run_name='a b'"),
     ("train.py", ["--out_dir=out\u200b"], "out_dir="),
-    ("train.py", ["--n_passes=3"], "n_passes=3: is K of layout 'pcc'"),
-    ("train.py", ["--layout=pcc", "--n_loops=1", "--n_passes=0"], "n_passes=0: must be >= 1"),
+    ("train.py", ["--layout=plain", "--n_passes=3"], "n_passes=3: does nothing in layout 'plain'"),
+    ("train.py", ["--layout=pcc", "--n_passes=0"], "n_passes=0: must be >= 1"),
     ("train.py", ["--n_layer=1"], "loop_span"),
     ("train.py", ["--batch_size=0"], "batch_size=0: must be >= 1"),
     ("train.py", ["--collective_timeout_s=0"], "collective_timeout_s=0.0: must be >= 1"),
     ("train.py", ["--eval_tokens=-5"], "eval_tokens=-5"),
     ("train.py", ["--branch_data_fraction=1.5"], "branch_data_fraction=1.5"),
     ("train.py", ["--adam_betas=(0.9, 1.2)"], "adam_betas"),
-    ("train.py", ["--muon_beta2=1.0"], "muon_beta2=1.0"),
     ("train.py", ["--dtype=bf16"], "dtype='bf16'"),
     ("train.py", ["--max_step=10"], "unknown command-line key 'max_step'"),
     ("train.py", ["--n_embd=1.5"], "n_embd=1.5 has type float"),
@@ -622,7 +620,7 @@ BAD_SETTINGS = [  # (prog, argv, what the line must name); CKPT / DATA are fille
 ]
 MAINS = {"train.py": train.main, "sample.py": sample.main, "probe.py": probe.main, "grow.py": grow.main,
          "eval_core.py": eval_core.main, "tooling.plots": plots.main, "ladder.py": ladder.main, "fit.py power": fit.main,
-         "match.py": match.main, "tooling.memory": memory.main, "prepare.py": prep.main}
+         "match.py": match_cli.main, "tooling.memory": memory.main, "prepare.py": prep.main}
 
 
 @pytest.mark.parametrize("prog, args, named", BAD_SETTINGS, ids=[f"{p} {' '.join(a)}" for p, a, _ in BAD_SETTINGS])

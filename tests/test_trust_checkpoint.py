@@ -222,14 +222,14 @@ def flip(path, position, bit):
 def small_checkpoint(path):
     """A train.py checkpoint of a tiny model, one optimizer step in (AdamW and Muon state)."""
     model = GPT(ModelConfig(vocab_size=64, eot_token=63, block_size=16, n_layer=2, n_embd=16, n_head=2, n_expert=2,
-                            top_k=1, layout="smelt", n_loops=2))
+                            top_k=1, layout="smelt", n_passes=2))
     config = train.TrainConfig()
     optimizers = train.build_optimizers(model, config, ns_dtype=torch.float32)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     for opt in optimizers:
         opt.step()
-    checkpoint.save_file(path, checkpoint.training_checkpoint(model, optimizers, config, checkpoint.TrainState(step=1)))
+    checkpoint.save_file(path, checkpoint.training_checkpoint(model, optimizers, config, train.TrainState(step=1)))
     return path
 
 

@@ -141,11 +141,11 @@ def test_pass_limits_hold_from_python_too():
     assert grow.grown_config(cfg, 64).n_passes == 64
     from model import execution_plan
     for layout_cfg in (cfg, ModelConfig(vocab_size=64, eot_token=63, block_size=16, n_layer=4, n_embd=32, n_head=2,
-                                        layout="smelt", n_loops=2)):
+                                        layout="smelt", n_passes=2)):
         with pytest.raises(ValueError, match=r"in \[1, 64\] \(4 x the 16"):  # any forward's n_passes=
             execution_plan(layout_cfg, 65)
-    with pytest.raises(ValueError, match=r"ModelConfig.n_loops=65: at most 64"):
-        ModelConfig(layout="smelt", n_loops=65)
+    with pytest.raises(ValueError, match=r"ModelConfig.n_passes=65: at most 64"):
+        ModelConfig(layout="smelt", n_passes=65)
 
 
 def test_probe_attention_limits(tmp_path, data_dir, capsys, monkeypatch):

@@ -1,36 +1,23 @@
 """
-Training checkpoints: writing them so that nothing is ever half-written, and reading them back.
+Training checkpoints: never half-written, read back without running code, checked before anything is built.
 
-Guards against: a crash (or kill -9, or a full disk) at any moment destroying the previous checkpoint,
-weights that became non-finite being saved over good ones, and a file that is not a loopstudy
-checkpoint (or does not fit its own config) failing deep inside torch.
+  ckpt.pt      one file: model, optimizer state keyed by parameter name, the run's TrainState, settings.
+               Rank 0 writes it at every eval; eval_core.py, probe.py, grow.py and sample.py load it
+               (load_model). Under FSDP it holds the consolidated model, written at the end of the run.
+  ckpt.dcp/    FSDP2: the same contents sharded, every rank writing its own shards (DCP); meta.pt inside
+               holds what is not a tensor. It resumes onto any number of processes: DCP re-shards on load.
 
-  ckpt.pt      one file: model, optimizer state keyed by parameter name, the run's TrainState (step,
-               tokens, data position, ...), settings. One process or DDP: rank 0 writes it at every
-               eval. It is what eval_core.py, probe.py, grow.py and sample.py load (load_model). Under FSDP it holds the
-               consolidated model (weights gathered from every rank, no optimizer state), written at
-               the end of the run.
-  ckpt.dcp/    FSDP2: the same contents sharded. Every rank writes only its own shards
-               (torch.distributed.checkpoint), so no process ever holds the whole model or optimizer
-               state; meta.pt inside holds everything that is not a tensor. It resumes onto any number
-               of processes, FSDP, DDP or one process: DCP re-shards on load.
+Both are written under a temporary name and renamed into place (a directory in two renames, old -> .old,
+new -> final; find_resume_checkpoint recovers the moment between), never from non-finite weights.
 
-Both are written under a temporary name and renamed into place: a crash at any moment leaves the
-previous checkpoint intact, and a checkpoint is never written from non-finite weights. A directory is
-swapped in two renames (old -> .old, new -> final); find_resume_checkpoint recovers the moment between.
-
-Trust: a checkpoint holds only tensors and plain data (dicts, lists, numbers, strings) and is read with
-torch.load(weights_only=True), so loading one runs no code. Every file torch.save writes here (ckpt.pt, a
-ckpt.dcp/'s meta.pt) ends with a seal, the SHA-256 of every byte before it: a flipped bit anywhere (settings,
-state or tensors) is refused; every tensor of a ckpt.pt also has a CRC-32, to name the one that changed, and
-meta.pt records a CRC-32 of every other file of its ckpt.dcp/. A checkpoint must fit its own config: the
-shapes and dtypes of the model it configures (built on the meta device, no memory) are compared with the
-stored weights before anything is built, and non-finite weights are refused. No path inside a checkpoint is
-followed: a ckpt.dcp/ is read only through its own listed files (plain names, regular files), with DCP's
-reader and planner narrowed to tensors (DCP would unpickle a "bytes" entry with weights_only=False). A
-ckpt.dcp/ is still resume state for your own runs, not a format to share: its .metadata is a pickle, read
-allowing only the classes DCP writes there. An older checkpoint is refused; python -m
-tooling.convert_checkpoint converts it (a format-1 file the unsafe way, for files you trust).
+Trust: a checkpoint holds only tensors and plain data, read with torch.load(weights_only=True). Every file
+torch.save writes here ends with a seal, the SHA-256 of every byte before it; every tensor of a ckpt.pt also
+has a CRC-32 (to name the one that changed), and meta.pt a CRC-32 of every other file of its ckpt.dcp/. The
+shapes and dtypes of the model a checkpoint configures (built on the meta device) are compared with its
+weights before anything is built. No path inside a checkpoint is followed: a ckpt.dcp/ is read only through
+its own listed files, with DCP's reader and planner narrowed to tensors; its .metadata is a pickle read
+allowing only the classes DCP writes there (resume state for your own runs, not a format to share). An older
+format is refused; python -m tooling.convert_checkpoint converts it (format 1 the unsafe way, if trusted).
 """
 
 import errno
@@ -42,14 +29,13 @@ import shutil
 import stat
 import warnings
 import zlib
-from dataclasses import asdict, dataclass, field
-from typing import Optional
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from model import GPT, ModelConfig
-from tooling import distributed
+from tooling import distributed, legacy
 from tooling.common import TEMP_MARK, first_line, write_atomic
 
 SHARDED_META = "meta.pt"  # inside a ckpt.dcp/ directory: the checkpoint minus its tensor shards
@@ -334,6 +320,7 @@ def load_checkpoint(path, map_location="cpu"):
                          f"tooling.convert_checkpoint {path} NEW.pt")
     if not intact:
         raise unsealed(path)
+    ckpt = legacy.upgraded(ckpt, path)
     check_weights(path, ckpt["model_config"], ckpt["model"])
     return ckpt
 
@@ -552,6 +539,7 @@ def load_sharded_meta(path, formats=(FORMAT,)):
     _, tensors = read_dcp_metadata(path, files)
     if not intact and meta["format"] != FORMAT_2:  # after the checks above: what could run code is named first
         raise unsealed(meta_path)
+    meta = legacy.upgraded(meta, path)
     check_weights(path, meta.get("model_config"), {k[len("model."):]: t for k, t in tensors.items()
                                                    if k.startswith("model.")})
     meta["path"], meta["files"] = path, files
@@ -610,10 +598,8 @@ def load_train_checkpoint(path):
     if ckpt["optimizer"] is None:
         raise ValueError(f"{path} holds only the consolidated weights of an FSDP run: resume from its "
                          f"sharded checkpoint ({os.path.splitext(path)[0]}.dcp)")
-    try:
-        TrainState(**ckpt["state"])
-    except TypeError as e:
-        raise ValueError(f"{path}: its state is not a train.py TrainState ({first_line(e)})") from None
+    if not isinstance(ckpt["state"], dict):
+        raise ValueError(f"{path}: its state is not a train.py TrainState (a {type(ckpt['state']).__name__})")
     ckpt["path"] = path
     return ckpt
 
@@ -639,36 +625,6 @@ def find_resume_checkpoint(run_dir):
 
 # ----------------------------------------------------------------------------------------------------
 # What a training checkpoint holds
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint carries for an exact resume, besides weights, optimizer state and settings."""
-    step: int = 0
-    tokens_seen: int = 0
-    flops_seen: float = 0.0
-    flops_by_passes: dict = field(default_factory=dict)  # {passes: training FLOPs run at that many passes}
-    data_region: str = "stable"  # "stable" or "branch" (the held-back tail)
-    data_position: int = 0  # windows of the region consumed so far
-    branch_start_step: Optional[int] = None
-    grown: bool = False
-    last_eval: Optional[dict] = None  # the log record of the last eval
-    lr_scaling_params: int = 0  # [X16] N: stored parameters at initialisation, token embedding included
-    seqs_per_step: int = 0  # the global batch: a resume on any number of processes keeps it
-    decay_start: Optional[int] = None  # the step the LR starts to decay: a decay branch forks before it
-    data_fingerprint: Optional[str] = None  # the prepared corpus data_position counts windows of (meta.json's)
-
-    def advance(self, tokens, windows, flops, passes):
-        self.step, self.tokens_seen, self.data_position = self.step + 1, self.tokens_seen + tokens, \
-            self.data_position + windows
-        self.seqs_per_step = windows
-        self.flops_seen += flops
-        self.flops_by_passes[passes] = self.flops_by_passes.get(passes, 0.0) + flops
-
-    def record(self, **values):
-        """A log line: where the run is, then the values."""
-        return dict(step=self.step, tokens=self.tokens_seen, flops=self.flops_seen,
-                    flops_by_passes={str(k): v for k, v in sorted(self.flops_by_passes.items())}, **values)
 
 
 def training_checkpoint(model, optimizers, config, state, **extra):

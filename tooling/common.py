@@ -3,8 +3,9 @@ Small helpers every tool shares, each in one place: atomic file writes, one-line
 reading JSON lines with errors that name the file and line. Standard library only.
 """
 
-import glob
+import argparse
 import json
+import math
 import os
 import stat
 import sys
@@ -48,12 +49,6 @@ def check_regular(path, what="input file"):
                          "give a file")
 
 
-def stale_temp_files(path):
-    """Temp files that write_atomic(path, ...) left behind when its process was killed mid-write."""
-    directory, name = os.path.split(os.path.abspath(path))
-    return sorted(glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}{TEMP_MARK}*")))
-
-
 def cli_error(prog, error):
     """A user mistake (missing file, bad value) as one line on stderr; returns exit status 2, the
     convention argparse uses for bad usage."""
@@ -73,17 +68,21 @@ def first_line(error, limit=300):
     return (lines[0] if lines else type(error).__name__)[:limit]
 
 
+class CliParser(argparse.ArgumentParser):
+    """argparse whose usage mistakes (an unknown flag, a bad value) are one line `<prog>: error: ...` on
+    stderr and exit status 2, like every other mistake of the tools; flags are never abbreviated (--ckp is
+    not --ckpt: a typo is an error, not a guess). A subcommand's parser is of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+    def error(self, message):
+        sys.exit(cli_error(self.prog, ValueError(message)))
+
+
 def parser(prog, **kwargs):
-    """An argparse.ArgumentParser whose usage mistakes (an unknown flag, a bad value) are one line
-    `<prog>: error: ...` on stderr and exit status 2, like every other mistake of the tools. Flags are
-    never abbreviated (--ckp is not --ckpt: a typo is an error, not a guess)."""
-    import argparse
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            sys.exit(cli_error(prog, ValueError(message)))
-
-    return Parser(prog=prog, **{"allow_abbrev": False, **kwargs})
+    """The command line of the tool `prog` (a CliParser)."""
+    return CliParser(prog=prog, **kwargs)
 
 
 def number(kind=int, low=None, high=None, open_low=False, open_high=False, why=None):
@@ -145,3 +144,11 @@ def read_jsonl(path):
                 yield lineno, record
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not valid UTF-8 ({e})") from None
+
+
+def fmt(v, spec=".2f", missing="n/a"):
+    """A report's number: format(v, spec) (v a number or a numeric string), or `missing` for None or a value
+    that is not finite."""
+    if v is None or not math.isfinite(float(v)):
+        return missing
+    return format(int(v) if spec.endswith("d") else float(v), spec)

@@ -22,8 +22,7 @@ import torch
 from tooling import checkpoint
 from tooling.common import cli_error, first_line, parser
 
-OLD_STATE = ("step", "tokens_seen", "flops_seen", "flops_by_passes", "branch_start_step", "grown", "last_eval",
-             "lr_scaling_params")
+OLD_STATE = ("step", "tokens_seen", "flops_seen", "flops_by_passes", "branch_start_step", "grown", "last_eval")
 
 
 def plain(value):

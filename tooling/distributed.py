@@ -41,24 +41,22 @@ def compute(config, device):
     autocast on CUDA, fp32 on CPU; on a CPU, torch's thread count is set (cpu_threads)."""
     use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    return use_bf16, autocast, cpu_threads(config.cpu_threads) if device.type == "cpu" else None
+    return use_bf16, autocast, cpu_threads() if device.type == "cpu" else None
 
 
-def cpu_threads(requested=0):
-    """Set torch's threads per process on a CPU and say why: `requested` (> 0); OMP_NUM_THREADS when set
-    (torchrun sets 1); else the cores the 1-minute load average leaves idle, shared by this host's processes,
-    at least 1 and at most torch's current count. More threads than idle cores spin against the other load:
+def cpu_threads():
+    """Set torch's threads per process on a CPU and say why: OMP_NUM_THREADS when set (torchrun sets 1); else
+    the cores the 1-minute load average leaves idle, shared by this host's processes, at least 1 and at most
+    torch's current count. More threads than idle cores spin against the other load:
     on a busy 2-core machine 15 steps took 470 s with torch's default of 2 threads, 29 s with 1."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if requested:
-        n, why = requested, "cpu_threads"
-    elif os.environ.get("OMP_NUM_THREADS"):
+    if os.environ.get("OMP_NUM_THREADS"):
         n, why = torch.get_num_threads(), "OMP_NUM_THREADS"
     else:
         cores, load = len(os.sched_getaffinity(0)), os.getloadavg()[0]
         n = max(1, min(torch.get_num_threads(), round(cores - load) // local))
         why = (f"{cores} cores, load {load:.1f}, {local} process{'es' if local > 1 else ''} here; "
-               "--cpu_threads=N sets it")
+               "OMP_NUM_THREADS=N sets it")
     torch.set_num_threads(n)
     return f"cpu: {n} torch thread{'s' if n > 1 else ''} per process ({why})"
 

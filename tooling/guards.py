@@ -17,7 +17,7 @@ import unicodedata
 
 import torch
 
-from model import MAX_PASSES, PASSES_WHY
+from model import MAX_PASSES, PASSES_WHY, most_passes
 from tooling import distributed
 from tooling.checkpoint import NonFiniteLoss
 
@@ -47,37 +47,30 @@ def check_train_config(c):
     for name in ("out_dir", "data_dir", "init_from"):
         if unsafe_path(getattr(c, name)):
             bad(c, name, "holds a control, invisible or direction-changing character, or bytes that are not UTF-8")
-    for name in ("eval_interval", "log_interval", "eval_tokens", "batch_size", "grad_accum", "muon_ns_steps",
-                 "collective_timeout_s"):
+    for name in ("eval_interval", "log_interval", "eval_tokens", "batch_size", "collective_timeout_s"):
         if getattr(c, name) < 1:
             bad(c, name, "must be >= 1")
-    if c.max_steps < 1 and c.max_tokens <= 0:
-        bad(c, "max_steps", "must be >= 1 (or set max_tokens > 0)")
-    for name in ("max_tokens", "final_eval_tokens", "stop_at_step", "warmup_steps", "grad_clip", "weight_decay",
-                 "decay_tokens", "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len", "lr_anchor_params",
-                 "embedding_weight_decay", "unembedding_weight_decay", "muon_momentum_warmup", "global_batch", "seed",
-                 "unique_tokens", "cpu_threads"):
+    if c.max_steps < 1:
+        bad(c, "max_steps", "must be >= 1")
+    for name in ("final_eval_tokens", "stop_at_step", "warmup_steps", "grad_clip", "weight_decay",
+                 "decay_tokens", "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len",
+                 "muon_momentum_warmup", "global_batch", "seed",
+                 "unique_tokens"):
         if getattr(c, name) < 0:
             bad(c, name, "must be >= 0")
-    if c.cpu_threads > (os.cpu_count() or 1):
-        bad(c, "cpu_threads", f"more than this host's {os.cpu_count()} cores: the threads would spin against "
-                              "each other")
     if c.seed >= 2 ** 63:
         bad(c, "seed", "must be below 2**63 (torch.manual_seed's range)")
     if not c.out_dir:
         bad(c, "out_dir", "must name a folder")
-    for name in ("matrix_lr", "adamw_matrix_lr", "embedding_lr", "unembedding_lr", "router_lr", "scalar_lr",
-                 "adam_eps"):
+    if c.matrix_lr < 0:
+        bad(c, "matrix_lr", "must be > 0 (0: the optimizer's default)")
+    for name in ("embedding_lr", "unembedding_lr", "adam_eps"):
         if not getattr(c, name) > 0:
             bad(c, name, "must be > 0 (a learning rate <= 0 does not descend)")
     if len(c.adam_betas) != 2 or not all(0 <= b < 1 for b in c.adam_betas):
         bad(c, "adam_betas", "must be two numbers in [0, 1)")
-    for name in ("muon_momentum", "muon_beta2"):
-        if not 0 <= getattr(c, name) < 1:
-            bad(c, name, "must be in [0, 1)")
-    for name in ("decay_fraction", "min_lr_fraction"):
-        if not 0.0 <= getattr(c, name) <= 1.0:
-            bad(c, name, "must be in [0, 1]")
+    if not 0.0 <= c.decay_fraction <= 1.0:
+        bad(c, "decay_fraction", "must be in [0, 1]")
     if not 0.0 <= c.branch_data_fraction < 1.0:
         bad(c, "branch_data_fraction", "must be in [0, 1)")
     if any(not isinstance(s, int) or s < 1 for s in c.save_steps):
@@ -103,19 +96,14 @@ def check_start(resume, init_from):
 
 
 def derive_grad_accum(config, world, source=None):
-    """global_batch > 0: grad_accum = global_batch / (batch_size x world), which must divide exactly, so
-    a run keeps its global batch on any number of processes (a resume onto fewer GPUs included).
-    source: the checkpoint this run continues or forks (None: none); its sequences per step are kept (resolve_run
-    sets global_batch to them) unless the command gives grad_accum, which must then give them again."""
+    """config.grad_accum, the micro-batches of a step: global_batch / (batch_size x world), which must divide
+    exactly, so a run keeps its global batch on any number of processes (a resume onto fewer GPUs included);
+    global_batch 0: one micro-batch per process. source: the checkpoint this run continues or forks (None:
+    none); resolve_run sets global_batch to its sequences per step unless the command gives one."""
     recorded = source["state"].get("seqs_per_step", 0) if source else 0
     per_step = config.batch_size * world
     if config.global_batch <= 0:
-        if recorded and per_step * config.grad_accum != recorded:
-            raise ValueError(f"grad_accum={config.grad_accum}: batch_size x grad_accum x processes = "
-                             f"{config.batch_size} x {config.grad_accum} x {world} = {per_step * config.grad_accum} "
-                             "sequences per step, "
-                             f"but the run it continues took {recorded}; drop --grad_accum (it then follows from the "
-                             "number of processes) or change the global batch knowingly with --global_batch=N")
+        config.grad_accum = 1
         return
     if config.global_batch % per_step:
         kept = " (the sequences per step of the run it continues)" if recorded else ""
@@ -142,19 +130,16 @@ def check_run(cfg, config, source=None, device=None):
                          f"{cfg.block_size} tokens is at most that long")
     if config.n_passes_choices and cfg.layout == "plain":
         raise ValueError("n_passes_choices: a plain model has no passes to vary (use layout smelt, layer_loop or pcc)")
-    if config.n_passes_choices and cfg.layout == "pcc" and not cfg.tie_core:
-        too_many = [k for k in config.n_passes_choices if k > cfg.n_passes]
+    untied_later = config.grow_at and config.grow_untie and not config.decay_branch and not grown
+    after = dataclasses.replace(cfg, layout="pcc", tie_core=False, n_passes=config.grow_to) if untied_later else None
+    for when, shape in (("", cfg), (" after growth", after)):
+        too_many = [k for k in config.n_passes_choices if shape is not None and k > most_passes(shape)]
         if too_many:
-            raise ValueError(f"n_passes_choices={config.n_passes_choices}: an untied model has {cfg.n_passes} "
-                             f"cores, it cannot run {too_many} passes")
-    if config.n_passes_choices and config.grow_at and config.grow_untie and not config.decay_branch and not grown:
-        too_many = [k for k in config.n_passes_choices if k > config.grow_to]
-        if too_many:
-            raise ValueError(f"n_passes_choices={config.n_passes_choices}: after growth the untied model has "
-                             f"{config.grow_to} cores, it cannot run {too_many} passes")
+            raise ValueError(f"n_passes_choices={config.n_passes_choices}:{when} the untied model has "
+                             f"{shape.n_passes} cores, one per trained pass: it cannot run {too_many} passes")
     if config.grow_at and not config.decay_branch and not grown:
-        if config.grow_to < cfg.passes or (config.grow_to == cfg.passes and not config.grow_untie):
-            raise ValueError(f"grow_to={config.grow_to}: must be more than the model's {cfg.passes} passes")
+        if config.grow_to < cfg.n_passes or (config.grow_to == cfg.n_passes and not config.grow_untie):
+            raise ValueError(f"grow_to={config.grow_to}: must be more than the model's {cfg.n_passes} passes")
     return grown
 
 
@@ -172,9 +157,9 @@ def check_branch_source(source, path):
 
 
 # what decides the LR, momentum and passes of every step: a resume that changes one of them changes the run's plan
-SCHEDULE_KEYS = ("max_steps", "max_tokens", "warmup_steps", "decay_fraction", "decay_shape", "min_lr_fraction",
+SCHEDULE_KEYS = ("max_steps", "warmup_steps", "decay_fraction", "decay_shape",
                  "decay_branch", "decay_tokens", "grow_at", "grow_to", "grow_untie", "grow_rewarm_steps",
-                 "lr_anchor_params", "lr_scaling_beta", "muon_momentum_warmup", "n_passes_choices")
+                 "muon_momentum_warmup", "n_passes_choices")
 
 
 def check_plan(config, source, state, schedule, stream, seqs_per_step, plan, log):
@@ -183,7 +168,7 @@ def check_plan(config, source, state, schedule, stream, seqs_per_step, plan, log
     (plan: train.plan_schedule, to re-plan the run it continues)."""
     if source is not None and not config.resume and state.step >= schedule.max_steps:
         raise ValueError(f"init_from={config.init_from}: the checkpoint is at step {state.step} and this run ends at "
-                         f"step {schedule.max_steps} (max_steps): nothing to train; raise max_steps or max_tokens")
+                         f"step {schedule.max_steps} (max_steps): nothing to train; raise max_steps")
     if not config.decay_branch and config.warmup_steps > schedule.max_steps:
         raise ValueError(f"warmup_steps={config.warmup_steps}: longer than the run ({schedule.max_steps} steps); the "
                          "LR would never reach its peak")
@@ -211,23 +196,17 @@ def check_inert(values, given):
          "does nothing without grow_at (the step the model grows at)"),
         (("decay_tokens",), v["decay_branch"] or v["decay_fraction"] == 0, "does nothing without decay_branch=True: it "
          "is a decay branch's length (a stable phase, decay_fraction=0, may name its branches' for ladder.py --plan)"),
-        (("n_loops",), layout in ("smelt", "layer_loop"), f"does nothing in layout {layout!r}: r, the loop's passes, "
-         "is of layouts 'smelt' and 'layer_loop'" + (" (pcc's passes are n_passes, K)" if layout == "pcc" else "")),
-        (("tie_core", "boundary", "boundary_alpha", "inject_before_coda", "zero_initial_state", "n_prelude", "n_core",
-          "n_coda"), layout == "pcc", f"does nothing in layout {layout!r}: it is of layout 'pcc' (prelude-core-coda)"),
-        (("expert_hidden", "router_renormalize", "balance_loss_coef", "z_loss_coef"), v["n_expert"] > 0,
+        (("n_passes",), layout != "plain", "does nothing in layout 'plain': every layer runs once (loop with "
+         "layout 'smelt', 'layer_loop' or 'pcc')"),
+        (("loop_span",), layout in ("smelt", "layer_loop"), f"does nothing in layout {layout!r}: it is the span "
+         "layouts 'smelt' and 'layer_loop' loop"),
+        (("tie_core", "boundary", "boundary_alpha", "zero_initial_state"), layout == "pcc",
+         f"does nothing in layout {layout!r}: it is of layout 'pcc' (prelude-core-coda)"),
+        (("expert_hidden",), v["n_expert"] > 0,
          "does nothing in a dense model: it is an MoE setting (n_expert > 0)"),
-        (("adamw_matrix_lr",), optimizer == "adamw",
-         "does nothing with optimizer='muon': it is AdamW's matrix LR (Muon's is matrix_lr)"),
-        (("matrix_lr", "muon_variant", "muon_momentum", "muon_momentum_warmup", "muon_nesterov", "muon_ns_steps"),
-         optimizer == "muon", "does nothing with optimizer='adamw': it is Muon's (AdamW's matrix LR is "
-         "adamw_matrix_lr)"),
-        (("muon_beta2",), v["muon_variant"] == "x",
-         "does nothing with muon_variant='original': it is the 'x' variant's"),
-        (("lr_scaling_beta",), v["lr_anchor_params"] > 0, "does nothing without lr_anchor_params > 0 ([X16])"),
+        (("muon_variant", "muon_momentum_warmup"), optimizer == "muon",
+         "does nothing with optimizer='adamw': it is Muon's"),
         (("reshard_after_forward",), v["parallel"] == "fsdp", "does nothing with parallel='ddp': it is FSDP's"),
-        (("grad_accum",), v["global_batch"] <= 0, f"does nothing with global_batch={v['global_batch']}, which decides "
-         "it (global_batch / (batch_size x processes)): give one of them"),
     ]
     for names, active, why in acts:
         for name in names:

@@ -25,7 +25,7 @@ import sys
 
 import match
 from model import execution_plan
-from tooling import common, distributed
+from tooling import common, distributed, match_cli
 from tooling.common import cli_error
 
 GIB = 2 ** 30
@@ -421,7 +421,7 @@ def where(reading):
 def main(argv=None):
     parser = common.parser("tooling.memory", description="Per-GPU memory of training a config (or an [S] preset "
                            "and its matched twin) under DDP and FSDP2.")
-    match.add_model_arguments(parser)
+    match_cli.add_model_arguments(parser)
     parser.add_argument("--world_size", type=common.number(int, 1, 2 ** 20), default=8, help="GPUs (default 8)")
     parser.add_argument("--gpu_gb", type=common.number(float, 0, 2 ** 20, open_low=True), default=80,
                         help="memory of one GPU in GiB (default 80)")
@@ -439,7 +439,7 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
-        models = match.models_of(args.config, args.preset, args.recipe, args.avg_doc_len, args.attended)
+        models = match_cli.models_of(args.config, args.preset, args.recipe, args.avg_doc_len, args.attended)
         micro_batch = args.micro_batch if args.micro_batch is not None else models["settings"].get("batch_size", 1)
         settings = models["settings"]
         grad_accum = args.grad_accum if args.grad_accum is not None else settings.get("grad_accum", 1)

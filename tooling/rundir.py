@@ -34,7 +34,7 @@ NOT_INHERITED_FORK = ("run_name", "out_dir", "data_dir", "init_from", "decay_bra
                       "overwrite", "stop_at_step", "save_steps", "progress", "sample")
 NOT_INHERITED_RESUME = ("run_name", "out_dir", "data_dir", "init_from", "resume", "overwrite", "stop_at_step",
                         "progress", "sample")  # a resumed fork or branch starts from its own checkpoint, not its source
-BATCH_KEYS = ("batch_size", "grad_accum", "global_batch")
+BATCH_KEYS = ("batch_size", "global_batch")
 
 
 def resolve_run(settings, overrides):
@@ -97,12 +97,9 @@ def inherited_data_dir(source, source_path, notes):
 
 def kept_global_batch(source, overrides, resume):
     """A run continued or forked onto another number of processes keeps its sequences per step: global_batch
-    set to the checkpoint's, so grad_accum follows from the world size. Changing it takes --global_batch;
-    an explicit --grad_accum must keep it (guards.derive_grad_accum checks, once the world size is known)."""
+    set to the checkpoint's, so grad_accum follows from the world size. Changing it takes --global_batch."""
     recorded = source["state"].get("seqs_per_step", 0)
-    if not recorded or "global_batch" in overrides:
-        return {}
-    return {"global_batch": recorded} if "grad_accum" not in overrides else {}
+    return {"global_batch": recorded} if recorded and "global_batch" not in overrides else {}
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -269,6 +266,10 @@ class RunDir:
                 shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
         self.replaced = []
 
+    def save_training(self, model, optimizers, config, state, data, path=None):
+        """The training checkpoint of now (weights, optimizer state, settings, state, data provenance)."""
+        self.save(checkpoint.training_checkpoint(model, optimizers, config, state, **data.provenance), path)
+
     def save(self, ckpt, path=None):
         """A sharded checkpoint (every rank its shards) or a file (rank 0); never non-finite weights."""
         if not self.saving:
@@ -305,11 +306,10 @@ class RunDir:
                 self.pending = []
         return record
 
-    def finish(self, model, optimizers, config, state, data, stream, max_steps, losses, first_position, seconds,
-               world):
+    def consolidate(self, model, optimizers, config, state, data):
         """After the training loop: an FSDP run's consolidated weights into ckpt.pt (gathered onto rank 0's CPU,
-        one file that eval_core, probe, grow and sample load), the summary dict and the run's last lines.
-        Returns (summary, a model to sample from on this rank, or None)."""
+        one file that eval_core, probe, grow and sample load). Returns a model to sample from on this rank,
+        or None."""
         final_model = model
         if self.sharded and not self.saving:
             final_model = None
@@ -322,6 +322,12 @@ class RunDir:
                 if model.num_params()["total"] < 1e9:  # small enough to sample from in one process
                     final_model = GPT(model.config)
                     final_model.load_state_dict(weights)
+        return final_model
+
+    def summary(self, state, max_steps, data, stream, losses, first_position, t0):
+        """The run's summary dict (what train.train returns; t0: when its loop began), its footer printed
+        by rank 0."""
+        seconds = time.time() - t0
         read = stream.offsets(first_position, state.data_position - first_position)  # what this run read
         last = state.last_eval or {}
         summary = dict(run_dir=self.path, ckpt_path=self.ckpt_path if self.saving else None,
@@ -332,10 +338,10 @@ class RunDir:
                        unigram_entropy=data.unigram_entropy, data_region=stream.name,
                        data_read=(int(read.min()), int(read.max()) + stream.seq_len + 1) if len(read) else None,
                        data_split=stream.stop if stream.name == "stable" else stream.start,
-                       seconds=seconds, world_size=world, rank=distributed.rank())
+                       seconds=seconds, world_size=self.world, rank=distributed.rank())
         if self.master:
             print(run_footer(self, summary, data.unigram_entropy))
-        return summary, final_model
+        return summary
 
     def resume_command(self):
         out_dir, run_name = os.path.split(self.path)
@@ -548,7 +554,7 @@ def run_header(run, model, data, stream, step, tokens_per_step, max_steps, world
     finished = (f"\n{run.path} has already finished: step {step} of max_steps {max_steps}. Raise --max_steps to "
                 "train further." if step >= max_steps else "")
     return (f"run {run.path}: {cfg.layout} n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_expert={cfg.n_expert} "
-            f"passes={cfg.passes}; params total {counts['total']:,} active {counts['active']:,}; "
+            f"passes={cfg.n_passes}; params total {counts['total']:,} active {counts['active']:,}; "
             f"{tokens_per_step:,} tokens/step x {max_steps} steps; world_size {world}"
             f"{' (FSDP)' if run.sharded else ''}; device {device}{' with bf16 autocast' if bf16 else ''}\n"
             f"data {data.data_dir}: {len(data.train_tokens):,} train tokens ({stream.name} region "

@@ -26,10 +26,14 @@ from dataclasses import MISSING, fields
 NON_FINITE = ("nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity")
 
 
+_including = set()  # the config files being read now (an include cycle is an error, not a recursion)
+
+
 def read_config_file(path):
     """The assignments of a nanoGPT-style config file (plain python) as {name: value}; a file that does
     not exist or does not run raises an error naming the file and line. The file is executed: it is
-    code, like nanoGPT's config files."""
+    code, like nanoGPT's config files. `include("other.py")` in it reads another config file's assignments
+    first (the six config/x_d8_*.py share config/_x_d8.py this way)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path}")
     namespace = {}
@@ -38,8 +42,19 @@ def read_config_file(path):
             source = f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: config file is not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+    def include(name):  # another config file's assignments first (its path relative to this file's folder)
+        included = os.path.join(os.path.dirname(path), name)
+        if os.path.abspath(included) in _including:
+            raise ValueError(f"{path}: includes {name}, which includes it back")
+        _including.add(os.path.abspath(included))
+        try:
+            namespace.update(read_config_file(included))
+        finally:
+            _including.discard(os.path.abspath(included))
+
     try:
-        exec(compile(source, path, "exec"), {}, namespace)
+        exec(compile(source, path, "exec"), {"include": include}, namespace)
     except SyntaxError as e:
         raise ValueError(f"{path}:{e.lineno}: syntax error in config file: {e.msg}") from None
     except (Exception, SystemExit) as e:  # the file runs python: NameError, ImportError, sys.exit(), ...
@@ -76,7 +91,7 @@ def described_fields(cls):
 class Settings:
     """The flat settings of several dataclasses (field names must not collide). defaults: values that
     replace the dataclasses' own defaults (train.py's tiny model). groups: {title: [keys]} for --help,
-    in order; the keys no group names follow under each dataclass's name."""
+    in order, every key in exactly one."""
 
     def __init__(self, *classes, defaults=None, groups=None, prog="train.py"):
         self.classes, self.groups, self.prog = classes, dict(groups or {}), prog
@@ -85,7 +100,7 @@ class Settings:
         for cls in classes:  # is derived again from the sizes a run gives (--n_embd=256: head_dim 64)
             self.defaults.update({f.name: f.default if f.default is not MISSING else f.default_factory()
                                   for f in fields(cls)})
-        self.declared = dict(self.defaults)  # the dataclasses' own: a setting at it is neutral (n_loops=1)
+        self.declared = dict(self.defaults)  # the dataclasses' own: a setting at it is neutral (n_passes=1)
         unknown = sorted(set(defaults or {}) - set(self.defaults))
         if unknown:
             raise ValueError(f"defaults for unknown settings {unknown}")
@@ -93,6 +108,9 @@ class Settings:
         listed = [k for keys in self.groups.values() for k in keys]
         if not set(listed) <= set(self.defaults):
             raise ValueError(f"help groups name unknown settings {sorted(set(listed) - set(self.defaults))}")
+        twice, missing = sorted({k for k in listed if listed.count(k) > 1}), sorted(set(self.defaults) - set(listed))
+        if self.groups and (twice or missing):
+            raise ValueError(f"every setting in one help group: {missing} in none, {twice} in two")
 
     def check(self, key, value, where="setting"):
         """Type-check one setting against its default; returns the (normalised) value."""
@@ -104,7 +122,7 @@ class Settings:
         if isinstance(default, bool):
             ok, expected = isinstance(value, bool), "bool"
         elif isinstance(default, int):
-            if isinstance(value, float) and value.is_integer():  # --max_tokens=1e6
+            if isinstance(value, float) and value.is_integer():  # --max_steps=1e6
                 value = int(value)
             ok, expected = isinstance(value, int) and not isinstance(value, bool), "int"
             if ok and abs(value) >= 2 ** 53:  # beyond what a float (1e30) says exactly, and any count we run
@@ -164,15 +182,12 @@ class Settings:
         return cls(**{k: values[k] for k in self.keys[cls]})
 
     def help(self):
-        """--help: the groups in order, then the remaining keys of each dataclass; each key with its
-        default and the comment beside it."""
+        """--help: the groups in order (without groups: each dataclass's keys), each key with its default
+        and the comment beside it."""
         described = {}
         for cls in self.classes:
             described.update(described_fields(cls))
-        listed = {k for keys in self.groups.values() for k in keys}
-        sections = list(self.groups.items())
-        sections += [(f"other {cls.__name__} settings", [k for k in self.keys[cls] if k not in listed])
-                     for cls in self.classes]
+        sections = list(self.groups.items()) or [(f"{cls.__name__} settings", self.keys[cls]) for cls in self.classes]
         lines = [f"usage: python {self.prog} [config/NAME.py ...] [--key=value ...]", ""]
         for title, keys in sections:
             if keys:

@@ -17,9 +17,10 @@ are kept. Files are written atomically
     read_rows_csv("out/runs.csv")                  # and back: the same list of dicts
     read_chinchilla_csv("tests/data/chinchilla_fig4_epoch.csv")    # N, D, loss (from N,C / params,train_flops)
     read_power_csv("tests/data/fineweb_ladders.csv")   # arch, C, loss[, depth] (from arm, compute_flops, val_loss)
+    refuse_case_variants("runs.csv", list(runs["arch"]), "arch")  # 'Vanilla' and 'vanilla': refused, both lines
+    data_lines("runs.csv")                         # the line each data row starts on, to name it in an error
 """
 
-import codecs
 import csv
 import io
 import math
@@ -64,6 +65,25 @@ def read_runs_csv(path, required, numeric=(), positive=(), fraction=(), alternat
     return {k: np.asarray(v, dtype=float if k in numbers else object) for k, v in data.items()}
 
 
+def refuse_case_variants(path, names, column):
+    """One name spelled two ways ('Vanilla', 'vanilla') would split its points into two architectures (or
+    cells): a ValueError naming both lines. names: the column's values as read_runs_csv returned them."""
+    first = {}
+    for i, name in enumerate(names):
+        j = first.setdefault(name.casefold(), i)
+        if names[j] != name:
+            lines = data_lines(path)
+            raise ValueError(f"{path} line {lines[i]}, column '{column}': '{name}' and '{names[j]}' (line {lines[j]}) "
+                             "differ only in case; spell the name one way")
+
+
+def data_lines(path):
+    """The line each data row of a CSV starts on (blank rows skipped, as read_runs_csv skips them)."""
+    with open(path, "rb") as f:
+        rows = _csv_lines(path, _decode_utf8(path, f.read()))
+    return [lineno for lineno, row in rows[1:] if any(cell.strip() for cell in row)]
+
+
 def _refuse_duplicate(path, seen, key, lineno, names):
     """Remember key (a row's values in the columns `names`) as read on lineno; the second time, a
     ValueError naming both lines. Numbers compare as values: 1e18 and 1.0e18 are the same point."""
@@ -74,15 +94,14 @@ def _refuse_duplicate(path, seen, key, lineno, names):
 
 
 def _decode_utf8(path, raw):
-    """The text of a file's bytes, without a UTF-8 byte-order mark (what encoding="utf-8-sig" does, with
-    the line and byte of the first invalid byte in the error)."""
-    bom = codecs.BOM_UTF8 if raw.startswith(codecs.BOM_UTF8) else b""  # spreadsheets write one first
+    """The text of a file's bytes by the codec "utf-8-sig" (a spreadsheet's UTF-8 byte-order mark dropped),
+    with the line and byte of the first invalid byte in the error."""
     try:
-        return raw[len(bom):].decode("utf-8")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        at = len(bom) + e.start
-        lineno, line_start = raw.count(b"\n", 0, at) + 1, raw.rfind(b"\n", 0, at) + 1
-        raise ValueError(f"{path} line {lineno}: not valid UTF-8 (byte 0x{raw[at]:02x} at byte {at - line_start + 1} "
+        data, at = e.object, e.start  # the bytes after the mark, if there was one
+        lineno, line_start = data.count(b"\n", 0, at) + 1, data.rfind(b"\n", 0, at) + 1
+        raise ValueError(f"{path} line {lineno}: not valid UTF-8 (byte 0x{data[at]:02x} at byte {at - line_start + 1} "
                          "of the line); save the file as UTF-8 CSV") from None
 
 

@@ -1,0 +1,13 @@
+"""ladder.py's package: both papers' experiments in miniature (docs/ladder.md). Importing it imports nothing.
+
+    presets.py   the presets, typed (SmeltPreset, XPreset, RepeatPreset)
+    common.py    what every protocol uses: data, tokens per step, N, report numbers
+    smelt.py     [S] SMELT grid: matched cells, stable runs and decay branches, surfaces, CE Gain
+    x.py         [X] ladders: six architectures by depth, power laws, compute multipliers
+    repeat.py    [X] data-constrained ladder: K passes x depth x weight decay on repeated data
+    fits.py      the ladders' own statistics (grid optimum, regression, seed spread)
+    specs.py     every run of a preset (build, full_plan) and --list
+    sweep.py     the LR sweep and its bracketing
+    pipeline.py  a preset end to end, and its report rebuilt from runs.csv (--from-csv)
+    recipe.py    --plan CONFIG: every run of a config file's recipe
+"""

@@ -1,0 +1,250 @@
+"""The ladder presets, typed: one dataclass per protocol (SmeltPreset, XPreset, RepeatPreset) and PRESETS,
+every named design. `model` and `train` stay dicts: they are train.py settings (train.SETTINGS' keys)."""
+
+import copy
+from dataclasses import dataclass, field, fields, replace
+from typing import ClassVar, Optional
+
+BYTES = dict(vocab_size=257, eot_token=256)  # gpt2-257: the 256 byte tokens + eot (the preset's tokenizer)
+GPT2_4096 = dict(vocab_size=4096, eot_token=4095)  # data/cache/default
+# [S]: MoE baselines, top-2 of fine-grained experts; 6 query heads on 3 KV heads, so that the SMELT twin
+# (1.5x the executed layers) matches the KV cache exactly with 2 KV heads of the same size.
+SMELT_MODEL = dict(n_head=6, n_kv_head=3, top_k=2, layout="plain", n_passes=1)
+# match.match search for small widths: a finer grid than the paper-scale default leaves a twin in every cell
+SMELT_MATCH = dict(width_multiple=(16, 8, 4), hidden_multiple=4, expert_multiple=1, head_dim_range=(4, 64),
+                   head_multiple=4)
+# [X] Table 1
+X_MODEL = dict(norm_gain=False, qk_norm=True, embed_norm=True, init="x")
+# GPU presets need far more tokens than the embedded corpus: prepare e.g. FineWeb shards with
+#   python data/prepare.py --hf HuggingFaceFW/fineweb-edu --hf_config sample-10BT --tokenizer gpt2 \
+#       --val_tokens 10000000 --workers 16 --out data/cache/fineweb_gpt2   (docs/data.md; the x_d8 configs' folder)
+GPU_DATA = "data/cache/fineweb_gpt2"
+# [X] Operator-1's recipe (the [X] code's ladder_scripts/operator_1.sh, config/x_d8_operator1.py): prelude-core-
+# coda with the boundary operator before every core pass and the coda, a tied core (K passes = Loop-K)
+X_OPERATOR1 = dict(X_MODEL, layout="pcc", boundary="both", tie_core=True, boundary_alpha=1.0,
+                   residual_multiplier=0.5, output_multiplier=1.0, embed_init_std=0.11313708499,
+                   uniform_init_scale=0.353553390593, document_mask=False)
+X_OPERATOR1_TRAIN = dict(optimizer="muon", muon_variant="x", grad_clip=0.0, adam_betas=[0.8, 0.98], adam_eps=1e-10,
+                         warmup_steps=0, decay_fraction=0.8, decay_shape="linear")
+# [X]'s global LR: the embedding and lm head LRs keep their ratio to the matrix LR (d8: 0.0362 / 0.0032 to 0.04)
+X_GLR_TIED = dict(embedding_lr=0.905096679919, unembedding_lr=0.08)
+X_ARCHS = ("vanilla", "operator-1", "loop-2", "untied-2", "loop-grow", "untied-grow")
+SEEDS = [1337, 1338, 1339]  # the reference architecture runs all; the others the first
+# each [X] architecture's own recipe: config/x_d8_*.py (the [X] code's ladder scripts, d8 rows)
+X_RECIPES = {"vanilla": "x_d8_vanilla", "operator-1": "x_d8_operator1", "loop-2": "x_d8_loop2",
+             "untied-2": "x_d8_untied2", "loop-grow": "x_d8_loop_grow", "untied-grow": "x_d8_untied_grow"}
+# [X] Table 9, read off the [X] code's ladder scripts: tokens per stored parameter (train-token-limit / N_s) and
+# the [X16] LR exponent (the d6 -> d8 ratio of their LRs over that of N_s)
+X_TPP_STORED = {"vanilla": 5.05, "operator-1": 6.06, "loop-2": 6.06, "untied-2": 6.06, "loop-grow": 6.6,
+                "untied-grow": 7.24}
+X_LR_BETA = {"vanilla": -0.8, "operator-1": -0.6, "loop-2": -0.6, "untied-2": -0.6, "loop-grow": -0.5,
+             "untied-grow": -0.6}
+
+
+@dataclass(kw_only=True)
+class LRSweep:
+    """One learning rate swept at the first ladder point; the best value is carried up the ladder."""
+    key: str  # the train.py setting swept (matrix_lr: Muon's or AdamW's, by the optimizer)
+    values: list  # 2x apart; a value beyond them runs while the best is at an edge, at most `extend` steps
+    extend: int = 2
+    seeds: int = 1  # seeds per value (the mean is compared)
+    tied: dict = field(default_factory=dict)  # repeat: {LR setting: its ratio to the swept LR} ([X]'s global LR)
+    weight_decay: Optional[float] = None  # repeat: the weight decay the sweep runs at
+
+
+@dataclass(kw_only=True)
+class Preset:
+    """What every ladder has: its model and train.py settings, seeds, data, sweep, and how it runs."""
+    kind: ClassVar[str]
+    name: str
+    about: str
+    model: dict  # ModelConfig fields every run shares
+    train: dict  # train.py settings every run shares
+    seeds: list
+    seed: int = 1337  # the bootstrap's
+    tokenizer: Optional[str] = None  # the embedded corpus in this tokenizer; None: train["data_dir"]
+    lr_sweep: Optional[LRSweep] = None
+    bootstrap: int = 0  # draws (smelt: cell bootstrap; repeat: seed bootstrap)
+    threads: Optional[int] = None  # torch threads per run
+    workers: int = 1  # runs trained at once
+    gpus: int = 1  # the processes a step is planned for outside torchrun (--list)
+    budget: Optional[str] = None  # the budget written before the run
+
+
+@dataclass(kw_only=True)
+class SmeltPreset(Preset):
+    """[S]: (scale, sparsity) cells, each a MoE baseline and its matched SMELT twin, with decay branches."""
+    kind: ClassVar[str] = "smelt"
+    scales: dict  # {scale: ModelConfig fields}
+    cells: list  # [(scale, experts per layer)]
+    recipe: str  # match.match's recipe
+    match_kwargs: dict = field(default_factory=dict)  # match.MatchSearch fields
+    branch_tpp: list  # decay branches at these TPP of the baseline
+    decay_share: float  # the share of a branch's tokens that decay
+    budgets: Optional[list] = None  # CE Gain budgets (None: two inside the measured range)
+
+
+@dataclass(kw_only=True)
+class DepthPreset(Preset):
+    """[X] ladders: width = width_per_depth x depth at each depth."""
+    depths: list
+    width_per_depth: int
+    head_dim: int
+    mlp_multiple: int
+    recipes: bool = False  # each architecture with its [X] recipe (config/x_d8_*.py)
+
+
+@dataclass(kw_only=True)
+class XPreset(DepthPreset):
+    """[X]: every architecture at every depth, at its own budget."""
+    kind: ClassVar[str] = "x"
+    archs: tuple = X_ARCHS
+    tpp: Optional[float] = None  # tokens per compute-active parameter (the v1 rule), or
+    tpp_stored: Optional[dict] = None  # {arch: tokens per stored parameter} ([X])
+    lr_beta: Optional[dict] = None  # {arch: [X16] beta}: the LR carried up by [X16]
+    grow_to: int = 4
+    rewarm_fraction: float
+    seed_every_arch: bool = False  # every architecture runs every seed (else the reference only)
+    multipliers: str = "both"  # "interpolated": only [X]'s rule is printed
+
+
+@dataclass(kw_only=True)
+class RepeatPreset(DepthPreset):
+    """[X] data-constrained: the Operator-1 family (K passes) reading unique_tokens for `epochs` epochs."""
+    kind: ClassVar[str] = "repeat"
+    passes: list  # K
+    unique_tokens: int
+    epochs: float
+    lr_scaling_beta: float  # [X16] across depths
+    weight_decays: list  # the grid (2x apart), bracketed at most wd_extend steps beyond
+    wd_extend: int = 2
+    seeded_passes: list  # the K that run every seed at their best weight decay
+
+
+SMELT_GPU_1NODE = SmeltPreset(
+    name="smelt-gpu-1node", about="one 8-GPU node (documented, not run): 4 scales x 3 sparsities, 6 branches",
+    model=dict(GPT2_4096 | SMELT_MODEL, head_dim=64, n_head=8, n_kv_head=4, top_k=8, block_size=1024),
+    scales={"L8w512": dict(n_layer=8, n_embd=512, expert_hidden=176),
+            "L10w640": dict(n_layer=10, n_embd=640, expert_hidden=208),
+            "L12w768": dict(n_layer=12, n_embd=768, expert_hidden=256),
+            "L16w1024": dict(n_layer=16, n_embd=1024, expert_hidden=336)},
+    cells=[(s, e) for s in ("L8w512", "L10w640", "L12w768", "L16w1024") for e in (48, 96, 128)],
+    recipe="smelt", match_kwargs=dict(width_multiple=(32, 16), expert_multiple=4),
+    train=dict(optimizer="adamw", batch_size=16, warmup_steps=200, eval_tokens=1 << 20,
+               data_dir=GPU_DATA, branch_data_fraction=0.1),
+    branch_tpp=[10, 20, 40, 80], decay_share=0.1, seeds=SEEDS[:1], gpus=8, bootstrap=2000)
+
+X_GPU = dict(model=dict(dict(vocab_size=50304, eot_token=50256) | X_MODEL, block_size=2048), width_per_depth=128,
+             head_dim=128, mlp_multiple=256, tpp=10, rewarm_fraction=0.02, seeds=SEEDS[:1])
+
+PRESETS = {p.name: p for p in [
+    # ---- [S] SMELT
+    SmeltPreset(
+        name="smelt-micro", about="pipeline check in seconds (tests); the numbers mean nothing", tokenizer="gpt2-257",
+        model=dict(BYTES | SMELT_MODEL, head_dim=8, block_size=32),
+        scales={"w32": dict(n_layer=4, n_embd=32, expert_hidden=16),
+                "w56": dict(n_layer=4, n_embd=56, expert_hidden=28)},
+        cells=[("w32", 8), ("w32", 16), ("w56", 16)],  # (scale, experts per layer)
+        recipe="smelt", match_kwargs=SMELT_MATCH,
+        train=dict(optimizer="adamw", batch_size=4, warmup_steps=2, eval_tokens=512, branch_data_fraction=0.2),
+        branch_tpp=[0.1, 0.2, 0.3], decay_share=0.2, seeds=SEEDS[:2],
+        lr_sweep=LRSweep(key="matrix_lr", values=[2e-3, 4e-3], extend=0), bootstrap=20, threads=1),
+    SmeltPreset(
+        name="smelt-cpu-mini", about="[S] in miniature: 3 scales varying depth and width (F spans 10x) x 3 "
+                                     "sparsities, 3 decay branches, 2 baseline seeds", tokenizer="gpt2-257",
+        model=dict(BYTES | SMELT_MODEL, head_dim=8, block_size=64),
+        # depth 2 -> 8 and width 32 -> 72 (the heads grow with the width at the top: 9 query heads on 3 KV heads)
+        scales={"L2w32": dict(n_layer=2, n_embd=32, expert_hidden=16),
+                "L4w56": dict(n_layer=4, n_embd=56, expert_hidden=28),
+                "L8w72": dict(n_layer=8, n_embd=72, expert_hidden=36, n_head=9, n_kv_head=3)},
+        cells=[(s, e) for s in ("L2w32", "L4w56", "L8w72") for e in (16, 32, 48)],
+        recipe="smelt", match_kwargs=SMELT_MATCH,
+        train=dict(optimizer="adamw", batch_size=16, warmup_steps=20, eval_tokens=1 << 15, branch_data_fraction=0.2),
+        branch_tpp=[3, 6, 12], decay_share=0.2, seeds=SEEDS[:2],
+        lr_sweep=LRSweep(key="matrix_lr", values=[1.5e-3, 3e-3, 6e-3]), bootstrap=2000, threads=1, workers=2,
+        budget="written before the run: 114 runs, 6.6e13 FLOPs, about 55 min on 2 workers, at most 90"),
+    SmeltPreset(  # the first design (its run: docs/ladder/smelt-cpu-mini-v1-*), kept for its report
+        name="smelt-cpu-mini-v1", about="smelt-cpu-mini's first design: 3 scales x 2 sparsities, 3 decay branches, "
+                                        "3 baseline seeds", tokenizer="gpt2-257",
+        model=dict(BYTES | SMELT_MODEL, head_dim=8, block_size=256),
+        # compute-active non-embedding params 33k / 75k / 130k, F 5.5e5 / 8.4e5 / 1.2e6 FLOPs per token
+        scales={"L4w32": dict(n_layer=4, n_embd=32, expert_hidden=16),
+                "L4w56": dict(n_layer=4, n_embd=56, expert_hidden=28),
+                "L4w80": dict(n_layer=4, n_embd=80, expert_hidden=40)},
+        cells=[(s, e) for s in ("L4w32", "L4w56", "L4w80") for e in (16, 32)],  # S 0.73-0.81 and 0.85-0.90
+        recipe="smelt", match_kwargs=SMELT_MATCH,
+        train=dict(optimizer="adamw", batch_size=8, warmup_steps=20, eval_tokens=1 << 15, branch_data_fraction=0.2),
+        branch_tpp=[10, 20, 30], decay_share=0.2, seeds=SEEDS,
+        lr_sweep=LRSweep(key="matrix_lr", values=[1.5e-3, 3e-3, 6e-3]), bootstrap=2000, threads=1, workers=2),
+    SMELT_GPU_1NODE,
+    replace(SMELT_GPU_1NODE, name="smelt-gpu-2node", gpus=16,
+            about="two 8-GPU nodes (documented, not run): the 1-node grid, 2x the tokens per step"),
+    # ---- [X] scaling exponents
+    XPreset(
+        name="x-micro", about="pipeline check in seconds (tests); the numbers mean nothing", tokenizer="gpt2-257",
+        model=dict(BYTES, block_size=32), depths=[3, 4, 5], width_per_depth=8, head_dim=8, mlp_multiple=8,
+        recipes=True, tpp_stored={a: 0.05 + 0.01 * i for i, a in enumerate(X_ARCHS)}, lr_beta=X_LR_BETA,
+        rewarm_fraction=0.05, train=dict(batch_size=4, eval_tokens=512, branch_data_fraction=0.0),
+        seeds=SEEDS[:2], seed_every_arch=True,
+        lr_sweep=LRSweep(key="matrix_lr", values=[0.02, 0.04], extend=0, seeds=2),
+        multipliers="interpolated", threads=1),
+    XPreset(
+        name="x-cpu-mini", about="[X] in miniature: 6 architectures x depths 3..6 at width 8 x depth, each with its "
+                                 "[X] recipe, TPP and [X16] LR rule, no data repetition, 3 seeds each",
+        tokenizer="gpt2-257", model=dict(BYTES, block_size=128), depths=[3, 4, 5, 6], width_per_depth=8, head_dim=8,
+        mlp_multiple=8, recipes=True, tpp_stored=X_TPP_STORED, lr_beta=X_LR_BETA, rewarm_fraction=0.02,
+        train=dict(batch_size=16, eval_tokens=1 << 15, branch_data_fraction=0.0), seeds=SEEDS, seed_every_arch=True,
+        lr_sweep=LRSweep(key="matrix_lr", values=[0.02, 0.04, 0.08], seeds=2), multipliers="interpolated",
+        threads=1, workers=2,
+        budget="written before the run: 96 runs, 6.3e13 FLOPs, about 30 min on 2 workers, at most 60"),
+    XPreset(  # the first design (its run: docs/ladder/x-cpu-mini-v1-*), kept to rebuild that report
+        name="x-cpu-mini-v1", about="x-cpu-mini's first design: 6 architectures x depths 3..6 at width 12 x depth, "
+                                    "TPP 10 each, 3 Vanilla seeds", tokenizer="gpt2-257",
+        model=dict(BYTES | X_MODEL, block_size=128), depths=[3, 4, 5, 6], width_per_depth=12, head_dim=12,
+        mlp_multiple=32, tpp=10, rewarm_fraction=0.05,
+        train=dict(optimizer="muon", batch_size=16, warmup_fraction=0.05, decay_fraction=0.3, eval_tokens=1 << 15),
+        seeds=SEEDS, lr_sweep=LRSweep(key="matrix_lr", values=[0.01, 0.02, 0.04]), threads=1, workers=2),
+    # ---- [X] data-constrained: a few unique tokens read for many epochs
+    RepeatPreset(
+        name="x-repeat-micro", about="pipeline check in seconds (tests); the numbers mean nothing",
+        tokenizer="gpt2-257",
+        model=dict(BYTES | X_OPERATOR1, block_size=32), depths=[3, 4], width_per_depth=8, head_dim=8, mlp_multiple=8,
+        passes=[1, 2], unique_tokens=2000, epochs=2,
+        train=dict(X_OPERATOR1_TRAIN, batch_size=4, muon_momentum_warmup=2, eval_tokens=512),
+        lr_sweep=LRSweep(key="matrix_lr", values=[0.02, 0.04], extend=0, tied=X_GLR_TIED, weight_decay=0.2),
+        lr_scaling_beta=-0.6, weight_decays=[0.1, 0.4], wd_extend=1, seeds=SEEDS[:2], seeded_passes=[1, 2],
+        bootstrap=50, threads=1),
+    RepeatPreset(
+        name="x-cpu-repeat", about="[X] data-constrained in miniature: the Operator-1 family K 1..4 x depths 3..6, "
+                                   "100k unique tokens x 10 epochs, a WD grid at every point, 3 seeds at K 1 and 4",
+        tokenizer="gpt2-257", model=dict(BYTES | X_OPERATOR1, block_size=128), depths=[3, 4, 5, 6], width_per_depth=12,
+        head_dim=12, mlp_multiple=32, passes=[1, 2, 3, 4], unique_tokens=100_000, epochs=10,
+        train=dict(X_OPERATOR1_TRAIN, batch_size=16, muon_momentum_warmup=75, eval_tokens=1 << 15),
+        lr_sweep=LRSweep(key="matrix_lr", values=[0.02, 0.04, 0.08], tied=X_GLR_TIED, weight_decay=0.8),
+        lr_scaling_beta=-0.6, weight_decays=[0.4, 0.8, 1.6, 3.2], seeds=SEEDS, seeded_passes=[1, 4],
+        bootstrap=400, threads=1, workers=2,
+        budget="written before the run: 82 runs (plus bracketing), 1.75e14 FLOPs, about 57 min on 2 workers, "
+               "at most 75"),
+    XPreset(
+        name="x-gpu-1node", about="one 8-GPU node (documented, not run): the paper's width 128 x depth, d6..d10",
+        depths=[6, 7, 8, 9, 10], gpus=8, **X_GPU,
+        train=dict(optimizer="muon", batch_size=16, global_batch=256, warmup_fraction=0.02, decay_fraction=0.3,
+                   eval_tokens=1 << 21, data_dir=GPU_DATA)),
+    XPreset(
+        name="x-gpu-2node", about="two 8-GPU nodes (documented, not run): d8..d12 at width 128 x depth",
+        depths=[8, 9, 10, 11, 12], gpus=16, **X_GPU,
+        train=dict(optimizer="muon", batch_size=16, global_batch=256, warmup_fraction=0.02, decay_fraction=0.3,
+                   eval_tokens=1 << 21, data_dir=GPU_DATA)),
+]}
+
+
+def get_preset(name, **overrides):
+    """A copy of PRESETS[name] (the caller may change it) with the overrides that are not None."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    preset = copy.deepcopy(PRESETS[name])
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = sorted(set(given) - {f.name for f in fields(preset)})
+    if unknown:
+        raise ValueError(f"preset {name}: no setting {unknown[0]!r} in a {type(preset).__name__}")
+    return replace(preset, **given)

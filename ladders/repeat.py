@@ -1,0 +1,341 @@
+"""[X] data-constrained ladder (kind "repeat", [X] Section 5 and Appendix D): every run reads the same
+unique_tokens for `epochs` epochs; the Operator-1 family (K passes of its tied core) at each stored depth and
+weight decay; which K is best per budget, and whether the best weight decay follows stored parameters."""
+
+import math
+
+import numpy as np
+
+import fit
+import grow
+import match
+import train
+from ladders.common import (carried_lrs, compute_active, fmt, lr_scaling, model_settings, sweep_values,
+                            tokens_per_step)
+from fit import wd_regression
+from ladders.stats import interpolated_optimum
+from ladders.x import x_config
+from model import ModelConfig
+from tooling import plots
+from tooling.jobs import RunSpec
+
+
+def repeat_config(preset, passes, depth):
+    """The Operator-1 family at one stored depth: Operator-1 (K = 1) or Loop-K (its core run K times, tied)."""
+    cfg, _ = x_config(preset, "operator-1", depth)
+    return ModelConfig.from_dict(dict(model_settings(cfg), n_passes=passes))
+
+
+def repeat_spec(preset, data, passes, depth, wd, lr, seed, role, world=None):
+    """One run: `epochs` x unique_tokens tokens (whole steps), weight decay wd on every matrix, the
+    embedding and the lm head ([X] code); the global LR lr at the first depth, carried to the others by
+    [X16] with the preset's beta (N = stored parameters, the first depth's as anchor)."""
+    cfg = repeat_config(preset, passes, depth)
+    step_tokens = tokens_per_step(preset, world)
+    steps = max(4, math.ceil(preset.epochs * preset.unique_tokens / step_tokens))
+    sweep = preset.lr_sweep
+    anchor = grow.stored_params(repeat_config(preset, 1, preset.depths[0]))
+    settings = dict(preset.train, **model_settings(cfg), max_steps=steps, eval_interval=steps, seed=seed,
+                    unique_tokens=preset.unique_tokens, weight_decay=wd,
+                    **{sweep.key: lr}, **{k: float(f"{lr * r:.12g}") for k, r in sweep.tied.items()})
+    settings = carried_lrs(settings, cfg, anchor, preset.lr_scaling_beta)  # [X16], the first depth's N_s
+    acc = match.accounting(cfg)
+    n_s = acc["params_stored"]
+    meta = dict(depth=depth, width=cfg.n_embd, passes=passes, wd=wd, lr=lr, seed=seed, N=compute_active(cfg), N_s=n_s,
+                executed_layers=acc["executed_layers"], tokens=steps * step_tokens, F=train.flops_per_token(cfg),
+                lr_scaled=lr * lr_scaling(n_s, anchor, preset.lr_scaling_beta),
+                epochs=steps * step_tokens / preset.unique_tokens)
+    run_id = f"k{passes}-d{depth}-wd{wd:g}-{sweep.key}{lr:g}-s{seed}"
+    return RunSpec(run_id, f"k{passes}", f"d{depth}", role, settings, meta)
+
+
+def repeat_specs(preset, data, lrs=None, world=None):
+    """Without lrs: the LR sweep (K = 1 at the first depth, the sweep's weight decay, each value); with
+    lrs ({"k1": value}): the grid, every K x depth x weight decay, first seed."""
+    seed = preset.seeds[0]
+    if lrs is None:
+        key, values = sweep_values(preset)
+        return [repeat_spec(preset, data, 1, preset.depths[0], preset.lr_sweep.weight_decay, v, seed, "sweep",
+                            world) for v in values]
+    return [repeat_spec(preset, data, k, d, wd, lrs["k1"], seed, "run", world)
+            for k in preset.passes for d in preset.depths for wd in preset.weight_decays]
+
+
+def repeat_grid(preset, data, lrs, results, world=None):
+    """The grid and its weight-decay extensions: while a (K, depth)'s best first-seed weight decay is at an
+    edge of the values it tried, the next value beyond that edge (the grid's ratio) runs too, at most
+    wd_extend (2) steps beyond the grid on either side -> (specs, complete: every run finished and no
+    extension pending)."""
+    specs = repeat_specs(preset, data, lrs, world)
+    wds = preset.weight_decays
+    ratio, limit = wds[1] / wds[0], preset.wd_extend
+    while True:
+        extra, pending = [], False
+        for k in preset.passes:
+            for d in preset.depths:
+                points = [s for s in specs if s.meta["passes"] == k and s.meta["depth"] == d]
+                if any(results.get(s.run_id) is None for s in points):
+                    pending = True
+                    continue
+                tried = sorted(s.meta["wd"] for s in points)
+                best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta["wd"]
+                if best == tried[0] and best > wds[0] / ratio ** (limit - 0.5):
+                    value = best / ratio
+                elif best == tried[-1] and best < wds[-1] * ratio ** (limit - 0.5):
+                    value = best * ratio
+                else:
+                    continue
+                extra.append(repeat_spec(preset, data, k, d, float(f"{value:.12g}"), lrs["k1"], preset.seeds[0],
+                                         "run", world))
+        specs += extra
+        if pending or any(results.get(s.run_id) is None for s in extra):
+            return specs, False
+        if not extra:
+            return specs, True
+
+
+def repeat_seed_specs(preset, data, lrs, results, world=None):
+    """Every seed but the first, for each K in seeded_passes at every depth, at the weight decay that K's
+    first-seed runs found best there (None while those runs or an extension are missing). results=None:
+    the plan, at the middle weight decay (a run's budget does not depend on it)."""
+    if results is None:
+        grid = repeat_specs(preset, data, lrs, world)
+    else:
+        grid, complete = repeat_grid(preset, data, lrs, results, world)
+        if not complete:
+            return None
+    specs = []
+    for k in preset.seeded_passes:
+        for d in preset.depths:
+            points = [s for s in grid if s.meta["passes"] == k and s.meta["depth"] == d]
+            if results is None:
+                wd = preset.weight_decays[len(preset.weight_decays) // 2]
+            elif any(results.get(s.run_id) is None for s in points):
+                return None
+            else:
+                wd = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta["wd"]
+            specs += [repeat_spec(preset, data, k, d, wd, lrs["k1"], seed, "seed", world)
+                      for seed in preset.seeds[1:]]
+    return specs
+
+
+def repeat_rows(results, roles):
+    """runs.csv rows of a repeat ladder (roles: {run_id: the role the ladder gives it})."""
+    rows = []
+    for r in results:
+        m = r["meta"]
+        rows.append(dict(K=m["passes"], depth=m["depth"], width=m["width"], wd=m["wd"], seed=m["seed"],
+                         role=roles.get(r["run_id"], r["role"]), C=r["flops"], D=r["tokens"], F=m["F"], N=m["N"],
+                         N_s=m["N_s"], executed=m["executed_layers"], epochs=m["epochs"], lr=m["lr_scaled"],
+                         loss=r["val_loss"], train_loss=r.get("final_train_loss"), run_id=r["run_id"],
+                         seconds=r["seconds"]))
+    return rows
+
+
+def envelope(points, budget):
+    """The best loss a family reaches with at most `budget` FLOPs: its points (C, L) (one per stored
+    size), log-C linear between neighbouring sizes; inf below its smallest compute."""
+    C, L = (np.array(v, dtype=float) for v in zip(*sorted(points)))
+    best = np.min(L[C <= budget * (1 + 1e-9)], initial=np.inf)
+    if C[0] <= budget <= C[-1] and len(C) > 1:
+        best = min(best, float(np.interp(np.log(budget), np.log(C), L)))
+    return best
+
+
+def reach_compute(points, target):
+    """The least compute at which a family's envelope reaches loss <= target: its smallest size's when that
+    is already there, else [X6]'s crossing (fit.compute_multiplier: log C linear between neighbouring
+    sizes, never extrapolated), nan when it never does."""
+    C, L = (np.array(v, dtype=float) for v in zip(*sorted(points)))
+    if L[0] <= target:
+        return float(C[0])
+    return float(1.0 / fit.compute_multiplier([1.0], [target], C, L)[0])
+
+
+def repeat_analysis(frontier, budgets):
+    """frontier: {K: [(C, L)] at the best weight decay of each stored size} -> (best K per budget,
+    L* and C* of K = 1's best point, the least compute at which a K >= 2 family reaches L*)."""
+    best = []
+    for b in budgets:
+        env = {k: envelope(p, b) for k, p in frontier.items()}
+        k = min(env, key=env.get)
+        best.append(k if np.isfinite(env[k]) else None)
+    c_star, l_star = min(frontier[1], key=lambda p: p[1])
+    reach = [reach_compute(p, l_star) for k, p in frontier.items() if k > 1]
+    reach = [r for r in reach if np.isfinite(r)]
+    return best, l_star, c_star, (min(reach) if reach else float("nan"))
+
+
+def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
+    """The data-constrained ladder's report -> (text, dict, figure data): the weight-decay grid, each K's
+    frontier at its best weight decay per stored size (seed means and spread), the best K per budget and
+    whether it grows with compute, the compute at which looping reaches the best WD-tuned K = 1 loss, and
+    whether the best weight decay follows stored parameters or executed depth; bands from a seed bootstrap."""
+    U, epochs = preset.unique_tokens, preset.epochs
+    lines = [f"== {preset.name}: [X] data-constrained: {U:,} unique tokens x {epochs} epochs per run, the "
+             f"Operator-1 family (K = passes of a tied core) at width {preset.width_per_depth} x stored depth"]
+    out = {"preset": preset.name, "points": rows}
+    if sweep:
+        lines += sweep[0]
+        out["lr_sweep"] = sweep[1]
+        lines.append(f"  the carried LR scales by [X16] with beta {preset.lr_scaling_beta:g} (the [X] code's "
+                     f"Operator-1 ladder) from d{preset.depths[0]}; embedding / lm head LRs keep [X]'s ratios to it")
+    first = [r for r in rows if r["role"] != "seed" and r["seed"] == preset.seeds[0]]
+    if not first:
+        lines.append("no finished runs yet")
+        return "\n".join(lines), out, None
+    Ks, depths = sorted({r["K"] for r in first}), sorted({r["depth"] for r in first})
+    wds = sorted({r["wd"] for r in first})
+    C = [r["C"] for r in rows]
+    lines.append(f"epochs read {min(r['epochs'] for r in rows):.2f}..{max(r['epochs'] for r in rows):.2f}; tokens per "
+                 f"run {rows[0]['D']:,}; training FLOPs {min(C):.3g}..{max(C):.3g}")
+    grid = {(r["K"], r["depth"], r["wd"]): r for r in first}
+    table, best_wd, wd_star = repeat_wd_table(grid, Ks, depths, wds)
+    lines += table
+    pts = {}  # each K's frontier: its best weight decay at every stored size, every seed of that point
+    for (k, d), w in best_wd.items():
+        reps = [r for r in rows if r["K"] == k and r["depth"] == d and r["wd"] == w]
+        pts[k, d] = (float(np.mean([r["C"] for r in reps])), [r["loss"] for r in reps])
+    spreads = [(len(v), np.std(v, ddof=1)) for _, v in pts.values() if len(v) > 1]
+    dof = sum(n - 1 for n, _ in spreads)
+    sigma = float(np.sqrt(sum((n - 1) * s ** 2 for n, s in spreads) / dof)) if spreads else 0.0
+    out["seed_spread"] = dict(pooled_std=sigma, points=len(spreads))
+    lines.append(f"frontier: each K at its best weight decay per stored depth (mean over seeds; n = seeds); pooled "
+                 f"seed std {sigma:.4f} nats over {len(spreads)} points with several seeds")
+    lines.append(f"  {'K':>2} " + " ".join(f"{f'd{d} C':>9} {'loss':>6} {'n':>1}" for d in depths))
+    for k in Ks:
+        cells = [f"{pts[k, d][0]:9.3g} {np.mean(pts[k, d][1]):6.4f} {len(pts[k, d][1])}" if (k, d) in pts
+                 else f"{'-':>18}" for d in depths]
+        lines.append(f"  {k:>2} " + " ".join(cells))
+    frontier = {k: [(pts[k, d][0], float(np.mean(pts[k, d][1]))) for d in depths if (k, d) in pts] for k in Ks}
+    out["frontier"] = {str(k): v for k, v in frontier.items()}
+    if 1 not in frontier or len(frontier) < 2:
+        lines.append("the comparison needs K = 1 and another K: nothing to compare yet")
+        return "\n".join(lines), out, None
+    lines += repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out)
+    lines += repeat_wd_lines(grid, best_wd, wd_star, Ks, depths, out)
+    figures = dict(frontier=frontier, pts=pts, l_star=out["L_star"], grid=grid, Ks=Ks, depths=depths, wds=wds)
+    return "\n".join(lines), out, figures
+
+
+def repeat_wd_table(grid, Ks, depths, wds):
+    """The weight-decay grid's lines (first seed) -> (lines, {(K, depth): best WD}, {(K, depth): (WD*, edge)})."""
+    lines = ["validation loss, first seed, by weight decay (* = the best at that K and stored depth; WD* = the "
+             "parabola's minimum in log WD, '<' / '>' = at the edge of what it tried)",
+             f"  {'K':>2} {'depth':>5} {'N_s':>8} {'exec':>4} " + " ".join(f"{f'wd {w:g}':>9}" for w in wds)
+             + f" {'WD*':>8} {'train':>7} {'gap':>7}"]
+    best_wd, wd_star = {}, {}
+    for k in Ks:
+        for d in depths:
+            cells = [grid.get((k, d, w)) for w in wds]
+            have = [(w, c["loss"]) for w, c in zip(wds, cells) if c]
+            if not have:
+                continue
+            bw = best_wd[k, d] = min(have, key=lambda p: p[1])[0]
+            x, edge = wd_star[k, d] = interpolated_optimum(*zip(*have))
+            ref = grid[k, d, bw]
+            train_loss = ref["train_loss"] if ref.get("train_loss") is not None else float("nan")
+            lines.append(f"  {k:>2} {d:>5} {ref['N_s']:>8,} {ref['executed']:>4} " +
+                         " ".join(f"{c['loss']:8.4f}{'*' if c['wd'] == bw else ' '}" if c else f"{'-':>9}"
+                                  for c in cells)
+                         + f" {('<' if edge < 0 else '>' if edge > 0 else '') + format(x, '.3g'):>8} "
+                           f"{train_loss:7.4f} {ref['loss'] - train_loss:7.4f}")
+    lines.append("  train = the mean training loss of the run's last tenth (on the repeated data), gap = val - train "
+                 "(> 0: the run fits its unique tokens better than fresh text)")
+    return lines, best_wd, wd_star
+
+
+def repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out):
+    """The best K per budget, whether it grows, and the compute at which K >= 2 reaches K = 1's best loss,
+    with a seed bootstrap (every point with several seeds resampled; the others moved by N(0, sigma^2))."""
+    allC = [c for p in frontier.values() for c, _ in p]
+    budgets = np.geomspace(min(allC), max(allC), 9)
+    best, l_star, c_star, reach = repeat_analysis(frontier, budgets)
+    rng = np.random.default_rng(seed)
+    draws_best, draws_ratio, draws_frontier = [], [], []
+    for _ in range(n_boot):
+        f = {}
+        for (k, d), (c, losses) in sorted(pts.items()):
+            v = np.asarray(losses)
+            mean = float(np.mean(v[rng.integers(len(v), size=len(v))])) if len(v) > 1 else \
+                float(v[0] + sigma * rng.standard_normal())
+            f.setdefault(k, []).append((c, mean))
+        b, _, cs, re = repeat_analysis(f, budgets)
+        draws_frontier.append(f)
+        draws_best.append(b)
+        draws_ratio.append(cs / re)
+    share = [float(np.mean([db[i] == best[i] for db in draws_best])) if n_boot else float("nan")
+             for i in range(len(budgets))]
+    lines = ["best K per training budget (the lowest loss any size of that K reaches with at most that compute; "
+             f"agree = share of {n_boot} seed-bootstrap draws with the same best K)",
+             "  budget  " + " ".join(f"{b:>8.3g}" for b in budgets),
+             "  best K  " + " ".join(f"{'-' if k is None else k:>8}" for k in best),
+             "  agree   " + " ".join(f"{s:>8.2f}" for s in share)]
+    # from the smallest budget at which two K are affordable (below it K = 1 wins by being the only one)
+    start = next((i for i, b in enumerate(budgets) if sum(np.isfinite(envelope(p, b)) for p in frontier.values()) > 1),
+                 len(budgets) - 1)
+    grows = best[-1] > best[start]
+    grow_share = float(np.mean([db[-1] > db[start] for db in draws_best])) if n_boot else float("nan")
+    lines.append(f"  the best K {'grows' if grows else 'does not grow'} with compute: {best[start]} at "
+                 f"{budgets[start]:.3g} (the smallest budget at which two K are affordable), {best[-1]} at the largest "
+                 "(it grows in "
+                 f"{grow_share:.2f} of the draws)")
+    lowest = {k: min(L for _, L in p) for k, p in frontier.items()}
+    draws_low = {k: [min(L for _, L in draw[k]) for draw in draws_frontier]
+                 for k in frontier}
+    lines.append("  the lowest loss each K reaches (its best stored size) [95% band]: " + ", ".join(
+        f"K={k} {v:.4f} [{fmt(np.percentile(draws_low[k], 2.5) if n_boot else None, '.4f')}, "
+        f"{fmt(np.percentile(draws_low[k], 97.5) if n_boot else None, '.4f')}]" for k, v in lowest.items()))
+    out["lowest_loss"] = {str(k): v for k, v in lowest.items()}
+    ratio = c_star / reach
+    lo, hi = (np.nanpercentile(draws_ratio, [2.5, 97.5]) if n_boot and np.isfinite(draws_ratio).any()
+              else (float("nan"), float("nan")))
+    reached = float(np.mean(np.isfinite(draws_ratio))) if n_boot else float("nan")
+    first_point = any(reach == min(c for c, _ in p) for k, p in frontier.items() if k > 1)
+    lines.append(f"best WD-tuned K = 1 loss L* = {l_star:.4f} at C* = {c_star:.3g}; looping (K >= 2, WD-tuned per "
+                 "size) "
+                 + (f"reaches it at C = {reach:.3g}{' (its smallest size: an upper bound)' if first_point else ''}: "
+                    f"C* / C = {ratio:.2f} [95% band {fmt(lo, '.2f')}, {fmt(hi, '.2f')}; reached in {reached:.2f} of "
+                    "the draws] (> 1: looping needs less compute; [X]: 2.2)"
+                    if np.isfinite(reach) else "never reaches it in the measured range"))
+    out.update(budgets=budgets, best_K=best, best_K_agree=share, best_K_grows=grows, best_K_grows_share=grow_share,
+               L_star=l_star, C_star=c_star, loop_reach_C=reach, loop_compute_ratio=ratio, loop_ratio_band=[lo, hi])
+    return lines
+
+
+def repeat_wd_lines(grid, best_wd, wd_star, Ks, depths, out):
+    """Does the best weight decay follow stored parameters or executed depth? The regression over the points
+    whose optimum is inside what they tried, and WD* per K and depth."""
+    inside = [(grid[k, d, best_wd[k, d]]["N_s"], grid[k, d, best_wd[k, d]]["executed"], wd_star[k, d][0])
+              for k, d in wd_star if wd_star[k, d][1] == 0]
+    reg = wd_regression(inside)
+    lines = [f"best weight decay: log WD* = a + b log N_s + c log executed layers over the {len(inside)} (K, depth) "
+             f"points whose optimum is inside what they tried ({len(wd_star) - len(inside)} at an edge left out)"]
+    if reg is None:
+        lines.append("  too few points inside the grid (or stored and executed depth not separable): undecided")
+    else:
+        b, c, sb, sc = reg
+        lines.append(f"  b (stored) = {b:.2f} +- {sb:.2f}, c (executed) = {c:.2f} +- {sc:.2f} ([X]: WD* follows stored "
+                     "parameters: b > 0, c ~ 0)")
+        out["wd_regression"] = dict(b_stored=b, c_executed=c, b_se=sb, c_se=sc, points=len(inside))
+    mark = lambda e: "<" if e < 0 else ">" if e > 0 else ""  # noqa: E731
+    lines.append("  WD* by K (rows) and stored depth (columns): " + "; ".join(
+        f"K={k}: " + " ".join(f"{mark(wd_star[k, d][1])}{wd_star[k, d][0]:.3g}" if (k, d) in wd_star else "-"
+                              for d in depths) for k in Ks))
+    out["wd_star"] = {f"K{k}-d{d}": dict(wd=v[0], edge=v[1]) for (k, d), v in wd_star.items()}
+    return lines
+
+
+def repeat_plots(preset, f, path):
+    """A repeat ladder's figures: each K's frontier (loss vs compute at its best weight decay per size) and
+    the weight-decay curves at every stored depth."""
+    written = []
+    if plots.plot_repeat_frontier(f["frontier"], f["pts"], f["l_star"], path("frontier.png"),
+                                  title=f"{preset.name}: each K at its best weight decay per stored size"):
+        written.append(path("frontier.png"))
+    curves = {f"K={k}": {d: [(w, f["grid"][k, d, w]["loss"]) for w in f["wds"] if (k, d, w) in f["grid"]]
+                         for d in f["depths"]} for k in f["Ks"]}
+    if plots.plot_wd_curves(curves, path("weight_decay.png"),
+                            title=f"{preset.name}: validation loss vs weight decay (first seed)"):
+        written.append(path("weight_decay.png"))
+    return written

@@ -1,0 +1,417 @@
+"""[S] SMELT grid (kind "smelt"): every (scale, sparsity) cell has a MoE baseline and its SMELT twin matched
+by match.match; a WSD stable run per seed, a decay branch from each of its checkpoints; one [S2] surface
+per architecture, CE Gain [S5] and TPP with cell-bootstrap intervals, the per-pair wins."""
+
+import json
+import math
+import os
+
+import numpy as np
+
+import fit
+import match
+import train
+from ladders.common import (compute_active, finite_or_none, fmt, model_settings, sources_of, sources_of_rows,
+                            sweep_values, tokens_per_step)
+from ladders.stats import seed_spread, within_noise
+from ladders.presets import SEEDS
+from model import ModelConfig
+from tooling import plots
+from tooling.jobs import RunSpec
+
+
+def smelt_cells(preset):
+    """[(cell name, baseline ModelConfig, SMELT twin ModelConfig, match report)] for every cell."""
+    cells = []
+    for scale, n_expert in preset.cells:
+        if scale not in preset.scales:
+            raise ValueError(f"preset {preset.name}: cell ({scale}, {n_expert}) names an unknown scale; "
+                             f"scales are {sorted(preset.scales)}")
+        baseline = ModelConfig.from_dict(dict(preset.model, **preset.scales[scale], n_expert=n_expert))
+        try:
+            twin, report = match.match(baseline, preset.recipe, **preset.match_kwargs)
+        except ValueError as e:
+            raise ValueError(f"preset {preset.name}, cell {scale}-e{n_expert}: {e}") from None
+        cells.append((f"{scale}-e{n_expert}", baseline, twin, report))
+    return cells
+
+
+def smelt_branch_plan(preset, cfg, data, world=None):
+    """[(TPP, stable steps before the branch, decay tokens)] of one cell: the branch's total tokens are
+    TPP x N (N of the baseline: the twin is matched to it), the last decay_share of them decay, capped
+    to what the held-back data holds (a branch never rereads it)."""
+    step_tokens = tokens_per_step(preset, world)
+    n = compute_active(cfg)
+    plan = []
+    for tpp in preset.branch_tpp:
+        total = tpp * n
+        decay_steps = max(1, math.ceil(preset.decay_share * total / step_tokens))
+        if data.branch_tokens:
+            decay_steps = min(decay_steps, int(0.9 * data.branch_tokens) // step_tokens)
+        stable = max(1, math.ceil(total / step_tokens) - decay_steps)  # whole steps, at least tpp x N tokens
+        plan.append((tpp, stable, decay_steps * step_tokens))
+    return plan
+
+
+def smelt_specs(preset, cells, data, lrs=None, world=None):
+    """Per cell and architecture (the baseline with every seed, the twin with the first): one stable run
+    saving checkpoints at the branch points, then one decay branch per checkpoint. Baseline and twin of a
+    seed share batch and data order: the same token sequence. Without lrs: the LR sweep runs only."""
+    key, values = sweep_values(preset)
+    common = dict(preset.train, decay_fraction=0.0)
+    step_tokens = tokens_per_step(preset, world)
+    specs = []
+    for cell, baseline, twin, _ in cells:
+        attended = match.resolve_attended(baseline)
+        plan = smelt_branch_plan(preset, baseline, data, world)
+        steps = [s for _, s, _ in plan]
+        for arch, cfg in (("baseline", baseline), ("smelt", twin)):
+            F = train.flops_per_token(cfg)
+            meta = dict(F=F, S=match.sparsity(cfg, attended, baseline=baseline)["S"], N=compute_active(baseline),
+                        N_s=match.accounting(cfg)["params_stored"], n_layer=cfg.n_layer, n_embd=cfg.n_embd,
+                        n_expert=cfg.n_expert, layout=cfg.layout)
+            if lrs is None:  # the sweep: the first branch's budget as one WSD run, at the first cell only
+                if cell != cells[0][0] or key is None:
+                    continue
+                tpp, stable, decay = plan[0]
+                total_steps = stable + decay // step_tokens
+                for value in values:
+                    specs.append(RunSpec(f"sweep-{arch}-{cell}-{key}{value:g}", arch, cell, "sweep",
+                                         dict(common, **model_settings(cfg), seed=SEEDS[0], max_steps=total_steps,
+                                              decay_fraction=preset.decay_share, eval_interval=total_steps,
+                                              **{key: value}),
+                                         dict(meta, tpp=tpp, tokens=total_steps * step_tokens)))
+                continue
+            lr = {key: lrs[arch]} if key else {}
+            for seed in preset.seeds if arch == "baseline" else preset.seeds[:1]:
+                stable_id = f"{arch}-{cell}-s{seed}-stable"
+                specs.append(RunSpec(stable_id, arch, cell, "stable",
+                                     dict(common, **model_settings(cfg), **lr, seed=seed, max_steps=steps[-1],
+                                          save_steps=steps, eval_interval=max(1, steps[-1] // 8)),
+                                     dict(meta, seed=seed, tokens=steps[-1] * step_tokens,
+                                          tpp=steps[-1] * step_tokens / meta["N"])))
+                for tpp, step, decay in plan:
+                    decay_steps = decay // step_tokens
+                    specs.append(RunSpec(f"{arch}-{cell}-s{seed}-b{tpp:g}", arch, cell, "branch",
+                                         dict(init_from=f"{{runs}}/{stable_id}/ckpt_step{step}.pt", decay_branch=True,
+                                              decay_tokens=decay, eval_tokens=preset.train["eval_tokens"],
+                                              eval_interval=max(1, decay_steps // 4)),
+                                         dict(meta, seed=seed, branch_step=step, branch_tpp=tpp,
+                                              tokens=step * step_tokens + decay,
+                                              tpp=(step * step_tokens + decay) / meta["N"]),
+                                         needs=stable_id))
+    return specs
+
+
+def smelt_rows(results):
+    """One CSV row per finished decay branch: arch, cell, seed, F, S, D, C, loss (+ val loss per source)."""
+    branch = [r for r in results if r and r["role"] == "branch"]
+    sources = sources_of(branch)
+    rows = []
+    for r in branch:
+        m = r["meta"]
+        # F: the per-token training FLOPs train.py counted (= match.py's analytic F when the run was made)
+        row = dict(arch=r["arch"], cell=r["cell"], seed=m["seed"], branch_tpp=m["branch_tpp"],
+                   branch_step=m["branch_step"], F=r["flops"] / r["tokens"], S=m["S"], D=r["tokens"], C=r["flops"],
+                   loss=r["val_loss"], N=m["N"], tpp=r["tokens"] / m["N"], epochs=m.get("epochs"),
+                   n_layer=m["n_layer"], n_embd=m["n_embd"], n_expert=m["n_expert"], run_id=r["run_id"],
+                   seconds=r["seconds"])
+        for s in sources:
+            row[f"loss_{s}"] = (r.get("val_loss_by_source") or {}).get(s)
+        rows.append(row)
+    return rows
+
+
+def columns_to_arrays(rows, keys=("arch", "cell", "F", "S", "D", "loss")):
+    return {k: np.asarray([r[k] for r in rows], dtype=object if k in ("arch", "cell") else float) for k in keys}
+
+
+def default_budgets(C):
+    """Two budgets inside the measured compute range: its geometric middle and its top."""
+    C = np.asarray(C, dtype=float)
+    return [float(np.exp(np.mean(np.log([C.min(), C.max()])))), float(C.max())]
+
+
+def surface_bootstrap(runs, ref, target, budgets, sparsities, n_draws, seed=0, full_fits=None, progress=True):
+    """fit.cell_bootstrap on a small grid: with few cells some draws leave a six-coefficient surface
+    underdetermined; fit.cell_bootstrap leaves those out (counted here as "skipped")."""
+    out = fit.cell_bootstrap(runs, ref, target, budgets, sparsities, n_draws=n_draws, seed=seed,
+                             n_workers=1 if n_draws <= 50 else None, full_fits=full_fits, progress=progress)
+    out["skipped"] = out["n_failed"]
+    return out
+
+
+def match_search(preset):
+    """The match.MatchSearch of a preset's twins (its match_kwargs over the defaults)."""
+    return match.MatchSearch(**{k: tuple(v) if isinstance(v, list) else v
+                                for k, v in preset.match_kwargs.items()})
+
+
+def match_table(cells, search=None):
+    """[S] Table 10 style: per cell the baseline and its SMELT twin, F / N / KV ratios, sparsities.
+    search: the match.MatchSearch the twins were found with, for the line saying its tolerances."""
+    lines, records = [], []
+    lines.append("matching ([S] Table 10 ratios: SMELT / baseline)")
+    if search is not None:
+        (f_lo, f_hi), n_tol, kv_tol = search.flops_tol, search.params_tol, search.kv_tol
+        lines.append(f"  by construction: match.match accepts only a twin with F in [{1 - f_lo:.3f}, "
+                     f"{1 + f_hi:.3f}] x, "
+                     f"N within {100 * n_tol:.1f}% and KV within {100 * kv_tol:.1f}% of its baseline's, so these "
+                     "ratios meet [S]'s by the matcher's tolerance, not as a finding")
+    lines.append(f"  {'cell':<12} {'baseline H/E/kv':>16} {'SMELT H/E/kv':>14} {'F':>7} {'N':>7} {'KV':>7} "
+                 f"{'S_base':>7} {'S_smelt':>7}")
+    for name, b, t, rep in cells:
+        r = rep["ratios"]
+        s_b, s_t = rep["sparsity_baseline"]["S"], rep["sparsity_matched"]["S"]
+        lines.append(f"  {name:<12} {f'{b.n_embd}/{b.n_expert}/{b.n_kv_head}x{b.head_dim}':>16} "
+                     f"{f'{t.n_embd}/{t.n_expert}/{t.n_kv_head}x{t.head_dim}':>14} {r['flops']:7.4f} "
+                     f"{r['params']:7.4f} {r['kv']:7.4f} {s_b:7.3f} {s_t:7.3f}")
+        shape = lambda c, S: dict(n_embd=c.n_embd, n_expert=c.n_expert, n_head=c.n_head, n_kv_head=c.n_kv_head,
+                                  head_dim=c.head_dim, S=S)
+        records.append(dict(cell=name, ratios=r, baseline=shape(b, s_b), smelt=shape(t, s_t)))
+    return lines, records
+
+
+def win_counts(rows, ref="baseline", target="smelt", key="loss"):
+    """Pairs (same cell, branch and seed) where the target's loss is lower: (wins, pairs)."""
+    by = {(r["arch"], r["cell"], r["branch_tpp"], r["seed"]): r for r in rows}
+    wins = pairs = 0
+    for (a, cell, tpp, seed), r in by.items():
+        other = by.get((target, cell, tpp, seed))
+        if a != ref or other is None or r.get(key) is None or other.get(key) is None:
+            continue
+        pairs += 1
+        wins += other[key] < r[key]
+    return wins, pairs
+
+
+def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None):
+    """LR sweep (sweep_table's (lines, table)), matching, seed spread, win counts, both surfaces, CE Gain
+    with cell-bootstrap intervals and TPP -> (text, dict, figure data)."""
+    lines, out = [], {"preset": preset.name, "match": [], "fits": {}, "ce_gain": [], "tpp": [], "wins": {},
+                      "seed_spread": {}}
+    lines.append(f"== {preset.name}: [S] SMELT vs matched baseline ({len(cells)} cells)")
+    if sweep:
+        lines += sweep[0]
+        out["lr_sweep"] = sweep[1]
+    table, out["match"] = match_table(cells, match_search(preset))
+    lines += table
+    if not rows:
+        lines.append("no finished decay branches yet")
+        return "\n".join(lines), out, None
+    lines += smelt_noise_lines(rows, out)
+    runs = columns_to_arrays(rows)
+    lines += grid_lines(rows, runs, out)
+    fits = smelt_surfaces(runs, lines, out)
+    if len(fits) < 2:
+        lines.append("CE Gain and TPP need both surfaces; train more cells/branches")
+        return "\n".join(lines), out, None
+    measured_C = runs["F"] * runs["D"]
+    budgets = preset.budgets or default_budgets(measured_C)
+    sparsities = sorted({round(float(s), 3) for s in runs["S"][runs["arch"].astype(str) == "baseline"]})
+    boot = None
+    if n_boot:
+        try:
+            boot = surface_bootstrap(runs, "baseline", "smelt", budgets, sparsities, n_boot, seed=seed,
+                                     full_fits=fits, progress=progress)
+        except ValueError as e:
+            lines.append(f"cell bootstrap failed: {e}")
+    lines += surface_lines(fits, boot, out)
+    CC, SS = np.meshgrid(budgets, sparsities, indexing="ij")
+    gain = fit.ce_gain(fits["baseline"], fits["smelt"], CC, SS)
+    flat = [a for a, f in fits.items() if degenerate(f)]
+    if flat:  # [S5] needs both frontiers: no gain, whatever the arithmetic gives (1 - C / inf = +1)
+        gain = np.full_like(gain, np.nan)
+    lines += ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out,
+                           why=f"the {' and '.join(flat)} surface is degenerate, see above" if flat else None)
+    lines += tpp_lines(fits, CC, SS, budgets, sparsities, boot, out)
+    figures = dict(fits=fits, sparsities=sparsities, budgets=budgets, gain=gain, boot=boot,
+                   C_range=(float(measured_C.min()), float(measured_C.max())))
+    return "\n".join(lines), out, figures
+
+
+def grid_lines(rows, runs, out):
+    """What the grid can resolve: the span of F, S and D the [S2] surface is fitted on -> report lines;
+    a surface of six coefficients on F spanning less than a decade is not identifiable by design."""
+    F, S, D = (np.asarray(runs[k], dtype=float) for k in ("F", "S", "D"))
+    cells = len(set(runs["cell"].tolist()))
+    layers = sorted({r["n_layer"] for r in rows if r.get("n_layer") is not None})
+    span = float(F.max() / F.min())
+    out["grid"] = dict(F_span=span, cells=cells, S=[float(S.min()), float(S.max())], D=[float(D.min()), float(D.max())],
+                       n_layer=layers)
+    line = (f"grid: F spans {span:.1f}x ({F.min():.3g}..{F.max():.3g} FLOPs per token) over {cells} cells, S "
+            f"{S.min():.3f}..{S.max():.3f}, D {D.min():.3g}..{D.max():.3g} tokens"
+            + (f", {layers[0]} layers in every cell" if len(layers) == 1 else ""))
+    if span < 10:
+        line += ("; on F spanning less than a decade the six-coefficient [S2] surface is not identifiable by "
+                 "design: its coefficients, CE Gain and TPP describe these points, not [S]'s law")
+    return [line]
+
+
+def degenerate(f):
+    """A surface whose loss does not fall with F or with D on its grid (a or c ~ 0): no compute-optimal
+    frontier [S3]-[S4], so no CE Gain or TPP from it."""
+    return f.a < 1e-3 or f.c < 1e-3
+
+
+def smelt_noise_lines(rows, out):
+    """The baseline's seed spread and the per-pair win counts (overall and per source) -> report lines;
+    their numbers go into out["seed_spread"] and out["wins"]."""
+    lines = []
+    per, pooled = seed_spread(rows, ("cell", "branch_tpp"), "baseline")
+    out["seed_spread"] = dict(pooled_std=pooled, groups=[dict(cell=k[0], branch_tpp=k[1], mean=m, std=s, n=n)
+                                                         for k, (m, s, n) in per.items()])
+    stds = [s for _, s, _ in per.values() if s is not None]
+    if stds:
+        lines.append(f"seed spread of the baseline ({max(n for *_, n in per.values())} seeds per cell and branch): "
+                     f"std {min(stds):.4f}..{max(stds):.4f} nats, pooled {pooled:.4f}")
+    wins, pairs = win_counts(rows)
+    out["wins"]["all"] = [wins, pairs]
+    lines.append(f"per-pair wins (SMELT loss < baseline loss at the same cell, branch and seed): {wins}/{pairs}")
+    for s in sources_of_rows(rows):
+        w, p = win_counts(rows, key=f"loss_{s}")
+        out["wins"][s] = [w, p]
+        lines.append(f"  on {s}: {w}/{p}")
+    return lines
+
+
+def smelt_surfaces(runs, lines, out):
+    """{arch: fit.SurfaceFit} of the baseline and the SMELT twin [S2]; an architecture whose surface
+    cannot be fitted is left out, with a report line and out["fits"][arch]["error"]."""
+    fits = {}
+    for arch in ("baseline", "smelt"):
+        m = runs["arch"].astype(str) == arch
+        try:
+            fits[arch] = fit.fit_surface(runs["F"][m], runs["S"][m], runs["D"][m], runs["loss"][m])
+            out["fits"][arch] = dict(fits[arch].to_dict(), n_points=fits[arch].n_points)
+        except ValueError as e:
+            lines.append(f"surface fit of {arch} not possible: {e}")
+            out["fits"][arch] = {"error": str(e)}
+    return fits
+
+
+def surface_lines(fits, boot, out):
+    """The [S2] table of both surfaces, with the cell-bootstrap intervals of a and c (boot: None or
+    surface_bootstrap's result) and a note for a degenerate surface -> report lines."""
+    interval = lambda key: ((float(boot["lo"][key]), float(boot["hi"][key])) if boot and key in boot["lo"]  # noqa
+                            else (None, None))
+    lines = ["[S2] surfaces L = E + A (1-S)^b / F^a + K / D^c (Huber on log-loss, fit.py)"
+             + (" with 95% cell-bootstrap intervals of a and c" if boot else "")]
+    lines.append(f"  {'arch':>9} {'E':>8} {'A':>10} {'a':>7} {'b':>7} {'K':>10} {'c':>7} {'gamma':>7} {'rmse':>8} "
+                 f"{'pts':>4}")
+    for arch, f in fits.items():
+        role = "ref" if arch == "baseline" else "target"
+        lines.append(f"  {arch:>9} {f.E:8.4f} {f.A:10.4g} {f.a:7.4f} {f.b:7.4f} {f.K:10.4g} {f.c:7.4f} "
+                     f"{f.gamma:7.4f} {f.rmse:8.5f} {f.n_points:4d}")
+        for coef in ("a", "c"):
+            lo, hi = interval(f"{role}.{coef}")
+            out["fits"][arch][f"{coef}_interval"] = [finite_or_none(lo), finite_or_none(hi)]
+            if lo is not None:
+                excludes = lo > 0
+                lines.append(f"      {coef} = {getattr(f, coef):.4f} [{lo:.4f}, {hi:.4f}]"
+                             + ("" if excludes else "  <- interval reaches 0: this exponent is not resolved"))
+        if degenerate(f):  # [S3]-[S4] need a, c > 0: no compute-optimal frontier otherwise
+            which = "F" if f.a < 1e-3 else "D"
+            lines.append(f"  note: the {arch} surface is degenerate: on this grid its loss does not fall with "
+                         f"{which}, so its frontier, and every CE Gain / TPP that uses it, is undefined")
+            out["fits"][arch]["degenerate"] = True
+    return lines
+
+
+def ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out, why=None):
+    """[S5] CE Gain of SMELT at every budget x sparsity (gain: that grid, nan where undefined), with its
+    cell-bootstrap interval and whether that interval excludes 0 -> report lines; records into
+    out["ce_gain"]. An undefined gain is printed as such, with no interval; undefined everywhere, one
+    line saying why."""
+    note = ""
+    if boot:
+        note = f" ({boot['n_draws']} cell-bootstrap draws, 95%"
+        note += f"; {boot['skipped']} underdetermined draws skipped)" if boot["skipped"] else ")"
+    lines = [f"[S5] CE Gain of SMELT over the baseline{note}; > 0: SMELT needs less compute; '~' = the "
+             f"interval does not exclude 0 (within noise). Budgets C inside the measured "
+             f"{measured_C.min():.3g}..{measured_C.max():.3g} FLOPs"]
+    nowhere = not np.isfinite(gain).any()
+    if nowhere:
+        lines.append(f"  undefined at every budget and sparsity ({why or 'no finite value'}): no gain and no interval")
+    for i, C in enumerate(budgets):
+        for j, S in enumerate(sparsities):
+            if nowhere:
+                out["ce_gain"].append(dict(C=C, S=S, value=None, lo=None, hi=None, within_noise=None))
+                continue
+            lo, hi = boot_interval(boot, "ce_gain", i, j, gain[i, j])
+            noise = within_noise(lo, hi, 0.0)
+            ci = f"  [{fmt(lo, '+.3f')}, {fmt(hi, '+.3f')}]{' ~' if noise else ''}" if lo is not None else ""
+            lines.append(f"  C={C:.3g} S={S:.3f}: {fmt(gain[i, j], '+.4f')}{ci}")
+            out["ce_gain"].append(dict(C=C, S=S, value=finite_or_none(gain[i, j]), lo=finite_or_none(lo),
+                                       hi=finite_or_none(hi),
+                                       within_noise=noise))
+    return lines
+
+
+def tpp_lines(fits, CC, SS, budgets, sparsities, boot, out):
+    """TPP = D*/(F*/6) of both surfaces on the budget x sparsity grid (CC, SS), with cell-bootstrap
+    intervals -> report lines; records into out["tpp"]. A degenerate surface has no TPP: printed as
+    undefined, with no interval."""
+    lines = ["TPP = D*/(F*/6) at the same budgets"]
+    for role, arch in (("ref", "baseline"), ("target", "smelt")):
+        values, flat = fit.tpp(fits[arch], CC, SS), degenerate(fits[arch])
+        if flat:
+            lines.append(f"  {arch:>9}: undefined at every budget and sparsity (its surface is degenerate)")
+        for i, C in enumerate(budgets):
+            for j, S in enumerate(sparsities):
+                if flat:
+                    out["tpp"].append(dict(arch=arch, C=C, S=S, value=None, lo=None, hi=None))
+                    continue
+                lo, hi = boot_interval(boot, f"{role}.tpp", i, j, values[i, j])
+                ci = f"  [{fmt(lo, '.3g')}, {fmt(hi, '.3g')}]" if lo is not None else ""
+                lines.append(f"  {arch:>9} C={C:.3g} S={S:.3f}: {fmt(values[i, j], '.4g')}{ci}")
+                out["tpp"].append(dict(arch=arch, C=C, S=S, value=finite_or_none(values[i, j]), lo=finite_or_none(lo),
+                                       hi=finite_or_none(hi)))
+    return lines
+
+
+def boot_interval(boot, key, i, j, value):
+    """(lo, hi) of a bootstrapped budget x sparsity quantity at (i, j); (None, None) without a bootstrap of
+    it or a finite value."""
+    if boot and key in boot["lo"] and finite_or_none(value) is not None:
+        return float(boot["lo"][key][i, j]), float(boot["hi"][key][i, j])
+    return None, None
+
+
+def decay_curves(specs, results):
+    """{label: (tokens, val loss)} of the largest scale's stable runs (first seed) and their branches."""
+    stable = [s for s in specs if s.role == "stable" and s.meta.get("seed") == SEEDS[0]]
+    if not stable:
+        return {}
+    largest = max(s.meta["F"] for s in stable if s.arch == "baseline")
+    curves = {}
+    for s in specs:
+        r = results.get(s.run_id)
+        if not r or s.meta.get("seed") != SEEDS[0] or not r.get("log_path") or not os.path.exists(r["log_path"]):
+            continue
+        same_cell = any(t.cell == s.cell and t.meta["F"] == largest for t in stable if t.arch == "baseline")
+        if not same_cell or s.role not in ("stable", "branch"):
+            continue
+        log = [json.loads(line) for line in open(r["log_path"])]
+        label = f"{s.arch} {s.cell}" + (f" branch TPP {s.meta['branch_tpp']:g}" if s.role == "branch" else " stable")
+        curves[label] = ([e["tokens"] for e in log], [e["val_loss"] for e in log])
+    return curves
+
+
+def smelt_plots(preset, f, path, specs, results):
+    """The surfaces' frontiers, the CE Gain (when defined) and, with the runs' logs, the decay branches."""
+    written = []
+    if plots.plot_surface_frontiers(fit.frontier_curves(f["fits"]), f["sparsities"], path("frontiers.png"),
+                                    C_range=f["C_range"]):
+        written.append(path("frontiers.png"))
+    boot = f["boot"] or {"lo": {}, "hi": {}}
+    if np.isfinite(f["gain"]).any() and plots.plot_ce_gain(  # no figure of an undefined CE Gain
+            f["budgets"], f["sparsities"], f["gain"], path("ce_gain.png"), lo=boot["lo"].get("ce_gain"),
+            hi=boot["hi"].get("ce_gain"), title=f"[S5] {preset.name}: CE Gain of SMELT (95% cell bootstrap)"):
+        written.append(path("ce_gain.png"))
+    curves = decay_curves(specs, results)
+    if curves and plots.plot_loss_curves(curves, path("decay_branches.png"),
+                                         title=f"{preset.name}: validation loss of the stable runs and their "
+                                               "decay branches (first seed, largest scale)"):
+        written.append(path("decay_branches.png"))
+    return written

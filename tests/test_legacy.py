@@ -1,0 +1,54 @@
+"""A checkpoint of the release before the settings were folded (n_loops, the prelude/core/coda split, model
+constants as settings, [X16]'s N in the state) loads, resumes and forks as it is; one whose model this
+release cannot build is refused in one line (tooling/legacy.py)."""
+import pytest
+import torch
+
+import train
+from model import GPT, ModelConfig
+from tooling import checkpoint
+
+OLD_FIELDS = dict(rope_base=10000.0, norm_eps=1e-6, router_renormalize=True, balance_loss_coef=0.01,
+                  z_loss_coef=0.001, inject_before_coda=True)
+
+
+def old_checkpoint(path, cfg, **old):
+    """A training checkpoint of cfg's model written as the previous release wrote it."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    config = train.TrainConfig(max_steps=1)
+    ckpt = checkpoint.training_checkpoint(model, train.build_optimizers(model, config), config,
+                                          train.TrainState(step=1))
+    stored = {k: v for k, v in ckpt["model_config"].items() if k != "n_passes" or cfg.layout == "pcc"}
+    split = dict(n_prelude=cfg.n_prelude, n_core=cfg.n_core, n_coda=cfg.n_coda) if cfg.layout == "pcc" else \
+        dict(n_prelude=-1, n_core=-1, n_coda=-1)
+    loops = dict(n_loops=cfg.n_passes) if cfg.layout in ("smelt", "layer_loop") else dict(n_loops=1)
+    ckpt["model_config"] = stored | OLD_FIELDS | split | loops | old
+    ckpt["state"]["lr_scaling_params"] = 12345
+    checkpoint.save_file(str(path), ckpt)
+    return model
+
+
+@pytest.mark.parametrize("layout", [dict(layout="smelt", n_passes=3, n_expert=4, top_k=2),
+                                    dict(layout="pcc", n_layer=5, n_passes=2), dict(layout="plain")])
+def test_an_old_checkpoint_loads_as_the_same_model(tmp_path, layout):
+    cfg = ModelConfig(vocab_size=64, eot_token=63, block_size=16, n_layer=layout.pop("n_layer", 4), n_embd=32,
+                      n_head=2, init="nanogpt", **layout)
+    model = old_checkpoint(tmp_path / "old.pt", cfg)
+    loaded, ckpt = checkpoint.load_model(str(tmp_path / "old.pt"))
+    assert loaded.config == cfg and "lr_scaling_params" not in ckpt["state"]
+    train.TrainState(**ckpt["state"])  # a resume builds its state from it
+    idx = torch.randint(0, 63, (2, 16))
+    torch.testing.assert_close(loaded(idx)[0], model(idx)[0])
+
+
+@pytest.mark.parametrize("old, message", [
+    (dict(rope_base=500000.0), "rope_base=500000.0; this release builds only rope_base=10000.0"),
+    (dict(n_prelude=1, n_core=2, n_coda=2), "splits 4 blocks 1/2/2; this release builds the [X] even split only"),
+])
+def test_an_old_model_this_release_cannot_build_is_refused(tmp_path, old, message):
+    cfg = ModelConfig(vocab_size=64, eot_token=63, block_size=16, n_layer=4, n_embd=32, n_head=2, layout="pcc",
+                      n_passes=2)
+    old_checkpoint(tmp_path / "old.pt", cfg, **old)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        checkpoint.load_model(str(tmp_path / "old.pt"))

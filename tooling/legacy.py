@@ -1,0 +1,34 @@
+"""Checkpoints of the release before settings were folded (docs/training.md, "Settings that went"): their
+model config read in this release's fields, or refused in one line where this release cannot build the
+same model. Nothing else changed in their files, so they load, resume and fork as they are."""
+from model import core_split
+
+# ModelConfig fields that are constants now (model.py), at the one value every stored model had
+FIXED = dict(rope_base=10000.0, norm_eps=1e-6, router_renormalize=True, balance_loss_coef=0.01,
+             z_loss_coef=0.001, inject_before_coda=True)
+
+
+def upgraded(ckpt, path):
+    """ckpt (a checkpoint dict or a ckpt.dcp/'s meta) with its model config and state in this release's
+    fields: n_loops (the loop count of smelt / layer_loop) is n_passes, prelude/core/coda is the even split
+    (core_split), [X16]'s N went with the LR rule to the ladders. Raises ValueError naming what differs."""
+    cfg, state = ckpt.get("model_config"), ckpt.get("state")
+    if not isinstance(cfg, dict) or not ({"n_loops", "n_prelude"} | set(FIXED)) & set(cfg):
+        return ckpt
+    cfg = dict(cfg)
+    for key, value in FIXED.items():
+        stored = cfg.pop(key, value)
+        if stored != value:
+            raise ValueError(f"{path}: its model has {key}={stored!r}; this release builds only {key}={value!r} "
+                             "(a constant of model.py now)")
+    loops = cfg.pop("n_loops", 1)
+    if cfg.get("layout") in ("smelt", "layer_loop"):
+        cfg["n_passes"] = loops
+    split = tuple(cfg.pop(k, -1) for k in ("n_prelude", "n_core", "n_coda"))
+    if cfg.get("layout") == "pcc" and split != core_split(cfg.get("n_layer", 0)):
+        raise ValueError(f"{path}: its model splits {cfg.get('n_layer')} blocks {split[0]}/{split[1]}/{split[2]}; "
+                         "this release builds the [X] even split only (model.core_split)")
+    ckpt = dict(ckpt, model_config=cfg)
+    if isinstance(state, dict):
+        ckpt["state"] = {k: v for k, v in state.items() if k != "lr_scaling_params"}
+    return ckpt
