@@ -108,6 +108,8 @@ class TrainConfig:
     reshard_after_forward: bool = True  # fsdp: free a block's gathered weights after each visit
     activation_checkpointing: bool = False  # keep each executed block's input, recompute the rest
 
+    grad_accum = 1  # not a setting: a step's micro-batches, from global_batch (derive_grad_accum)
+
     def __post_init__(self):
         guards.check_train_config(self)
 

@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -60,7 +61,8 @@ def status_of(argv):
 def one_error_line(capsys):
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
-    assert captured.out == "" and len(lines) == 1 and lines[0].startswith("downstream.py: error: "), captured.err
+    # "downstream.py: error: ..." or, for a subcommand's flag, "downstream.py predict: error: ..."
+    assert captured.out == "" and len(lines) == 1 and re.match(r"downstream\.py( \w+)?: error: ", lines[0]), captured.err
     return lines[0]
 
 
