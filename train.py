@@ -452,14 +452,14 @@ def train(overrides=None):
 
             # the losses to the host every log_interval steps and before an eval or save: one read
             last = state.step in (schedule.max_steps, config.stop_at_step)
-            at_eval, extra_save = state.step % config.eval_interval == 0 or last, \
-                state.step in config.save_steps
+            at_eval = state.step % config.eval_interval == 0 or last
+            extra_save = state.step in config.save_steps
             if at_eval or extra_save or state.step % config.log_interval == 0:
                 read, unread = guards.read_losses(unread, state.step, world), []  # stops at a NaN
                 losses, window = losses + read, window + read
                 bar.set_postfix(loss=f"{read[-1]:.3f}", lr=f"{lr:.2e}")
 
-            # eval, checkpoint, its log line; the checkpoints branches fork; a stop (preemption)
+            # eval, checkpoint, log line; extra checkpoints (branches fork from them); a stop
             if at_eval:
                 final = state.step == schedule.max_steps
                 metrics = evaluate(model, data, config, autocast, rank, world, final)
