@@ -36,7 +36,7 @@ from loss_eval import evaluate
 from model import GPT, MLP, BoundaryOperator, ModelConfig, MoE, RMSNorm
 from muon import Muon
 from sample import data_tokenizer, sample_text
-from tooling import checkpoint, distributed, guards, memory, rundir
+from tooling import checkpoint, distributed, guards, legacy, memory, rundir
 from tooling.rundir import RunDir
 from tooling.settings import Settings
 
@@ -138,7 +138,7 @@ HELP_GROUPS = {title: keys.split() for title, keys in {  # --help shows every se
     "kernels and compilation": "triton compile",
     "reliability": "resume overwrite stop_at_step"}.items()}
 SETTINGS = Settings(TrainConfig, ModelConfig, defaults=TINY_MODEL, groups=HELP_GROUPS,
-                    prog="train.py")
+                    prog="train.py", went=legacy.WENT)
 DEFAULTS = SETTINGS.defaults
 
 

@@ -52,3 +52,13 @@ def test_an_old_model_this_release_cannot_build_is_refused(tmp_path, old, messag
     old_checkpoint(tmp_path / "old.pt", cfg, **old)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         checkpoint.load_model(str(tmp_path / "old.pt"))
+
+
+def test_a_setting_that_went_says_what_to_use(tmp_path):
+    from tooling.legacy import WENT
+    assert not set(WENT) & set(train.DEFAULTS)  # none of them is a setting again
+    with pytest.raises(ValueError, match=r"'grad_accum': it went \(global_batch sets the step"):
+        train.SETTINGS.parse(["--grad_accum=2"])
+    (tmp_path / "old.py").write_text("n_loops = 2\n")
+    with pytest.raises(ValueError, match=r"key in .*old.py 'n_loops': it went \(n_passes is the loop count"):
+        train.SETTINGS.parse([str(tmp_path / "old.py")])

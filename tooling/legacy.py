@@ -3,6 +3,21 @@ model config read in this release's fields, or refused in one line where this re
 same model. Nothing else changed in their files, so they load, resume and fork as they are."""
 from model import core_split
 
+# the settings that went, and what to use instead (train.py's --help says so for a command that gives one)
+WENT = dict(n_loops="n_passes is the loop count of every layout", n_prelude="the split is model.core_split",
+            n_core="the split is model.core_split", n_coda="the split is model.core_split",
+            grad_accum="global_batch sets the step; the micro-batches follow",
+            adamw_matrix_lr="matrix_lr is either optimizer's", embedding_weight_decay="weight_decay covers it",
+            unembedding_weight_decay="weight_decay covers it", cpu_threads="set OMP_NUM_THREADS",
+            max_tokens="give max_steps", min_lr_fraction="the LR decays to 0",
+            lr_anchor_params="[X16] is the ladders' (ladders.common.carried_lrs)",
+            lr_scaling_beta="[X16] is the ladders' (ladders.common.carried_lrs)",
+            router_lr="train.ROUTER_LR", scalar_lr="train.SCALAR_LR", muon_momentum="train.MUON_MOMENTUM",
+            muon_nesterov="always on", muon_ns_steps="5, muon.py", muon_beta2="0.95, muon.py",
+            rope_base="model.py's 10000", norm_eps="model.NORM_EPS", router_renormalize="always on",
+            balance_loss_coef="model.BALANCE_LOSS_COEF", z_loss_coef="model.Z_LOSS_COEF",
+            inject_before_coda="always on, as the [X] code")
+
 # ModelConfig fields that are constants now (model.py), at the one value every stored model had
 FIXED = dict(rope_base=10000.0, norm_eps=1e-6, router_renormalize=True, balance_loss_coef=0.01,
              z_loss_coef=0.001, inject_before_coda=True)

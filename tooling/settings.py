@@ -91,10 +91,10 @@ def described_fields(cls):
 class Settings:
     """The flat settings of several dataclasses (field names must not collide). defaults: values that
     replace the dataclasses' own defaults (train.py's tiny model). groups: {title: [keys]} for --help,
-    in order, every key in exactly one."""
+    in order, every key in exactly one. went: {a setting an earlier release had: what to use instead}."""
 
-    def __init__(self, *classes, defaults=None, groups=None, prog="train.py"):
-        self.classes, self.groups, self.prog = classes, dict(groups or {}), prog
+    def __init__(self, *classes, defaults=None, groups=None, prog="train.py", went=None):
+        self.classes, self.groups, self.prog, self.went = classes, dict(groups or {}), prog, dict(went or {})
         self.keys = {cls: [f.name for f in fields(cls)] for cls in classes}
         self.defaults = {}  # as declared: a size that __post_init__ derives (0 -> derive) stays 0 here, so it
         for cls in classes:  # is derived again from the sizes a run gives (--n_embd=256: head_dim 64)
@@ -114,6 +114,9 @@ class Settings:
 
     def check(self, key, value, where="setting"):
         """Type-check one setting against its default; returns the (normalised) value."""
+        if key not in self.defaults and key in self.went:  # a setting of an earlier release
+            raise ValueError(f"unknown {where} {key!r}: it went ({self.went[key]}; docs/training.md, "
+                             "'Settings that went')")
         if key not in self.defaults:
             close = [k for k in self.defaults if k.split("_")[0] == key.split("_")[0]][:5]
             hint = f" (similar: {', '.join(close)})" if close else ""
