@@ -5,7 +5,7 @@
     smelt.py     [S] SMELT grid: matched cells, stable runs and decay branches, surfaces, CE Gain
     x.py         [X] ladders: six architectures by depth, power laws, compute multipliers
     repeat.py    [X] data-constrained ladder: K passes x depth x weight decay on repeated data
-    fits.py      the ladders' own statistics (grid optimum, regression, seed spread)
+    stats.py     the ladders' own statistics (grid optimum, seed spread, "within noise"); the fits: fit.py
     specs.py     every run of a preset (build, full_plan) and --list
     sweep.py     the LR sweep and its bracketing
     pipeline.py  a preset end to end, and its report rebuilt from runs.csv (--from-csv)
