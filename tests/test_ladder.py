@@ -645,7 +645,7 @@ def test_ctrl_c_is_one_line_exit_130_and_ends_the_workers(tmp_path, sig, workers
     assert len(workers_of) == (workers if workers > 1 else 0)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + sig and "Traceback" not in err
+    assert proc.returncode == 128 + sig and "Traceback" not in err, (proc.returncode, err)  # what went wrong
     what = "interrupted" if sig == signal.SIGINT else "terminated"
     assert err.splitlines() == [f"ladder.py: {what}: rerun the same ladder.py command to continue (finished runs "
                                 "are kept)"], err
