@@ -422,7 +422,7 @@ def test_a_second_training_into_a_locked_run_dir_is_refused(tmp_path, data_dir):
     ("max_steps", 0, "max_steps=0: must be >= 1"),
     ("max_steps", -1, "max_steps=-1"),
     ("warmup_steps", -5, "warmup_steps=-5: must be >= 0"),
-    ("matrix_lr", -1.0, "matrix_lr=-1.0: must be > 0"),
+    ("matrix_lr", -1.0, "matrix_lr=-1.0: must be >= 0"),
     ("grad_clip", -1.0, "grad_clip=-1.0: must be >= 0"),
     ("eval_tokens", 0, "eval_tokens=0: must be >= 1"),
     ("n_passes_choices", [0], r"n_passes_choices=\[0\]: must be a list of pass counts in \[1, 64\]"),

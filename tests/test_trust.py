@@ -556,7 +556,7 @@ def _ckpt(trained):
 BAD_SETTINGS = [  # (prog, argv, what the line must name); CKPT / DATA are filled in
     ("train.py", ["--boundary_alpha=-1e999"], "boundary_alpha=-inf: must be a finite number"),
     ("train.py", ["--grad_clip=nan"], "grad_clip=nan: must be a finite number"),
-    ("train.py", ["--matrix_lr=-1"], "matrix_lr=-1.0: must be > 0"),
+    ("train.py", ["--matrix_lr=-1"], "matrix_lr=-1.0: must be >= 0"),
     ("train.py", ["--avg_doc_len=1000000000"], "avg_doc_len=1000000000"),
     ("train.py", ["--seed=-1"], "seed=-1: must be >= 0"),
     ("train.py", ["--run_name=a\nb"], "run_name="),

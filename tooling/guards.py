@@ -52,10 +52,9 @@ def check_train_config(c):
             bad(c, name, "must be >= 1")
     if c.max_steps < 1:
         bad(c, "max_steps", "must be >= 1")
-    for name in ("final_eval_tokens", "stop_at_step", "warmup_steps", "grad_clip", "weight_decay",
-                 "decay_tokens", "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len",
-                 "muon_momentum_warmup", "global_batch", "seed",
-                 "unique_tokens"):
+    for name in ("final_eval_tokens", "stop_at_step", "warmup_steps", "grad_clip", "weight_decay", "decay_tokens",
+                 "grow_at", "grow_to", "grow_rewarm_steps", "avg_doc_len", "muon_momentum_warmup", "global_batch",
+                 "seed", "unique_tokens"):
         if getattr(c, name) < 0:
             bad(c, name, "must be >= 0")
     if c.seed >= 2 ** 63:
@@ -63,7 +62,7 @@ def check_train_config(c):
     if not c.out_dir:
         bad(c, "out_dir", "must name a folder")
     if c.matrix_lr < 0:
-        bad(c, "matrix_lr", "must be > 0 (0: the optimizer's default)")
+        bad(c, "matrix_lr", "must be >= 0 (0: the optimizer's default; a learning rate < 0 does not descend)")
     for name in ("embedding_lr", "unembedding_lr", "adam_eps"):
         if not getattr(c, name) > 0:
             bad(c, name, "must be > 0 (a learning rate <= 0 does not descend)")
