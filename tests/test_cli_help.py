@@ -1,11 +1,13 @@
 # Every command line's --help says what each flag means: fit.py (each subcommand, with the CSV columns it
-# reads), sample.py (with every default), probe.py, eval_core.py, grow.py, ladder.py, python -m tooling.plots.
+# reads), downstream.py, sample.py (with every default), probe.py, eval_core.py, grow.py, ladder.py, match.py,
+# python -m tooling.plots, tooling.memory and tooling.convert_checkpoint.
 import argparse
 import importlib
 
 import pytest
 
-CLIS = ["fit", "sample", "probe", "eval_core", "grow", "ladder", "tooling.plots"]
+CLIS = ["fit", "downstream", "sample", "probe", "eval_core", "grow", "ladder", "tooling.plots", "tooling.match_cli",
+        "tooling.memory", "tooling.convert_checkpoint"]
 
 
 class Captured(BaseException):  # not an Exception: no CLI's error handling catches it
