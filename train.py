@@ -151,6 +151,11 @@ SCALAR_LR = 0.01  # AdamW LR of norm gains and other vectors
 MUON_MOMENTUM = 0.95  # Nesterov, 5 Newton-Schulz steps, the "x" variant's beta2 0.95: muon.py
 
 
+def matrix_lr(optimizer, lr):
+    """The hidden matrices' LR: lr, or for 0 the optimizer's own (MATRIX_LR)."""
+    return lr or MATRIX_LR[optimizer]
+
+
 def param_groups(model, config):
     """Every parameter in exactly one named group: (name, optimizer kind, lr, weight decay, [(name,
     p)]). Muon takes the hidden matrices (2-D, and 3-D stacked experts). AdamW takes the token
@@ -159,7 +164,7 @@ def param_groups(model, config):
     scale, which Muon's fixed spectral-norm steps would push around; AdamW keeps them small and
     adaptive."""
     groups = {
-        "matrix": (config.optimizer, config.matrix_lr or MATRIX_LR[config.optimizer],
+        "matrix": (config.optimizer, matrix_lr(config.optimizer, config.matrix_lr),
                    config.weight_decay),
         "embedding": ("adamw", config.embedding_lr, config.weight_decay),
         "unembedding": ("adamw", config.unembedding_lr, config.weight_decay),

@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 
+import grow
 import match
 from tooling import common
 import train
@@ -69,10 +70,9 @@ def lr_scaling(n_params, anchor_params, beta):
 def carried_lrs(settings, cfg, anchor_params, beta):
     """settings with every LR (train.py's default where unset) x [X16]'s multiplier for the model cfg
     (N = its stored parameters at initialisation, token embedding included, as the [X] code)."""
-    import grow
     scale = lr_scaling(grow.stored_params(cfg), anchor_params, beta)
     lrs = {k: settings.get(k) or train.DEFAULTS[k] for k in LR_KEYS}
-    lrs["matrix_lr"] = lrs["matrix_lr"] or train.MATRIX_LR[settings.get("optimizer", train.DEFAULTS["optimizer"])]
+    lrs["matrix_lr"] = train.matrix_lr(settings.get("optimizer", train.DEFAULTS["optimizer"]), lrs["matrix_lr"])
     return dict(settings, **{k: v * scale for k, v in lrs.items()})
 
 

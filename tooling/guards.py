@@ -129,13 +129,14 @@ def check_run(cfg, config, source=None, device=None):
                          f"{cfg.block_size} tokens is at most that long")
     if config.n_passes_choices and cfg.layout == "plain":
         raise ValueError("n_passes_choices: a plain model has no passes to vary (use layout smelt, layer_loop or pcc)")
-    untied_later = config.grow_at and config.grow_untie and not config.decay_branch and not grown
-    after = dataclasses.replace(cfg, layout="pcc", tie_core=False, n_passes=config.grow_to) if untied_later else None
-    for when, shape in (("", cfg), (" after growth", after)):
-        too_many = [k for k in config.n_passes_choices if shape is not None and k > most_passes(shape)]
+    limits = [("", most_passes(cfg))]  # an untied model runs one pass per stored core
+    if config.grow_at and config.grow_untie and not config.decay_branch and not grown:
+        limits.append((" after growth", config.grow_to))  # untied at growth: grow_to cores
+    for when, most in limits:
+        too_many = [k for k in config.n_passes_choices if k > most]
         if too_many:
-            raise ValueError(f"n_passes_choices={config.n_passes_choices}:{when} the untied model has "
-                             f"{shape.n_passes} cores, one per trained pass: it cannot run {too_many} passes")
+            raise ValueError(f"n_passes_choices={config.n_passes_choices}:{when} the untied model has {most} "
+                             f"cores, one per trained pass: it cannot run {too_many} passes")
     if config.grow_at and not config.decay_branch and not grown:
         if config.grow_to < cfg.n_passes or (config.grow_to == cfg.n_passes and not config.grow_untie):
             raise ValueError(f"grow_to={config.grow_to}: must be more than the model's {cfg.n_passes} passes")

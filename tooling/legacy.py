@@ -1,7 +1,7 @@
 """Checkpoints of the release before settings were folded (docs/training.md, "Settings that went"): their
 model config read in this release's fields, or refused in one line where this release cannot build the
 same model. Nothing else changed in their files, so they load, resume and fork as they are."""
-from model import core_split
+from model import BALANCE_LOSS_COEF, NORM_EPS, Z_LOSS_COEF, core_split
 
 # the settings that went, and what to use instead (train.py's --help says so for a command that gives one)
 WENT = dict(n_loops="n_passes is the loop count of every layout", n_prelude="the split is model.core_split",
@@ -19,8 +19,8 @@ WENT = dict(n_loops="n_passes is the loop count of every layout", n_prelude="the
             inject_before_coda="always on, as the [X] code")
 
 # ModelConfig fields that are constants now (model.py), at the one value every stored model had
-FIXED = dict(rope_base=10000.0, norm_eps=1e-6, router_renormalize=True, balance_loss_coef=0.01,
-             z_loss_coef=0.001, inject_before_coda=True)
+FIXED = dict(rope_base=10000.0, norm_eps=NORM_EPS, router_renormalize=True, balance_loss_coef=BALANCE_LOSS_COEF,
+             z_loss_coef=Z_LOSS_COEF, inject_before_coda=True)  # rope_base: model.rope_tables' base
 
 
 def upgraded(ckpt, path):

@@ -26,10 +26,7 @@ from dataclasses import MISSING, fields
 NON_FINITE = ("nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity")
 
 
-_including = set()  # the config files being read now (an include cycle is an error, not a recursion)
-
-
-def read_config_file(path):
+def read_config_file(path, _including=()):
     """The assignments of a nanoGPT-style config file (plain python) as {name: value}; a file that does
     not exist or does not run raises an error naming the file and line. The file is executed: it is
     code, like nanoGPT's config files. `include("other.py")` in it reads another config file's assignments
@@ -45,13 +42,10 @@ def read_config_file(path):
 
     def include(name):  # another config file's assignments first (its path relative to this file's folder)
         included = os.path.join(os.path.dirname(path), name)
-        if os.path.abspath(included) in _including:
+        reading = (*_including, os.path.abspath(path))  # the files being read now: a cycle is an error
+        if os.path.abspath(included) in reading:
             raise ValueError(f"{path}: includes {name}, which includes it back")
-        _including.add(os.path.abspath(included))
-        try:
-            namespace.update(read_config_file(included))
-        finally:
-            _including.discard(os.path.abspath(included))
+        namespace.update(read_config_file(included, reading))
 
     try:
         exec(compile(source, path, "exec"), {"include": include}, namespace)
