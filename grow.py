@@ -17,7 +17,7 @@ Live model (train.py):
     state = grow.copy_optimizer_state(state_by_name, param_map)
 Checkpoint:
     python grow.py --ckpt out/demo/ckpt.pt --passes 4 [--untie]      # in place (holding the run's lock): then
-    python train.py --run_name=demo --resume=True                     # continues the grown run
+    python train.py --run_name=demo --init_from=resume                     # continues the grown run
     python grow.py --ckpt out/demo/ckpt.pt --passes 4 --out grown.pt  # elsewhere: continue it as a new run
     python train.py --init_from=grown.pt --run_name=demo_grown        # with init_from
 
@@ -449,8 +449,9 @@ def main(argv=None):
     parser.add_argument("--copies", choices=("fresh", "source"), default="fresh",
                         help="optimizer state of new copies: fresh (as the [X] code) or the source's "
                              "(default: %(default)s)")
-    parser.add_argument("--out", help="output checkpoint, written atomically, holding its run folder's lock (default: "
-                                      "grow --ckpt in place, so `train.py --run_name=NAME --resume=True` continues it)")
+    parser.add_argument("--out", help="output checkpoint, written atomically, holding its run folder's lock "
+                                      "(default: grow --ckpt in place, so `train.py --run_name=NAME "
+                                      "--init_from=resume` continues it)")
     parser.add_argument("--schedule", metavar="CONFIG",
                         help="print the growth schedule of a config file instead (default: grow --ckpt)")
     parser.add_argument("--law", choices=sorted(AFFINE_LAW), help="affine law [X9] (default: by tie_core)")

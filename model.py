@@ -25,6 +25,8 @@ from torch.utils.checkpoint import checkpoint
 NORM_EPS = 1e-6  # RMSNorm epsilon
 BALANCE_LOSS_COEF = 0.01  # weight of the Switch load-balancing loss
 Z_LOSS_COEF = 0.001  # weight of the router z-loss (ST-MoE)
+FLEX_DEVICES = ("cuda",)  # the document mask as a FlexAttention block mask here; elsewhere SDPA with a
+#   boolean mask (FlexAttention has no backward on a CPU; a test adds "cpu" to compare the two)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -440,7 +442,6 @@ class ModelConfig:
     norm_gain: bool = True  # learnable RMSNorm gains ([X]: none)
     embed_norm: bool = False  # RMSNorm right after the token embedding ([X] Table 1)
     tie_embeddings: bool = False  # the lm head shares the token embedding's weights
-    attention: str = "auto"  # "sdpa" (boolean mask), "flex" (FlexAttention block mask), "auto": flex on CUDA
     document_mask: bool = True  # attention never crosses an eot (document) boundary [S]; False: causal across
     #   documents, as the [X] code trains
     # feed-forward: dense SwiGLU (n_expert == 0) or MoE
@@ -505,8 +506,6 @@ class ModelConfig:
             bad("loop_span", f"layout {self.layout!r} needs a loop span of >= 1 layer (n_layer={self.n_layer})")
         if self.layout == "pcc" and self.n_core < 1:
             bad("n_layer", f"layout 'pcc' needs a core of >= 1 block (n_layer={self.n_layer})")
-        if self.attention not in ("auto", "sdpa", "flex"):
-            bad("attention", "must be 'auto', 'sdpa' or 'flex'")
         if self.boundary not in ("both", "norm", "inject", "none"):
             bad("boundary", "must be 'both', 'norm', 'inject' or 'none'")
         if self.init not in ("x", "nanogpt"):
@@ -543,9 +542,9 @@ class ModelConfig:
         return sum(step.kind == "block" for step in execution_plan(self, n_passes))
 
     def uses_flex(self, device_type):
-        """The attention backend: FlexAttention with a block mask ("flex"; what "auto" picks on CUDA) or
-        SDPA with a boolean document mask (FlexAttention has no backward on CPU)."""
-        return self.attention == "flex" or (self.attention == "auto" and device_type == "cuda")
+        """The attention backend: FlexAttention with a block mask on FLEX_DEVICES, else SDPA with a
+        boolean document mask."""
+        return device_type in FLEX_DEVICES
 
     @classmethod
     def from_dict(cls, d):

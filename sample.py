@@ -22,7 +22,6 @@ From Python (an in-memory model, e.g. at the end of training):
     from sample import sample_text
     print(sample_text(model, get_tokenizer("gpt2-4096"), start="ROMEO:", max_new_tokens=100))
 """
-import os
 import sys
 
 import torch
@@ -99,22 +98,6 @@ def check_tokenizer(config, tokenizer):
     if tokenizer.eot_token != config.eot_token:
         raise ValueError(f"tokenizer {tokenizer.name} has <|endoftext|> = {tokenizer.eot_token}, the model's "
                          f"eot_token is {config.eot_token}")
-
-
-def data_tokenizer(meta, data_dir, model_config):
-    """The tokenizer a prepared data folder's meta.json names (None if it names none), checked against the
-    data and the model: train.py calls it before training, not when its final sample needs it."""
-    name = meta.get("tokenizer")
-    if not name:
-        return None
-    try:
-        tokenizer = get_tokenizer(name)
-        if tokenizer.n_vocab != meta["n_vocab"]:
-            raise ValueError(f"it has {tokenizer.n_vocab} tokens, the data n_vocab={meta['n_vocab']}")
-        check_tokenizer(model_config, tokenizer)
-    except ValueError as e:
-        raise ValueError(f"{os.path.join(data_dir, 'meta.json')}: tokenizer {name!r}: {e}") from None
-    return tokenizer
 
 
 @torch.no_grad()

@@ -35,7 +35,6 @@ from data.loader import open_data
 from loss_eval import evaluate
 from model import GPT, MLP, BoundaryOperator, ModelConfig, MoE, RMSNorm
 from muon import Muon
-from sample import data_tokenizer, sample_text
 from tooling import checkpoint, distributed, guards, legacy, memory, rundir
 from tooling.rundir import RunDir
 from tooling.settings import Settings
@@ -57,8 +56,6 @@ class TrainConfig:
     save_steps: list = field(default_factory=list)  # extra checkpoints ckpt_step<N>.pt at these
     save_checkpoints: bool = True  # False: write no checkpoint at all, only the log (benchmarks)
     overwrite: bool = False  # a new run into a folder that holds a run: replace it (else refused)
-    progress: bool = True  # tqdm progress bar
-    sample: bool = True  # print one short text sample from the final model
     # data
     data_dir: str = ""  # a data/prepare.py folder; "" -> the embedded corpus (prepared at first)
     branch_data_fraction: float = 0.1  # tail of the train split held back for decay branches
@@ -71,14 +68,14 @@ class TrainConfig:
     max_steps: int = 200  # optimizer steps of the whole run
     stop_at_step: int = 0  # > 0: save and stop after this step, the schedule unchanged (preemption)
     # optimizer
-    optimizer: str = "muon"  # "muon": Muon on the hidden matrices, AdamW on the rest; "adamw": all
+    optimizer: str = "muon"  # "muon": Muon on the hidden matrices, AdamW on the rest; "muon_x": the
+    #   [X] code's Muon (muon.py) so; "adamw": AdamW on all
     matrix_lr: float = 0.0  # LR of the hidden matrices; 0 -> 0.02 with Muon, 3e-3 with AdamW
     embedding_lr: float = 0.1  # AdamW LR of the token embedding
     unembedding_lr: float = 0.004  # AdamW LR of the lm head
     weight_decay: float = 0.0  # decoupled decay of the matrices, embedding and lm head ([X] code)
     adam_betas: tuple = (0.8, 0.95)  # AdamW (beta1, beta2)
     adam_eps: float = 1e-10  # AdamW epsilon
-    muon_variant: str = "original"  # "original" (Keller Jordan's) or "x" (the [X] code's, muon.py)
     muon_momentum_warmup: int = 0  # steps of Muon's momentum rising from 0.85 ([X] code: 300)
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 -> off
     # WSD schedule [S]
@@ -86,10 +83,10 @@ class TrainConfig:
     decay_fraction: float = 0.3  # the last fraction of max_steps decays; 0 -> stable (branch later)
     decay_shape: str = "cosine"  # "cosine" or "linear"
     # forks, decay branches, resume
-    init_from: str = ""  # a checkpoint to start a new run from (weights, optimizer, step, tokens)
+    init_from: str = ""  # "resume": continue out_dir/run_name/ckpt.pt; a checkpoint: a new run from
+    #   it (weights, optimizer, step, tokens); an export folder (tooling.export): weights, step 0
     decay_branch: bool = False  # this run is a decay branch of init_from [S], on held-back data
     decay_tokens: int = 0  # tokens of the decay branch
-    resume: bool = False  # continue out_dir/run_name/ckpt.pt
     # number of passes
     n_passes_choices: list = field(default_factory=list)  # e.g. [1, 2, 3]: each step's K (or r),
     #   drawn uniformly, seeded by (seed, step)
@@ -110,6 +107,10 @@ class TrainConfig:
 
     grad_accum = 1  # not a setting: a step's micro-batches, from global_batch (derive_grad_accum)
 
+    @property
+    def resume(self):  # init_from="resume": the run continues its own checkpoint
+        return self.init_from == "resume"
+
     def __post_init__(self):
         guards.check_train_config(self)
 
@@ -123,20 +124,20 @@ HELP_GROUPS = {title: keys.split() for title, keys in {  # --help shows every se
     "weight_decay warmup_steps decay_fraction max_steps batch_size global_batch data_dir out_dir "
     "run_name seed",
     "model: vocabulary, attention, feed-forward, loop span": "vocab_size eot_token n_logits "
-    "n_kv_head head_dim qk_norm norm_gain embed_norm tie_embeddings attention document_mask "
+    "n_kv_head head_dim qk_norm norm_gain embed_norm tie_embeddings document_mask "
     "mlp_hidden expert_hidden loop_span",
     "model: [X]'s first pass, multipliers, init": "zero_initial_state residual_multiplier "
     "output_multiplier init embed_init_std uniform_init_scale",
-    "optimizers and the decay": "adam_betas adam_eps muon_variant muon_momentum_warmup grad_clip "
+    "optimizers and the decay": "adam_betas adam_eps muon_momentum_warmup grad_clip "
     "decay_shape",
     "growth, random passes, decay branches": "grow_at grow_to grow_untie grow_rewarm_steps "
     "n_passes_choices init_from decay_branch decay_tokens branch_data_fraction unique_tokens",
     "evals, logs, checkpoints": "eval_interval log_interval eval_tokens final_eval_tokens "
-    "avg_doc_len save_steps save_checkpoints progress sample",
+    "avg_doc_len save_steps save_checkpoints",
     "distributed and precision": "device dtype parallel reshard_after_forward "
     "activation_checkpointing collective_timeout_s",
     "kernels and compilation": "triton compile",
-    "reliability": "resume overwrite stop_at_step"}.items()}
+    "reliability": "overwrite stop_at_step"}.items()}
 SETTINGS = Settings(TrainConfig, ModelConfig, defaults=TINY_MODEL, groups=HELP_GROUPS,
                     prog="train.py", went=legacy.WENT)
 DEFAULTS = SETTINGS.defaults
@@ -145,7 +146,8 @@ DEFAULTS = SETTINGS.defaults
 # --------------------------------------------------------------------------------------------------
 # Optimizers: Muon (muon.py) for hidden matrices, AdamW for the rest
 
-MATRIX_LR = {"muon": 0.02, "adamw": 3e-3}  # matrix_lr=0: the optimizer's own
+MATRIX_LR = {"muon": 0.02, "muon_x": 0.02, "adamw": 3e-3}  # matrix_lr=0: the optimizer's own
+MUON_VARIANTS = {"muon": "original", "muon_x": "x"}  # Keller Jordan's; the [X] code's (muon.py)
 ROUTER_LR = 3e-3  # AdamW LR of the MoE routers (always AdamW: see param_groups)
 SCALAR_LR = 0.01  # AdamW LR of norm gains and other vectors
 MUON_MOMENTUM = 0.95  # Nesterov, 5 Newton-Schulz steps, the "x" variant's beta2 0.95: muon.py
@@ -189,12 +191,12 @@ def build_optimizers(model, config, ns_dtype=None):
     for name, kind, lr, wd, named in param_groups(model, config):
         group = dict(params=[p for _, p in named], param_names=[n for n, _ in named], name=name,
                      lr=lr, base_lr=lr, weight_decay=wd)
-        (muon if kind == "muon" else adamw).append(group)
+        (muon if kind in MUON_VARIANTS else adamw).append(group)
     optimizers = [torch.optim.AdamW(adamw, betas=tuple(config.adam_betas), eps=config.adam_eps,
                                     fused=False)]
     if muon:
         optimizers.append(Muon(muon, momentum=MUON_MOMENTUM, ns_dtype=ns_dtype,
-                               variant=config.muon_variant))
+                               variant=MUON_VARIANTS[config.optimizer]))
     return optimizers
 
 
@@ -331,13 +333,14 @@ def shard_and_build_optimizers(model, config, device, world, use_bf16):
 
 def build_model(config, model_config, source, device, world, region, use_bf16):
     """The model, its optimizers and the training state: fresh, or from the source checkpoint (a
-    ckpt.pt file: whole tensors, sharded as they load; a ckpt.dcp/ directory: shard by shard)."""
+    ckpt.pt file: whole tensors, sharded as they load; a ckpt.dcp/ directory: shard by shard; an
+    export folder: its weights, in a new run)."""
     torch.manual_seed(config.seed)
     model = GPT(model_config).to(device)
     if source is not None and not source.get("sharded"):
         model.load_state_dict(source["model"])
     optimizers = shard_and_build_optimizers(model, config, device, world, use_bf16)
-    if source is None:
+    if source is None or source.get("export"):
         return model, optimizers, TrainState(data_region=region)
     checkpoint.load_into(source, model, optimizers)
     try:
@@ -395,7 +398,6 @@ def train(overrides=None):
             run.on_interrupt(lambda: state.step if state else 0):
         # data and model: fresh, or from the checkpoint a resume, fork or decay branch continues
         data = open_data(config.data_dir, model_config, world, rank == 0)
-        tokenizer = data_tokenizer(data.meta, data.data_dir, model_config)  # sampled at the end
         stream = data.stream(model_config.block_size, config.seed, config.branch_data_fraction,
                              config.decay_branch, config.unique_tokens)
         model, optimizers, state = build_model(config, model_config, source, device, world,
@@ -417,13 +419,13 @@ def train(overrides=None):
         # losses read to the host: all, since the eval; unread: each step's (CE, loss) on the device
         t0, first_position = time.time(), state.data_position
         losses, window, passes_seen, unread = [], [], [], []
-        if source is None:  # step 0 of a new run: its eval, logged with its first checkpoint
+        if source is None or source.get("export"):  # a new run: its step-0 eval, logged later
             metrics = evaluate(model, data, config, autocast, rank, world)
             record = eval_record(state, metrics, t0, device, 0.0, None, 0.0, model.config.n_passes)
             state.last_eval = run.append_log(record, wait_for_checkpoint=True)
         bar = closing.enter_context(tqdm(total=schedule.max_steps, initial=state.step, unit="step",
-                                         desc=config.run_name,
-                                         disable=rank > 0 or not config.progress))
+                                         desc=config.run_name, disable=rank > 0 or None))  # None:
+        #   a bar on a terminal only (not in a log file, a pipe, a ladder's worker)
         while state.step < schedule.max_steps:
             if state.step == schedule.grow_step and not state.grown:  # [X] growth, once
                 model, optimizers, wrapped = grow_during_training(
@@ -481,12 +483,9 @@ def train(overrides=None):
                 break
         bar.close()
 
-        # the end: an FSDP run's weights in one ckpt.pt, the summary, a sample of the model
-        final_model = run.consolidate(model, optimizers, config, state, data)
-        summary = run.summary(state, schedule.max_steps, data, stream, losses, first_position, t0)
-        if run.master and config.sample and run.saving and None not in (tokenizer, final_model):
-            print_sample(final_model, tokenizer, config.seed, run.ckpt_path)
-        return summary
+        # the end: an FSDP run's weights in one ckpt.pt, the summary (python sample.py reads it)
+        run.consolidate(model, optimizers, config, state, data)
+        return run.summary(state, schedule.max_steps, data, stream, losses, first_position, t0)
 
 
 def eval_record(state, metrics, t0, device, lr, train_loss, epochs, n_passes):
@@ -494,10 +493,6 @@ def eval_record(state, metrics, t0, device, lr, train_loss, epochs, n_passes):
     return state.record(lr=lr, train_loss=train_loss, **metrics, epochs=epochs, n_passes=n_passes,
                         seconds=round(time.time() - t0, 3), **rundir.gpu_memory(device))
 
-
-def print_sample(model, tokenizer, seed, ckpt_path):
-    text = sample_text(model, tokenizer, max_new_tokens=64, temperature=0.8, top_k=200, seed=seed)
-    print(f"sample (more with: python sample.py --ckpt {ckpt_path}):\n{text}")
 
 
 def main(argv=None):

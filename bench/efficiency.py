@@ -46,8 +46,7 @@ class Step:
     def __init__(self, cfg, optimizer, batch_size):
         torch.manual_seed(0)
         self.model = GPT(cfg)
-        self.config = train.TrainConfig(optimizer="muon" if optimizer == "muon_x" else optimizer,
-                                        muon_variant="x" if optimizer == "muon_x" else "original")
+        self.config = train.TrainConfig(optimizer=optimizer)
         self.optimizers = train.build_optimizers(self.model, self.config)
         g = torch.Generator().manual_seed(0)
         self.x = torch.randint(0, cfg.eot_token, (batch_size, cfg.block_size), generator=g)

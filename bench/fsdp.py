@@ -33,7 +33,7 @@ CONFIGS = {
 
 
 def build(name, parallel, device, world):
-    settings = train.SETTINGS.resolve(CONFIGS[name] | dict(parallel=parallel, progress=False, sample=False))
+    settings = train.SETTINGS.resolve(CONFIGS[name] | dict(parallel=parallel))
     config, cfg = train.SETTINGS.build(train.TrainConfig, settings), train.SETTINGS.build(train.ModelConfig, settings)
     torch.manual_seed(0)
     model = GPT(cfg)

@@ -165,8 +165,7 @@ def measure(check, stage, name, argv, timeout, variant="eager", timed=True, env=
     flags = {"eager": [], "compile": ["--compile=True"], "triton": ["--triton=True"]}[variant]
     run_name = f"{stage}_{name}_{variant}"
     out_dir = os.path.join(check.scratch, "out")
-    argv = [*argv, *flags, f"--device={check.device}", f"--out_dir={out_dir}", f"--run_name={run_name}",
-            "--progress=False", "--sample=False"]
+    argv = [*argv, *flags, f"--device={check.device}", f"--out_dir={out_dir}", f"--run_name={run_name}"]
     if check.dry_run and variant == "compile":
         env = dict(env or {}, TORCH_COMPILE_DISABLE="1")  # inductor on this CPU takes minutes: the plumbing only
     if check.dry_run and variant == "triton":  # the interpreter (minutes per Muon step): AdamW, shorter windows
@@ -281,7 +280,7 @@ def stage_distributed(check, cap):
     run_dir = os.path.join(check.scratch, "out", "distributed_fsdp_eager")
     sharded = os.path.join(run_dir, "ckpt.dcp")
     runs[-1]["checkpoint_mib"] = round(folder_bytes(sharded) / 2 ** 20, 1) if os.path.isdir(sharded) else None
-    resumed = measure(check, "distributed", "fsdp", [*common, "--resume=True"], min(60, left()), timed=False,
+    resumed = measure(check, "distributed", "fsdp", [*common, "--init_from=resume"], min(60, left()), timed=False,
                       launcher=torchrun, world=gpus, log_as="fsdp_resume")
     steps_logged = [r["step"] for r in read_log(os.path.join(run_dir, "log.jsonl"))]
     resumed["ok"] = resumed["ok"] and steps_logged == [0, 3, 6]

@@ -80,7 +80,7 @@ def cpu_estimates(steps):
         with tempfile.TemporaryDirectory() as out:
             run = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "train.py",
                                   f"--batch_size={batch_size}", f"--block_size={block_size}", f"--max_steps={steps}",
-                                  f"--warmup_steps={min(steps, 20)}", f"--eval_interval={max(1, steps // 2)}", "--sample=False", "--progress=False",
+                                  f"--warmup_steps={min(steps, 20)}", f"--eval_interval={max(1, steps // 2)}",
                                   f"--out_dir={out}", *flags], cwd=REPO, capture_output=True, text=True)
         if run.returncode != 0:
             raise SystemExit(f"train.py failed:\n{run.stderr[-2000:]}")

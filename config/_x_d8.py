@@ -25,8 +25,7 @@ init = "x"  # zero out-projections and lm head, normal embedding, uniform Q/K/V 
 output_multiplier = 1.0
 # training
 data_dir = "data/cache/fineweb_gpt2"
-optimizer = "muon"
-muon_variant = "x"  # the [X] code's Muon: MuonEq-R, Polar Express, variance reduction, cautious decay
+optimizer = "muon_x"  # the [X] code's Muon: MuonEq-R, Polar Express, variance reduction, cautious decay
 muon_momentum_warmup = 300  # momentum 0.85 -> 0.95 over the first 300 steps, as the [X] code
 grad_clip = 0.0  # the [X] code never clips
 matrix_lr = 0.04

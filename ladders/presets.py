@@ -24,7 +24,7 @@ GPU_DATA = "data/cache/fineweb_gpt2"
 X_OPERATOR1 = dict(X_MODEL, layout="pcc", boundary="both", tie_core=True, boundary_alpha=1.0,
                    residual_multiplier=0.5, output_multiplier=1.0, embed_init_std=0.11313708499,
                    uniform_init_scale=0.353553390593, document_mask=False)
-X_OPERATOR1_TRAIN = dict(optimizer="muon", muon_variant="x", grad_clip=0.0, adam_betas=[0.8, 0.98], adam_eps=1e-10,
+X_OPERATOR1_TRAIN = dict(optimizer="muon_x", grad_clip=0.0, adam_betas=[0.8, 0.98], adam_eps=1e-10,
                          warmup_steps=0, decay_fraction=0.8, decay_shape="linear")
 # [X]'s global LR: the embedding and lm head LRs keep their ratio to the matrix LR (d8: 0.0362 / 0.0032 to 0.04)
 X_GLR_TIED = dict(embedding_lr=0.905096679919, unembedding_lr=0.08)

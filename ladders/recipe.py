@@ -26,7 +26,7 @@ def recipe_plan(config_path, gpus=8):
     given = train.SETTINGS.parse([config_path])  # what the file sets, over train.py's defaults
     values = train.SETTINGS.resolve(given)
     config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(ModelConfig, values)
-    for name in ("init_from", "resume", "decay_branch"):
+    for name in ("init_from", "decay_branch"):
         if values[name]:
             raise ValueError(f"{config_path}: {name}={values[name]!r}: --plan plans a recipe from its first step; "
                              "this config continues another run")

@@ -34,6 +34,19 @@ def loop_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None, gr
     return out
 
 
+def model_whose_blocks_matter(**config):
+    """A random GPT (eval mode) whose blocks matter: at the small nanogpt init the embedding alone decides the
+    argmax, so the weight matrices inside the blocks are scaled up 3x (then the number of passes shows)."""
+    from model import GPT, ModelConfig
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**config)).eval()
+    with torch.no_grad():
+        for p in model.blocks.parameters():
+            if p.dim() >= 2:
+                p.mul_(3)
+    return model
+
+
 def small_corpus(root):
     """root/corpus.jsonl: a few acts of each source of the embedded corpus (3 of each, 8,000 characters)."""
     from data import prepare as prep

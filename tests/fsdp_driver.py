@@ -23,9 +23,9 @@ from tooling import distributed, rundir  # noqa: E402
 def sharded_logits(summary, settings):
     """Logits of the trained, still sharded model on a fixed batch (all ranks run the forward), and this
     rank's bytes of weights, gradients and optimizer state."""
-    overrides = dict(settings, resume=True, max_steps=summary["step"], progress=False, sample=False,
+    overrides = dict(settings, init_from="resume", max_steps=summary["step"],
                      out_dir=settings["out_dir"], run_name=settings.get("run_name", "tiny"))
-    values, source, _ = rundir.resolve_run(train.SETTINGS, {k: v for k, v in overrides.items() if k != "init_from"})
+    values, source, _ = rundir.resolve_run(train.SETTINGS, overrides)
     config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(train.ModelConfig, values)
     rank, world, device = distributed.setup(config.device, config.parallel)
     model, optimizers, _ = train.build_model(config, cfg, source, device, world, "stable", use_bf16=False)
@@ -48,8 +48,7 @@ def main():
     for job in jobs:
         summaries = [train.train(job["settings"])]
         for more in job.get("then", []):
-            summaries.append(train.train(dict(out_dir=job["settings"]["out_dir"], resume=True, progress=False,
-                                              sample=False) | more))
+            summaries.append(train.train(dict(out_dir=job["settings"]["out_dir"], init_from="resume") | more))
         result = dict(summaries=[{k: s[k] for k in ("step", "tokens", "ckpt_path", "resume_path", "log_path",
                                                      "val_loss", "train_losses")} for s in summaries])
         if job.get("measure"):

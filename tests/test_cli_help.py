@@ -1,13 +1,13 @@
 # Every command line's --help says what each flag means: fit.py (each subcommand, with the CSV columns it
-# reads), downstream.py, sample.py (with every default), probe.py, eval_core.py, grow.py, ladder.py, match.py,
-# python -m tooling.plots, tooling.memory and tooling.convert_checkpoint.
+# reads), downstream.py, sample.py (with every default), probe.py, eval_core.py, eval_harness.py, grow.py, ladder.py,
+# match.py, python -m tooling.plots, tooling.memory, tooling.convert_checkpoint and tooling.export.
 import argparse
 import importlib
 
 import pytest
 
-CLIS = ["fit", "downstream", "sample", "probe", "eval_core", "grow", "ladder", "tooling.plots", "tooling.match_cli",
-        "tooling.memory", "tooling.convert_checkpoint"]
+CLIS = ["fit", "downstream", "sample", "probe", "eval_core", "eval_harness", "grow", "ladder", "tooling.plots",
+        "tooling.match_cli", "tooling.memory", "tooling.convert_checkpoint", "tooling.export"]
 
 
 class Captured(BaseException):  # not an Exception: no CLI's error handling catches it

@@ -52,7 +52,7 @@ def settings_of(name):
 def test_x_configs_train_with_the_x_codes_recipe(name):
     """The optimizer, decay, clipping and attention the [X] code's d8 hyperparameters were tuned with."""
     config, cfg = settings_of(name)
-    assert (config.optimizer, config.muon_variant, config.muon_momentum_warmup) == ("muon", "x", 300)
+    assert (config.optimizer, config.muon_momentum_warmup) == ("muon_x", 300)
     assert config.weight_decay > 0  # the matrices', the embedding's and the lm head's, as the [X] code
     assert config.grad_clip == 0.0 and config.decay_shape == "linear"
     assert not cfg.document_mask and (cfg.vocab_size, cfg.n_logits, cfg.eot_token) == (50304, 50257, 50256)

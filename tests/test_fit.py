@@ -340,7 +340,7 @@ def test_cli_power_plot_draws_the_chosen_budgets(tmp_path, capsys):
 
 def test_cell_bootstrap_seeded_and_worker_independent():
     runs = fit.synthetic_surface_runs(noise=0.003, seed=0)
-    kw = dict(budgets=[1e20, 1e21], sparsities=[0.85, 0.95], n_draws=6, seed=7, progress=False, keep_draws=True)
+    kw = dict(budgets=[1e20, 1e21], sparsities=[0.85, 0.95], n_draws=6, seed=7, keep_draws=True)
     one = fit.cell_bootstrap(runs, "baseline", "smelt", n_workers=1, **kw)
     two = fit.cell_bootstrap(runs, "baseline", "smelt", n_workers=2, full_fits=one["full_fits"], **kw)
     assert one["lo"]["ce_gain"].shape == (2, 2)

@@ -306,7 +306,7 @@ def meta_world(monkeypatch, group):
 
 def settings_of(data_dir, tmp_path, **values):
     return dict(vocab_size=4096, eot_token=4095, block_size=16, n_embd=32, n_head=2, batch_size=2, global_batch=8,
-                max_steps=20, log_interval=3, eval_interval=6, progress=False, sample=False, data_dir=data_dir,
+                max_steps=20, log_interval=3, eval_interval=6, data_dir=data_dir,
                 out_dir=str(tmp_path)) | values
 
 
@@ -341,7 +341,7 @@ def test_training_steps_keep_every_collective_on_the_model_device(meta_world, da
     steps 3 and 6, then the first save, to its check of the weights; the wrapper's own collectives went
     through the group: DDP's parameter broadcast and bucket all-reduces, FSDP2's all-gathers and
     reduce-scatters."""
-    settings = settings_of(data_dir, tmp_path, parallel=parallel, muon_variant=variant, grow_at=3, **layout)
+    settings = settings_of(data_dir, tmp_path, parallel=parallel, optimizer={"original": "muon", "x": "muon_x"}[variant], grow_at=3, **layout)
     with pytest.raises(RuntimeError, match="meta tensor") as caught:
         train.train(settings)
     run = meta_world
@@ -361,15 +361,14 @@ def test_resumed_steps_keep_every_collective_on_the_model_device(data_dir, tmp_p
     """A one-process CPU run stops after step 1 (its ckpt.pt: CPU tensors); resumed on 2 ranks of the meta
     device, every optimizer state tensor is placed on the model's device (sharded like its parameter
     under FSDP2) and steps 2 to 6 run as above."""
-    settings = settings_of(data_dir, tmp_path, muon_variant="x", eval_tokens=32, stop_at_step=1, device="cpu")
+    settings = settings_of(data_dir, tmp_path, optimizer="muon_x", eval_tokens=32, stop_at_step=1, device="cpu")
     assert train.train(settings)["step"] == 1
     saved = checkpoint.load_checkpoint(str(tmp_path / "tiny" / "ckpt.pt"))["optimizer"]["state"]
     n_state = sum(torch.is_tensor(v) and v.dim() > 0 for s in saved.values() for v in s.values())
     with checked_group() as g:
         run = rehearse_on_meta(monkeypatch, g)
         with pytest.raises(RuntimeError, match="meta tensor") as caught:
-            train.train(dict(out_dir=str(tmp_path), run_name="tiny", resume=True, parallel=parallel, progress=False,
-                             sample=False))
+            train.train(dict(out_dir=str(tmp_path), run_name="tiny", init_from="resume", parallel=parallel))
         assert_the_run(run, caught, parallel, "x", [(3, 2), (6, 3)])
         assert run.placed == [("cpu", "DTensor" if parallel == "fsdp" else "Tensor", "meta")] * n_state
 

@@ -450,22 +450,22 @@ def test_resume_across_growth_is_exact_through_train_py(tmp_path, data_dir):
     common = dict(layout="pcc", n_layer=3, n_passes=2, tie_core=False, n_expert=0, n_embd=32, n_head=2, block_size=32,
                   batch_size=4, max_steps=4, grow_at=2.0, grow_to=4, grow_rewarm_steps=2, warmup_steps=1,
                   optimizer="adamw",  # Muon's Newton-Schulz is slow on 2 CPU cores; state is remapped the same
-                  eval_interval=100, eval_tokens=256, progress=False, sample=False, data_dir=data_dir)
+                  eval_interval=100, eval_tokens=256, data_dir=data_dir)
     straight = train.train(dict(common, out_dir=str(tmp_path / "a")))
     first = train.train(dict(common, out_dir=str(tmp_path / "b"), stop_at_step=2, save_steps=[2]))
     assert first["step"] == 2
     shutil.copytree(tmp_path / "b", tmp_path / "c")
-    resumed = train.train(dict(out_dir=str(tmp_path / "b"), resume=True, progress=False))
+    resumed = train.train(dict(out_dir=str(tmp_path / "b"), init_from="resume"))
     assert first["train_losses"] + resumed["train_losses"] == straight["train_losses"]
     ckpt_path = os.path.join(str(tmp_path / "c"), "tiny", "ckpt.pt")
     assert grow.main(["--ckpt", ckpt_path, "--passes", "4"]) == 0  # in place: --resume continues it
-    via_cli = train.train(dict(out_dir=str(tmp_path / "c"), resume=True, progress=False))
+    via_cli = train.train(dict(out_dir=str(tmp_path / "c"), init_from="resume"))
     assert first["train_losses"] + via_cli["train_losses"] == straight["train_losses"]
     # grown elsewhere and continued as a new run with init_from: the same curve
     elsewhere = str(tmp_path / "grown.pt")
     assert grow.main(["--ckpt", os.path.join(str(tmp_path / "b"), "tiny", "ckpt_step2.pt"), "--passes", "4",
                       "--out", elsewhere]) == 0
-    forked = train.train(dict(out_dir=str(tmp_path / "d"), init_from=elsewhere, run_name="grown", progress=False))
+    forked = train.train(dict(out_dir=str(tmp_path / "d"), init_from=elsewhere, run_name="grown"))
     assert first["train_losses"] + forked["train_losses"] == straight["train_losses"]
     grown, _ = load_model(straight["ckpt_path"])
     assert grown.config.n_passes == 4 and len(grown.blocks) == 1 + 4 + 1

@@ -206,7 +206,7 @@ def test_x_report_says_what_it_compares_and_rebuilds_from_csv(x_micro, tmp_path)
     last = x_config(preset, "untied-grow", preset.depths[-1])[0]  # [X16] carried from the first depth's N_s
     scale = (grow.stored_params(last) / grow.stored_params(first)) ** -0.6
     assert settings["matrix_lr"] == pytest.approx(report["lrs"]["untied-grow"] * scale, rel=1e-12)
-    assert settings["adam_betas"] == [0.8, 0.99] and settings["muon_variant"] == "x"  # its recipe, config/x_d8_*
+    assert settings["adam_betas"] == [0.8, 0.99] and settings["optimizer"] == "muon_x"  # its recipe, config/x_d8_*
     assert settings["embedding_lr"] == pytest.approx(settings["matrix_lr"] * 0.0064 / 0.04)
     # multipliers by interpolation only (the fitted ones are not printed)
     assert "interpolated" in text and "'x' = extrapolated" not in text and " fitted " not in text

@@ -293,7 +293,7 @@ def test_document_mask_of_a_batch_is_per_row(monkeypatch):
             for j in range(i + 1):
                 expected[row, 0, i, j] = doc[i] == doc[j]
     calls = record_sdpa(monkeypatch)
-    model = build(attention="sdpa")
+    model = build()  # a CPU: SDPA with the boolean mask (model.FLEX_DEVICES)
     with torch.no_grad():
         logits = model(idx)[0]
         assert calls and all(m is not None and torch.equal(m == 0, expected) for _, m in calls)
@@ -543,18 +543,23 @@ def test_loss_ignores_minus_one_and_includes_router_losses():
                                + model_module.Z_LOSS_COEF * s["z_loss"])
 
 
-def test_flex_attention_path_equals_sdpa_path():
+def test_flex_attention_path_equals_sdpa_path(monkeypatch):
     """FlexAttention (the CUDA fast path) computes the same document-masked attention as SDPA.
     Forward only: FlexAttention has no backward on CPU in torch 2.13."""
     import warnings
-    sdpa = build(layout="smelt", n_passes=2, attention="sdpa")
-    flex = GPT(tiny(layout="smelt", n_passes=2, attention="flex")).eval()
-    flex.load_state_dict(sdpa.state_dict())
+    model = build(layout="smelt", n_passes=2)
     idx = tokens(B=2, T=40, eot_at=(0, 11, 29))
+    calls = record_sdpa(monkeypatch)
+    with torch.no_grad():
+        sdpa = model(idx)[0]
+    assert calls
+    monkeypatch.setattr(model_module, "FLEX_DEVICES", ("cuda", "cpu"))
+    calls.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.no_grad():
-            torch.testing.assert_close(flex(idx)[0], sdpa(idx)[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(model(idx)[0], sdpa, rtol=1e-4, atol=1e-5)
+    assert not calls  # the flex path ran
 
 
 KERNEL_FAMILIES = {  # each family's modules that kernels.apply swaps, and the kernels they call

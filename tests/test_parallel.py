@@ -12,18 +12,17 @@ import pytest
 import train
 
 BASE = dict(n_layer=2, n_embd=32, n_head=2, block_size=32, batch_size=2, eval_tokens=128, warmup_steps=1,
-            eval_interval=3, max_steps=3, progress=False, sample=False, log_interval=1)
+            eval_interval=3, max_steps=3, log_interval=1)
 MOE = dict(n_expert=4, top_k=2, expert_hidden=16)
 PCC = dict(layout="pcc", n_layer=3, boundary="both", boundary_alpha=0.7)
 CASES = {  # the optimizers alternate so both (and the [X] Muon's sharded variance reduction) run in parallel
-    "plain_moe": dict(MOE, layout="plain", optimizer="muon", muon_variant="x"),
+    "plain_moe": dict(MOE, layout="plain", optimizer="muon_x"),
     "smelt_moe_grow": dict(MOE, layout="smelt", n_passes=1, grow_at=2.0, grow_to=2, optimizer="muon"),
     "smelt_moe_random": dict(MOE, layout="smelt", n_passes=2, n_passes_choices=[1, 2, 3], optimizer="adamw"),
-    "layer_loop_random": dict(layout="layer_loop", n_passes=2, n_passes_choices=[1, 2], optimizer="muon",
-                              muon_variant="x"),
+    "layer_loop_random": dict(layout="layer_loop", n_passes=2, n_passes_choices=[1, 2], optimizer="muon_x"),
     "pcc_grow_tied": dict(PCC, n_passes=1, grow_at=2.0, grow_to=2, optimizer="muon"),
     "pcc_grow_untied": dict(PCC, n_passes=1, grow_at=2.0, grow_to=2, grow_untie=True, optimizer="adamw"),
-    "pcc_tied_random": dict(PCC, n_passes=2, n_passes_choices=[1, 2, 3], optimizer="muon", muon_variant="x"),
+    "pcc_tied_random": dict(PCC, n_passes=2, n_passes_choices=[1, 2, 3], optimizer="muon_x"),
     "pcc_untied_random_below_k": dict(PCC, n_passes=3, tie_core=False, n_passes_choices=[1, 2], optimizer="muon"),
 }
 OPTIONS = {  # more runs of some cases at grad_accum 2, under both wrappers: settings that change the step

@@ -218,7 +218,7 @@ def test_prepare_killed_mid_shard_then_rerun_gives_the_uninterrupted_output(corp
 # training from shards
 
 SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_passes=2, block_size=128,
-             batch_size=4, eval_tokens=512, warmup_steps=2, eval_interval=2, progress=False, sample=False)
+             batch_size=4, eval_tokens=512, warmup_steps=2, eval_interval=2)
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +252,7 @@ def test_training_resumes_exactly_across_shard_boundaries(sharded, tmp_path):
     common = dict(data_dir=data_dir, max_steps=6)
     straight = train.train(SMALL | common | dict(out_dir=str(tmp_path / "a")))
     first = train.train(SMALL | common | dict(out_dir=str(tmp_path / "b"), stop_at_step=4))
-    second = train.train(dict(out_dir=str(tmp_path / "b"), resume=True, progress=False))
+    second = train.train(dict(out_dir=str(tmp_path / "b"), init_from="resume"))
     assert first["train_losses"] + second["train_losses"] == straight["train_losses"]  # bitwise
     strip = lambda path: [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in open(path)]
     assert strip(second["log_path"]) == strip(straight["log_path"])
@@ -274,7 +274,7 @@ def test_held_back_region_is_whole_shards_at_the_end(sharded, tmp_path):
                                       decay_fraction=0.0, save_steps=[2], eval_interval=4))
     assert stable["data_split"] in boundaries and stable["data_read"][1] <= stable["data_split"]
     branch = train.train(dict(out_dir=str(tmp_path), init_from=os.path.join(stable["run_dir"], "ckpt_step2.pt"),
-                              decay_branch=True, decay_tokens=2 * 4 * 128, progress=False))
+                              decay_branch=True, decay_tokens=2 * 4 * 128))
     assert branch["data_region"] == "branch" and branch["data_split"] == stable["data_split"]
     assert stable["data_split"] <= branch["data_read"][0] and branch["data_read"][1] <= boundaries[-1]
 
@@ -457,9 +457,9 @@ def test_resume_on_another_prepared_corpus_is_refused_init_from_starts_its_data_
     settings = SMALL | dict(data_dir=one, max_steps=4, out_dir=str(tmp_path), stop_at_step=2)
     train.train(settings)
     with pytest.raises(ValueError, match="this data_dir holds another prepared corpus"):
-        train.train(dict(out_dir=str(tmp_path), resume=True, data_dir=many))
+        train.train(dict(out_dir=str(tmp_path), init_from="resume", data_dir=many))
     forked = train.train(dict(init_from=str(tmp_path / "tiny" / "ckpt.pt"), data_dir=many, out_dir=str(tmp_path),
-                              run_name="forked", max_steps=3, progress=False, sample=False))
+                              run_name="forked", max_steps=3))
     from tooling.checkpoint import load_checkpoint
     state = load_checkpoint(forked["ckpt_path"])["state"]  # one step (4 windows) read from the new data's first window
     assert forked["step"] == 3 and state["data_position"] == 4

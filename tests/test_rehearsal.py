@@ -84,7 +84,7 @@ def test_eval_core_and_probe_entry_points_under_bf16():
 
 
 SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_passes=2, block_size=32,
-             batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=100, progress=False, sample=False,
+             batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=100,
              dtype="bfloat16")
 
 
@@ -94,7 +94,7 @@ def test_train_bf16_default_family_loss_falls_and_resume_is_exact(tmp_path, data
     losses = straight["train_losses"]
     assert all(map(lambda v: v == v, losses)) and sum(losses[-3:]) / 3 < losses[0] - 0.5
     first = train.train(common | dict(out_dir=str(tmp_path / "b"), stop_at_step=6))
-    second = train.train(dict(out_dir=str(tmp_path / "b"), resume=True, progress=False))
+    second = train.train(dict(out_dir=str(tmp_path / "b"), init_from="resume"))
     assert first["train_losses"] + second["train_losses"] == losses  # same machine, same ops: bitwise
 
 
@@ -107,7 +107,7 @@ def test_train_bf16_growth_and_decay_branch(tmp_path, data_dir, untie):
     model, ckpt = load_model(stable["ckpt_path"])
     assert ckpt["state"]["grown"] and model.config.n_passes == 2 and model.config.tie_core == (not untie)
     branch = train.train(dict(out_dir=str(tmp_path), init_from=os.path.join(stable["run_dir"], "ckpt_step6.pt"),
-                              decay_branch=True, decay_tokens=3 * 4 * 32, progress=False))
+                              decay_branch=True, decay_tokens=3 * 4 * 32))
     assert branch["step"] == 9 and all(v == v for v in branch["train_losses"])
     log = [json.loads(line) for line in open(branch["log_path"])]
     assert log[-1]["lr"] == 0.0  # decayed to the floor, in bf16 like its stable phase (dtype is inherited)

@@ -35,8 +35,8 @@ def quiet(*args, **kwargs):
 
 def test_unique_tokens_reads_only_them_for_many_epochs(tmp_path, capsys):
     base = dict(n_layer=1, n_embd=16, n_head=2, n_expert=0, layout="plain", n_passes=1, vocab_size=257, eot_token=256,
-                block_size=16, batch_size=4, max_steps=30, eval_interval=30, eval_tokens=256, progress=False,
-                sample=False, out_dir=str(tmp_path),
+                block_size=16, batch_size=4, max_steps=30, eval_interval=30, eval_tokens=256,
+                out_dir=str(tmp_path),
                 data_dir=data_plan(get_preset("x-repeat-micro")).data_dir)
     summary = train.train(dict(base, run_name="u", unique_tokens=500))
     lo, hi = summary["data_read"]
@@ -48,7 +48,7 @@ def test_unique_tokens_reads_only_them_for_many_epochs(tmp_path, capsys):
                          (10 ** 9, "unique_tokens=1,000,000,000")):
         err = one_line_error(train.main, [f"--unique_tokens={bad}", "--n_expert=0", "--max_steps=1", "--vocab_size=257",
                                           "--eot_token=256", f"--data_dir={base['data_dir']}", "--block_size=16",
-                                          f"--out_dir={tmp_path}", "--run_name=bad", "--progress=False"],
+                                          f"--out_dir={tmp_path}", "--run_name=bad"],
                              capsys, "train.py")
         assert message in err
     assert "unique_tokens" in one_line_error(train.main, ["--unique_tokens=-1"], capsys, "train.py")

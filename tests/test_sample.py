@@ -5,23 +5,15 @@ import pytest
 import torch
 
 import sample
+from conftest import model_whose_blocks_matter
 from data.tokenizer import get_tokenizer
-from model import GPT, ModelConfig
 
 SMALL = dict(vocab_size=4096, eot_token=4095, block_size=32, n_layer=2, n_embd=32, n_head=2, init="nanogpt")
 # init="nanogpt": the default "x" init zeroes the lm head, every logit would be equal
 
 
 def make_model(**overrides):
-    """A random model whose blocks matter: at the small nanogpt init the embedding alone decides the
-    argmax, so weight matrices inside the blocks are scaled up 3x (then the number of passes shows)."""
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(**(SMALL | overrides))).eval()
-    with torch.no_grad():
-        for p in model.blocks.parameters():
-            if p.dim() >= 2:
-                p.mul_(3)
-    return model
+    return model_whose_blocks_matter(**(SMALL | overrides))
 
 
 def save_checkpoint(model, path, tokenizer="gpt2-4096"):

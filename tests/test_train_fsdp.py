@@ -17,8 +17,7 @@ from tooling.checkpoint import load_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_passes=2, block_size=32,
-             batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=1, max_steps=4, progress=False,
-             sample=False)
+             batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=1, max_steps=4)
 PCC = dict(layout="pcc", n_layer=3, n_expert=0, n_passes=2, boundary="both", boundary_alpha=0.7)
 JOBS = {
     "smelt_muon": dict(optimizer="muon"),
@@ -123,7 +122,7 @@ def test_resume_onto_other_world_sizes(fsdp, tmp_path, torchrun):
     results, root = fsdp
     for target, nproc in (("three", 3), ("one", 1)):
         shutil.copytree(root / "resumed", tmp_path / target)
-        overrides = dict(out_dir=str(tmp_path / target), resume=True, max_steps=6, progress=False, sample=False)
+        overrides = dict(out_dir=str(tmp_path / target), init_from="resume", max_steps=6)
         if nproc == 3:
             argv = ["train.py", *[f"--{k}={v!r}" for k, v in overrides.items()]]
             refused = torchrun(argv, nproc=3, check=False)

@@ -35,7 +35,7 @@ from data import prepare as prep
 from tooling import checkpoint, convert_checkpoint, core_bundle, guards, match_cli, memory, plots, rundir
 
 SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_passes=2, block_size=32,
-             batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=2, progress=False, sample=False)
+             batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=2)
 
 
 def argv(**settings):
@@ -122,16 +122,15 @@ def test_a_malicious_checkpoint_runs_nothing_through_any_load_path(path, trained
         "probe": (probe.main, ["--ckpt", str(evil), "--data_dir", data_dir], "probe.py"),
         "grow": (grow.main, ["--ckpt", str(evil), "--out", str(tmp_path / "grown.pt")], "grow.py"),
         "eval_core": (eval_core.main, ["--ckpt", str(evil), "--length_buckets", data_dir], "eval_core.py"),
-        "train --init_from": (train.main, argv(init_from=str(evil), out_dir=str(out), data_dir=data_dir,
-                                               progress=False), "train.py"),
+        "train --init_from": (train.main, argv(init_from=str(evil), out_dir=str(out), data_dir=data_dir), "train.py"),
     }
     if path == "train --resume":
         run = copy_run(trained, tmp_path)
         shutil.copy(evil, run / "ckpt.pt")
-        runs[path] = (train.main, argv(resume=True, out_dir=str(out), run_name="run", progress=False), "train.py")
+        runs[path] = (train.main, argv(init_from="resume", out_dir=str(out), run_name="run"), "train.py")
     elif path.startswith("train --resume ckpt.dcp"):
         evil_sharded(sharded, tmp_path, marker, path.split()[-1])
-        runs[path] = (train.main, argv(resume=True, out_dir=str(out), run_name="run", progress=False), "train.py")
+        runs[path] = (train.main, argv(init_from="resume", out_dir=str(out), run_name="run"), "train.py")
     main, args, prog = runs[path]
     err = one_line_error(main, args, capsys, prog)
     assert not marker.exists(), f"{path} ran the checkpoint's payload"
@@ -165,7 +164,7 @@ def test_an_older_checkpoint_is_refused_and_converts_knowingly(trained, tmp_path
 
 def test_a_moved_run_folder_resumes_where_it_is(trained, tmp_path, data_dir):
     moved = copy_run(trained, tmp_path / "moved")  # the checkpoint still says out_dir=<the old place>
-    summary = train.train(dict(out_dir=str(moved.parent), run_name="run", resume=True, max_steps=6, progress=False))
+    summary = train.train(dict(out_dir=str(moved.parent), run_name="run", init_from="resume", max_steps=6))
     assert summary["run_dir"] == str(moved) and summary["step"] == 6
     log = [json.loads(line) for line in open(moved / "log.jsonl")]
     assert [r["step"] for r in log] == [0, 2, 4, 6]
@@ -178,20 +177,20 @@ def test_a_crafted_checkpoint_writes_and_reads_only_where_the_command_says(train
     elsewhere = tmp_path / "elsewhere"
     ckpt["train_config"].update(out_dir=str(elsewhere), run_name="pwn", data_dir=str(tmp_path / "nowhere"))
     checkpoint.save_file(run / "ckpt.pt", ckpt)
-    base = dict(out_dir=str(run.parent), run_name="run", resume=True, max_steps=6, progress=False)
+    base = dict(out_dir=str(run.parent), run_name="run", init_from="resume", max_steps=6)
     err = one_line_error(train.main, argv(**base), capsys, "train.py")
     assert f"data_dir={str(tmp_path / 'nowhere')!r}, which does not exist here" in err and "give --data_dir" in err
     summary = train.train(base | dict(data_dir=data_dir))
     assert summary["run_dir"] == str(run) and not elsewhere.exists()
     # a fork too: its folder is out_dir/run_name of the command (defaults included), never the source's
     fork = train.train(dict(init_from=str(run / "ckpt.pt"), out_dir=str(tmp_path / "forks"), data_dir=data_dir,
-                            max_steps=8, progress=False))
+                            max_steps=8))
     assert fork["run_dir"] == str(tmp_path / "forks" / "tiny") and not elsewhere.exists()
 
 
 def test_the_checkpoints_data_dir_is_used_only_if_it_exists_and_said(trained, tmp_path, capsys):
     run = copy_run(trained, tmp_path)
-    train.train(dict(out_dir=str(run.parent), run_name="run", resume=True, max_steps=6, progress=False))
+    train.train(dict(out_dir=str(run.parent), run_name="run", init_from="resume", max_steps=6))
     assert "data_dir from the checkpoint" in capsys.readouterr().out
 
 
@@ -230,7 +229,7 @@ def test_a_flipped_byte_is_refused_naming_the_tensor(trained, tmp_path, data_dir
     flip_a_byte(run / "ckpt.pt", lambda name: "/data/" in name)
     err = one_line_error(sample.main, ["--ckpt", str(run / "ckpt.pt")], capsys, "sample.py")
     assert "tensor " in err and "does not have the bytes it was written with" in err, err
-    err = one_line_error(train.main, argv(out_dir=str(run.parent), run_name="run", resume=True), capsys, "train.py")
+    err = one_line_error(train.main, argv(out_dir=str(run.parent), run_name="run", init_from="resume"), capsys, "train.py")
     assert "does not have the bytes it was written with" in err
     # the converter does not launder it with fresh checksums, and has nothing to do on an intact current file
     err = one_line_error(convert_checkpoint.main, [str(run / "ckpt.pt"), str(tmp_path / "c.pt")], capsys,
@@ -247,7 +246,7 @@ def test_a_flipped_byte_in_a_shard_is_refused_naming_the_file(sharded, tmp_path,
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
-    err = one_line_error(train.main, argv(out_dir=str(run.parent), run_name="run", resume=True), capsys, "train.py")
+    err = one_line_error(train.main, argv(out_dir=str(run.parent), run_name="run", init_from="resume"), capsys, "train.py")
     assert f"file {shard.name} does not have the bytes it was written with" in err
 
 
@@ -255,7 +254,7 @@ def test_a_truncated_meta_pt_is_one_line_naming_it(sharded, tmp_path, capsys):
     run = copy_run(sharded, tmp_path)
     meta = run / "ckpt.dcp" / checkpoint.SHARDED_META
     meta.write_bytes(meta.read_bytes()[:100])
-    err = one_line_error(train.main, argv(out_dir=str(run.parent), run_name="run", resume=True), capsys, "train.py")
+    err = one_line_error(train.main, argv(out_dir=str(run.parent), run_name="run", init_from="resume"), capsys, "train.py")
     assert f"cannot read {meta}" in err
 
 
@@ -286,10 +285,10 @@ def test_sigterm_ends_a_run_like_ctrl_c(tmp_path, data_dir):
     assert process.returncode == 143, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("train.py: terminated (SIGTERM) at step "), err
-    assert f"--out_dir={tmp_path} --run_name=tiny --resume=True" in err and "Traceback" not in err
+    assert f"--out_dir={tmp_path} --run_name=tiny --init_from=resume" in err and "Traceback" not in err
     assert not (run / "lock").exists()
     step = checkpoint.load_checkpoint(run / "ckpt.pt")["state"]["step"]
-    resumed = train.train(dict(out_dir=str(tmp_path), resume=True, max_steps=step + 2, progress=False))
+    resumed = train.train(dict(out_dir=str(tmp_path), init_from="resume", max_steps=step + 2))
     assert resumed["step"] == step + 2
 
 
@@ -356,7 +355,7 @@ def ended_in_one_line(process, tmp_path, t0):
 
 def assert_peer_line(line, tmp_path):
     assert "another process of the run died or stopped answering at step" in line, line
-    assert "torchrun --nproc_per_node=2 train.py" in line and "--resume=True" in line, line
+    assert "torchrun --nproc_per_node=2 train.py" in line and "--init_from=resume" in line, line
     assert not (tmp_path / "tiny" / "lock").exists()
 
 
@@ -464,7 +463,7 @@ def test_a_new_run_never_overwrites_a_run_folder_unless_told(trained, tmp_path, 
 
 def test_a_resume_keeps_the_global_batch_on_any_number_of_processes(trained, tmp_path):
     run = copy_run(trained, tmp_path)
-    resume = dict(out_dir=str(run.parent), run_name="run", resume=True)
+    resume = dict(out_dir=str(run.parent), run_name="run", init_from="resume")
     values, source, _ = rundir.resolve_run(train.SETTINGS, resume)
     assert source["state"]["seqs_per_step"] == 4 and values["global_batch"] == 4
     config = train.SETTINGS.build(train.TrainConfig, values | dict(batch_size=2))
@@ -486,11 +485,11 @@ def test_a_log_cut_short_resumes_and_a_bad_line_is_named(trained, tmp_path, caps
     log = run / "log.jsonl"
     lines = log.read_text().splitlines(keepends=True)
     log.write_text("".join(lines) + '{"step": 6, "val_lo')  # killed mid-write
-    summary = train.train(dict(out_dir=str(run.parent), run_name="run", resume=True, max_steps=6, progress=False))
+    summary = train.train(dict(out_dir=str(run.parent), run_name="run", init_from="resume", max_steps=6))
     assert [json.loads(line)["step"] for line in open(log)] == [0, 2, 4, 6] and summary["step"] == 6
     lines = log.read_text().splitlines(keepends=True)
     log.write_text(lines[0] + '{"step": 2, "val_loss": 1.0,,}\n' + "".join(lines[2:]))  # hand-edited
-    err = one_line_error(train.main, argv(out_dir=str(run.parent), run_name="run", resume=True, max_steps=8),
+    err = one_line_error(train.main, argv(out_dir=str(run.parent), run_name="run", init_from="resume", max_steps=8),
                          capsys, "train.py")
     assert f"{log}:2: malformed JSON" in err and "fix or delete that line" in err
 
@@ -534,7 +533,7 @@ def test_the_step_0_line_waits_for_the_first_checkpoint(tmp_path, data_dir, monk
 def test_a_decay_branch_forks_only_a_stable_checkpoint(tmp_path, data_dir, capsys):
     decayed = train.train(SMALL | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="decayed", max_steps=6,
                                        decay_fraction=0.5))
-    branch = dict(out_dir=str(tmp_path), data_dir=data_dir, decay_branch=True, decay_tokens=256, progress=False)
+    branch = dict(out_dir=str(tmp_path), data_dir=data_dir, decay_branch=True, decay_tokens=256)
     err = one_line_error(train.main, argv(**branch, init_from=decayed["ckpt_path"]), capsys, "train.py")
     assert "after its LR began to decay at step 3" in err
     stable = train.train(SMALL | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="stable", max_steps=4,
@@ -578,7 +577,7 @@ BAD_SETTINGS = [  # (prog, argv, what the line must name); CKPT / DATA are fille
     ("train.py", ["--save_steps=[0]"], "save_steps"),
     ("train.py", ["--n_passes_choices=[2]", "--layout=plain"], "n_passes_choices"),
     ("train.py", ["--decay_branch=True"], "decay_branch"),
-    ("train.py", ["--resume=True", "--init_from=x.pt"], "resume"),
+    ("train.py", ["--resume=True"], "unknown command-line key 'resume': it went (init_from=resume"),
     ("sample.py", ["--ckp", "CKPT"], "unrecognized arguments: --ckp"),
     ("sample.py", ["--top_k", "0"], "argument --top_k: 0: must be >= 1"),
     ("sample.py", ["--temperature", "nan"], "argument --temperature: nan: must be a finite number"),

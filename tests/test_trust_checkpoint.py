@@ -57,15 +57,14 @@ def load_path(name, ckpt, tmp_path, data_dir):
         (out / "run").mkdir(parents=True, exist_ok=True)
         if ckpt != out / "run" / "ckpt.pt":
             shutil.copy(ckpt, out / "run" / "ckpt.pt")
-        return train.main, argv(resume=True, out_dir=str(out), run_name="run", progress=False), "train.py"
+        return train.main, argv(init_from="resume", out_dir=str(out), run_name="run"), "train.py"
     (tmp_path / "grown").mkdir(exist_ok=True)
     return {
         "sample": (sample.main, ["--ckpt", str(ckpt)], "sample.py"),
         "probe": (probe.main, ["--ckpt", str(ckpt), "--data_dir", data_dir], "probe.py"),
         "grow": (grow.main, ["--ckpt", str(ckpt), "--out", str(tmp_path / "grown" / "g.pt")], "grow.py"),
         "eval_core": (eval_core.main, ["--ckpt", str(ckpt), "--length_buckets", data_dir], "eval_core.py"),
-        "train --init_from": (train.main, argv(init_from=str(ckpt), out_dir=str(out), data_dir=data_dir,
-                                               progress=False), "train.py"),
+        "train --init_from": (train.main, argv(init_from=str(ckpt), out_dir=str(out), data_dir=data_dir), "train.py"),
     }[name]
 
 
@@ -115,8 +114,8 @@ def test_a_bytes_entry_in_a_sharded_checkpoint_runs_nothing(how, sharded, data_d
     marker = tmp_path / "PWNED"
     run = copy_run(sharded, tmp_path)
     folder = craft_dcp(run, metadata=bytes_entry(marker))
-    args = argv(resume=True, out_dir=str(run.parent), run_name="run", progress=False) if how == "train --resume" \
-        else argv(init_from=str(folder), out_dir=str(tmp_path / "fork"), data_dir=data_dir, progress=False)
+    args = argv(init_from="resume", out_dir=str(run.parent), run_name="run") if how == "train --resume" \
+        else argv(init_from=str(folder), out_dir=str(tmp_path / "fork"), data_dir=data_dir)
     err = one_line_error(train.main, args, capsys, "train.py")
     assert not marker.exists(), f"{how} ran the payload"
     assert f"{folder}/.metadata: model.wte.weight is stored as BytesStorageMetadata, not as a tensor: refused, " \
@@ -176,8 +175,7 @@ def test_no_path_inside_a_sharded_checkpoint_is_followed(case, sharded, tmp_path
     craft, said = PATH_CRAFTS[case]
     craft_dcp(run, **craft)
     with within(60):
-        err = one_line_error(train.main, argv(resume=True, out_dir=str(run.parent), run_name="run",
-                                              progress=False), capsys, "train.py")
+        err = one_line_error(train.main, argv(init_from="resume", out_dir=str(run.parent), run_name="run"), capsys, "train.py")
     assert said in err and "paths inside a checkpoint are never followed" in err, err
 
 
@@ -186,7 +184,7 @@ def test_a_sharded_checkpoint_that_claims_another_model_or_holds_nan_is_refused(
     them, on every rank alike."""
     run = copy_run(sharded, tmp_path)
     folder = run / "ckpt.dcp"
-    resume = argv(resume=True, out_dir=str(run.parent), run_name="run", progress=False)
+    resume = argv(init_from="resume", out_dir=str(run.parent), run_name="run")
     meta = torch.load(folder / META, weights_only=True)
     checkpoint.write_sharded_meta(str(folder), dict(meta, model_config=dict(meta["model_config"], n_embd=16384)))
     with memory_cap():
@@ -385,7 +383,7 @@ def test_a_format_2_checkpoint_converts_the_safe_way(trained, sharded, tmp_path,
     meta = real_load(folder / META, weights_only=True)
     real_save = torch.save
     real_save(dict(meta, format=checkpoint.FORMAT_2), folder / META)
-    resume = argv(resume=True, out_dir=str(run.parent), run_name="run", progress=False, max_steps=3)
+    resume = argv(init_from="resume", out_dir=str(run.parent), run_name="run", max_steps=3)
     err = one_line_error(train.main, resume, capsys, "train.py")
     assert f"convert it: python -m tooling.convert_checkpoint {folder} {folder}" in err, err
     assert convert_checkpoint.main([str(folder), str(folder)]) == 0
@@ -402,7 +400,7 @@ def test_optimizer_state_of_another_shape_is_refused_at_resume(trained, tmp_path
     ckpt = checkpoint.load_checkpoint(run / "ckpt.pt")
     ckpt["optimizer"]["state"]["wte.weight"]["exp_avg"] = torch.zeros(3, 5)
     checkpoint.save_file(run / "ckpt.pt", ckpt)
-    err = one_line_error(train.main, argv(resume=True, out_dir=str(run.parent), run_name="run", progress=False),
+    err = one_line_error(train.main, argv(init_from="resume", out_dir=str(run.parent), run_name="run"),
                          capsys, "train.py")
     assert f"{run / 'ckpt.pt'}: optimizer state wte.weight.exp_avg is stored as torch.float32 of shape [3, 5], the " \
            "optimizer's is torch.float32 of shape [4096, 32]" in err, err

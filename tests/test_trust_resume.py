@@ -37,8 +37,8 @@ def same_weights(a, b):
 
 
 def resume_command(text):
-    """The `python train.py ... --resume=True` a run printed, as train.main's argv."""
-    line = next(line for line in text.splitlines() if "--resume=True" in line)
+    """The `python train.py ... --init_from=resume` a run printed, as train.main's argv."""
+    line = next(line for line in text.splitlines() if "--init_from=resume" in line)
     words = shlex.split(line[line.index("python train.py"):])
     return words[2:]
 
@@ -63,8 +63,8 @@ def test_a_run_stopped_at_a_step_resumes_by_the_command_it_prints(kind, stable, 
     stopped = train.train(settings | dict(out_dir=str(tmp_path / "stopped"), run_name="r", stop_at_step=4))
     assert stopped["step"] == 4 < straight["step"]
     command = resume_command(capsys.readouterr().out)
-    assert command == [f"--out_dir={tmp_path / 'stopped'}", "--run_name=r", "--resume=True"]
-    assert train.main(command + ["--progress=False", "--sample=False"]) == 0
+    assert command == [f"--out_dir={tmp_path / 'stopped'}", "--run_name=r", "--init_from=resume"]
+    assert train.main(command) == 0
     resumed = tmp_path / "stopped" / "r"
     assert same_weights(straight["ckpt_path"], resumed / "ckpt.pt")
     assert [json.loads(line)["step"] for line in open(resumed / "log.jsonl")] == \
@@ -83,7 +83,7 @@ def test_a_decay_branch_stopped_by_sigterm_resumes_by_the_command_it_prints(stab
     assert process.returncode == 143 and "Traceback" not in err, err
     stopped_at = checkpoint.load_checkpoint(tmp_path / "br" / "ckpt.pt")["state"]["step"]
     assert 2 < stopped_at < 42
-    assert train.main(resume_command(err) + ["--progress=False", "--sample=False"]) == 0
+    assert train.main(resume_command(err)) == 0
     state = checkpoint.load_checkpoint(tmp_path / "br" / "ckpt.pt")["state"]
     assert (state["step"], state["branch_start_step"], state["data_region"]) == (42, 2, "branch")
     assert [json.loads(line)["step"] for line in open(tmp_path / "br" / "log.jsonl")] == list(range(3, 43))
@@ -97,7 +97,7 @@ def test_a_fork_killed_with_kill_9_resumes_with_resume_true(stable, data_dir, tm
     wait_for_log(tmp_path / "f" / "log.jsonl", 2, process)
     process.kill()
     process.wait(timeout=60)
-    summary = train.train(dict(out_dir=str(tmp_path), run_name="f", resume=True, progress=False, sample=False))
+    summary = train.train(dict(out_dir=str(tmp_path), run_name="f", init_from="resume"))
     assert summary["step"] == 60
     assert [json.loads(line)["step"] for line in open(summary["log_path"])] == list(range(3, 61))
 
@@ -105,18 +105,18 @@ def test_a_fork_killed_with_kill_9_resumes_with_resume_true(stable, data_dir, tm
 def test_a_resume_that_changes_the_schedule_says_what_changes(data_dir, tmp_path, capsys):
     train.train(RUN | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="s", stop_at_step=4))
     capsys.readouterr()
-    train.train(dict(out_dir=str(tmp_path), run_name="s", resume=True, max_steps=10, progress=False, sample=False))
+    train.train(dict(out_dir=str(tmp_path), run_name="s", init_from="resume", max_steps=10))
     out = capsys.readouterr().out
     # the 6-step run decays from step 3 (cosine to 0 at step 5): at step 4 (1 + cos(2 pi / 3)) / 2 = 1/4 of the
     # peak; a 10-step run is stable until step 5
     assert "note: this resume changes the run's schedule (max_steps 6 -> 10): the LR at step 4 is 1.0000 x its " \
            "peak (was 0.2500 x); the run ends at step 10 (was 6), its decay starts at step 5 (was 3)" in out, out
-    train.train(dict(out_dir=str(tmp_path), run_name="s", resume=True, progress=False, sample=False))
+    train.train(dict(out_dir=str(tmp_path), run_name="s", init_from="resume"))
     assert "changes the run's schedule" not in capsys.readouterr().out  # a resume as planned: no note
 
 
 def test_nothing_to_train_is_refused_before_anything_is_written(stable, data_dir, tmp_path, capsys):
-    base = [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--progress=False"]
+    base = [f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]
     err = one_line_error(train.main, base + [f"--init_from={stable}", "--max_steps=2", "--run_name=f"], capsys,
                          "train.py")
     assert f"init_from={stable}: the checkpoint is at step 2 and this run ends at step 2 (max_steps): nothing " \

@@ -231,7 +231,7 @@ def test_training_on_such_a_shard_stops_with_one_line(data_dir, tmp_path, capsys
     tokens[:] = 5000  # every window holds one: the first batch has it
     tokens.flush()
     settings = dict(n_layer=2, n_embd=32, n_head=2, n_expert=0, layout="plain", block_size=32, batch_size=2,
-                    eval_tokens=64, max_steps=2, warmup_steps=1, progress=False, sample=False, data_dir=str(copy),
+                    eval_tokens=64, max_steps=2, warmup_steps=1, data_dir=str(copy),
                     out_dir=str(tmp_path / "out"))
     argv = [f"--{k}={v}" for k, v in settings.items()]
     err = one_line_error(train.main, argv, capsys, "train.py")

@@ -9,6 +9,8 @@ accounting) and never a script. Each module says in its docstring what it guards
     settings.py     settings of any dataclass: config files, --key=value, type and range checks, --help
     distributed.py  process groups, DDP / FSDP2 wrapping, collectives on the right device
     checkpoint.py   checkpoint files (one file, or sharded with DCP), loading a model from one
+    weights.py      weights held against their config; the export folder (safetensors) read back
+    export.py       python -m tooling.export: a checkpoint as safetensors + config.json + README.md
     legacy.py       checkpoints of the release before the settings were folded, read in this one's fields
     convert_checkpoint.py  older checkpoint formats converted into the current one
     rundir.py       the run folder: its lock, stale temp files, log.jsonl, interrupts

@@ -2,10 +2,13 @@
 Training checkpoints: never half-written, read back without running code, checked before anything is built.
 
   ckpt.pt      one file: model, optimizer state keyed by parameter name, the run's TrainState, settings.
-               Rank 0 writes it at every eval; eval_core.py, probe.py, grow.py and sample.py load it
-               (load_model). Under FSDP it holds the consolidated model, written at the end of the run.
+               Rank 0 writes it at every eval; eval_core.py, eval_harness.py, probe.py, grow.py, sample.py
+               and tooling.export load it (load_model). Under FSDP it holds the consolidated model, written
+               at the end of the run.
   ckpt.dcp/    FSDP2: the same contents sharded, every rank writing its own shards (DCP); meta.pt inside
                holds what is not a tensor. It resumes onto any number of processes: DCP re-shards on load.
+  DIR/         an export (python -m tooling.export: model.safetensors, config.json): load_model reads it too,
+               through tooling/weights.py, with the same checks.
 
 Both are written under a temporary name and renamed into place (a directory in two renames, old -> .old,
 new -> final; find_resume_checkpoint recovers the moment between), never from non-finite weights.
@@ -14,10 +17,11 @@ Trust: a checkpoint holds only tensors and plain data, read with torch.load(weig
 torch.save writes here ends with a seal, the SHA-256 of every byte before it; every tensor of a ckpt.pt also
 has a CRC-32 (to name the one that changed), and meta.pt a CRC-32 of every other file of its ckpt.dcp/. The
 shapes and dtypes of the model a checkpoint configures (built on the meta device) are compared with its
-weights before anything is built. No path inside a checkpoint is followed: a ckpt.dcp/ is read only through
-its own listed files, with DCP's reader and planner narrowed to tensors; its .metadata is a pickle read
-allowing only the classes DCP writes there (resume state for your own runs, not a format to share). An older
-format is refused; python -m tooling.convert_checkpoint converts it (format 1 the unsafe way, if trusted).
+weights before anything is built (tooling/weights.check_weights). No path inside a checkpoint is followed:
+a ckpt.dcp/ is read only through its own listed files, with DCP's reader and planner narrowed to tensors;
+its .metadata is a pickle read allowing only the classes DCP writes there (resume state for your own runs,
+not a format to share). An older format is refused; python -m tooling.convert_checkpoint converts it
+(format 1 the unsafe way, if trusted).
 """
 
 import errno
@@ -37,6 +41,7 @@ import torch.distributed as dist
 from model import GPT, ModelConfig
 from tooling import distributed, legacy
 from tooling.common import TEMP_MARK, first_line, write_atomic
+from tooling.weights import check_weights, finite_flags, is_export, load_exported, non_finite
 
 SHARDED_META = "meta.pt"  # inside a ckpt.dcp/ directory: the checkpoint minus its tensor shards
 FORMAT = "loopstudy-checkpoint-3"  # 2 + every file sealed (SHA-256 at its end); 1: Python objects inside
@@ -61,24 +66,6 @@ def check_finite(tensors, step, path, collective=False):
         error.every_rank = collective  # else this rank's own finding
         error.says_kept = True  # what is kept: said here, not again by the run's interrupt line
         raise error
-
-
-def finite_flags(tensors, collective=False):
-    """One flag per tensor (a loaded checkpoint's, to name the first that is not): its values (this rank's
-    shard; with collective, every rank's) are all finite. One reduction on the tensors' device, one host read."""
-    tensors = [distributed.local(t) for t in tensors]
-    if not tensors:
-        return []
-    flags = torch.stack([torch.isfinite(t).all() for t in tensors]).float()  # integer tensors: always finite
-    if collective:
-        distributed.all_reduce(flags, op="min")
-    return [bool(f) for f in flags.tolist()]
-
-
-def non_finite(path, name):
-    """The line refusing a checkpoint whose weight `name` holds NaN or inf."""
-    return (f"{path}: weight {name} holds NaN or inf (training never writes such weights): refused; use another "
-            "checkpoint")
 
 
 def kept(path):
@@ -254,58 +241,13 @@ def unsealed(path):
                       "use another checkpoint")
 
 
-def check_weights(path, model_config, weights):
-    """Refuse, before anything is built, weights that do not fit the model config stored with them: the
-    names, shapes and dtypes of the model it configures (built on the meta device: no memory) against
-    `weights` (tensors, or meta tensors of a ckpt.dcp/'s shapes), the buffers it would allocate, and
-    non-finite values. One line naming the first tensor that differs."""
-    differ = f"{path}: the weights do not match the model config stored with them"
-    try:
-        config = ModelConfig.from_dict(model_config)
-    except (TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"{path}: its model_config is not valid: {first_line(e)}") from None
-    if not isinstance(weights, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in weights.items()):
-        raise ValueError(f"{differ}: 'model' is not a dict of named tensors")
-    blocks = {k.split(".")[1] for k in weights if k.startswith("blocks.")}
-    missing = next((i for i in range(config.n_blocks) if str(i) not in blocks), None)
-    if missing is not None:  # checked before building: thousands of blocks take minutes even on the meta device
-        raise ValueError(f"{differ}: the config has {config.n_blocks} blocks, the weights {len(blocks)} "
-                         f"(blocks.{missing}.* is missing)")
-    try:
-        with torch.device("meta"):
-            model = GPT(config)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{path}: its model_config is not valid: {first_line(e)}") from None
-    expected = model.state_dict()
-    for name in [*expected, *(k for k in weights if k not in expected)]:
-        stored, wanted = weights.get(name), expected.get(name)
-        if stored is None:
-            raise ValueError(f"{differ}: {name} is missing")
-        if wanted is None:
-            raise ValueError(f"{differ}: {name} is not a weight of that model")
-        if stored.shape != wanted.shape:
-            raise ValueError(f"{differ}: {name} is stored with shape {list(stored.shape)}, the config's model has "
-                             f"{list(wanted.shape)}")
-        if stored.dtype != wanted.dtype:
-            raise ValueError(f"{differ}: {name} is stored as {stored.dtype}, the model's weights are {wanted.dtype}")
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    size = sum(t.numel() * t.element_size() for t in weights.values())
-    if buffers > max(size, 1 << 30):  # RoPE tables: block_size rows
-        raise ValueError(f"{differ}: block_size={config.block_size} needs {buffers / 2**30:.0f} GiB of RoPE tables "
-                         f"beside {size / 2**20:.0f} MB of weights")
-    stored = {k: t for k, t in weights.items() if not t.is_meta and t.is_floating_point()}
-    bad = next((k for k, finite in zip(stored, finite_flags(stored.values())) if not finite), None)
-    if bad is not None:
-        raise ValueError(non_finite(path, bad))
-
-
 def load_checkpoint(path, map_location="cpu"):
     """A checkpoint file -> its dict ({"model_config", "model", ...}), read without running code
     (weights_only=True), its seal and its weights checked (check_weights); one clear error when it is
     missing, unreadable, corrupt, of an older format, not a loopstudy checkpoint or not fitting its config."""
     if os.path.isdir(path):
         hint = " (a sharded checkpoint: resume state for train.py; the shareable weights are ckpt.pt)" \
-            if os.path.exists(os.path.join(path, SHARDED_META)) else ""
+            if os.path.exists(os.path.join(path, SHARDED_META)) else " (nor an export folder: no model.safetensors)"
         raise ValueError(f"{path} is a directory, not a checkpoint file{hint}")
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -326,7 +268,10 @@ def load_checkpoint(path, map_location="cpu"):
 
 
 def load_model(path, map_location="cpu"):
-    """A model.GPT from a checkpoint written by train.py or grow.py -> (model, checkpoint dict)."""
+    """A model.GPT from a checkpoint written by train.py or grow.py, or from an export folder (tooling.export:
+    its info holds the keys the tools read) -> (model, checkpoint dict)."""
+    if is_export(path):
+        return load_exported(path)
     ckpt = load_checkpoint(path, map_location)  # its weights fit its config: checked before this builds it
     model = GPT(ModelConfig.from_dict(ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])

@@ -36,7 +36,7 @@ def bad(config, name, why):
 
 def check_train_config(c):
     """The ranges and combinations of train.py's TrainConfig (called by its __post_init__)."""
-    choices = dict(optimizer=("muon", "adamw"), decay_shape=("cosine", "linear"), muon_variant=("original", "x"),
+    choices = dict(optimizer=("muon", "muon_x", "adamw"), decay_shape=("cosine", "linear"),
                    dtype=("auto", "float32", "bfloat16"), parallel=("ddp", "fsdp"))
     for name, allowed in choices.items():
         if getattr(c, name) not in allowed:
@@ -78,20 +78,12 @@ def check_train_config(c):
         bad(c, "save_steps", "needs save_checkpoints=True (save_checkpoints=False writes no checkpoint)")
     if any(not isinstance(k, int) or not 1 <= k <= MAX_PASSES for k in c.n_passes_choices):
         bad(c, "n_passes_choices", f"must be a list of pass counts in [1, {MAX_PASSES}] ({PASSES_WHY})")
-    if c.decay_branch and (not (c.init_from or c.resume) or c.decay_tokens <= 0):  # resume: a branch's own checkpoint
+    if c.decay_branch and (not c.init_from or c.decay_tokens <= 0):  # resume: a branch's own checkpoint
         bad(c, "decay_branch", "needs init_from=<stable checkpoint> and decay_tokens > 0")
     if c.decay_branch and c.branch_data_fraction == 0.0:
         bad(c, "decay_branch", "needs branch_data_fraction > 0 (the held-back data it reads)")
     if c.grow_at and c.grow_to < 1:
         bad(c, "grow_at", "needs grow_to >= 1 (passes after growth)")
-    check_start(c.resume, c.init_from)
-
-
-def check_start(resume, init_from):
-    """One way to start: resume (the run's own checkpoint) or init_from (a fork), checked before either loads."""
-    if resume and init_from:
-        raise ValueError("resume=True: use either resume=True (continue out_dir/run_name/ckpt.pt) or init_from, "
-                         "not both")
 
 
 def derive_grad_accum(config, world, source=None):
@@ -116,11 +108,8 @@ def check_run(cfg, config, source=None, device=None):
     None) on this device, checked before anything is built: the pass counts, the document length the logged
     FLOPs assume, what the device cannot train. Returns whether the model has already grown ([X]: the
     source's state says)."""
-    grown = bool(source and source["state"]["grown"])
+    grown = bool(source and source["state"].get("grown"))
     if device is not None and device.type == "cpu":
-        if cfg.attention == "flex":
-            raise ValueError("attention='flex': FlexAttention has no backward on a CPU; train with attention='sdpa' "
-                             "(or 'auto', which picks it on a CPU)")
         if config.triton and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
             raise ValueError("triton=True: the Triton kernels compile for CUDA; on a CPU only Triton's interpreter "
                              "runs them (TRITON_INTERPRET=1 before the start, slow: for tests)")
@@ -204,7 +193,7 @@ def check_inert(values, given):
          f"does nothing in layout {layout!r}: it is of layout 'pcc' (prelude-core-coda)"),
         (("expert_hidden",), v["n_expert"] > 0,
          "does nothing in a dense model: it is an MoE setting (n_expert > 0)"),
-        (("muon_variant", "muon_momentum_warmup"), optimizer == "muon",
+        (("muon_momentum_warmup",), optimizer != "adamw",
          "does nothing with optimizer='adamw': it is Muon's"),
         (("reshard_after_forward",), v["parallel"] == "fsdp", "does nothing with parallel='ddp': it is FSDP's"),
     ]

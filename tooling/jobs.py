@@ -145,12 +145,14 @@ def init_path(spec, out_dir):
 
 
 def train_in_run_dir(train_fn, settings, directory, threads=None):
-    """train_fn(settings) with its printed output in directory/train.out (what a worker runs)."""
+    """train_fn(settings) with its printed output in directory/train.out (what a worker runs): stderr
+    too, so the run's own bar stays off (train.py draws one on a terminal only) under the ladder's."""
     if threads:
         import torch
         torch.set_num_threads(threads)
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "train.out"), "a") as out, contextlib.redirect_stdout(out):
+    with open(os.path.join(directory, "train.out"), "a") as out, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(out):
         summary = train_fn(settings)
     return {k: summary.get(k) for k in RESULT_KEYS} | {"train_losses": summary.get("train_losses")}
 
@@ -191,7 +193,7 @@ def run_ladder(specs, out_dir, train_fn, defaults, progress=True, keep_checkpoin
             shutil.rmtree(directory, ignore_errors=True)
         distributed.barrier()
         settings = dict(spec.settings, out_dir=os.path.join(out_dir, "runs"), run_name=spec.run_id,
-                        progress=progress and workers == 1, sample=False, overwrite=True)  # a run starts over
+                        overwrite=True)  # a run starts over
         if data_dir:
             settings["data_dir"] = data_dir
         if spec.needs:

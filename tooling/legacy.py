@@ -16,7 +16,10 @@ WENT = dict(n_loops="n_passes is the loop count of every layout", n_prelude="the
             muon_nesterov="always on", muon_ns_steps="5, muon.py", muon_beta2="0.95, muon.py",
             rope_base="model.py's 10000", norm_eps="model.NORM_EPS", router_renormalize="always on",
             balance_loss_coef="model.BALANCE_LOSS_COEF", z_loss_coef="model.Z_LOSS_COEF",
-            inject_before_coda="always on, as the [X] code")
+            inject_before_coda="always on, as the [X] code", resume="init_from=resume continues the run",
+            muon_variant="optimizer='muon_x' is the [X] code's Muon", attention="FlexAttention on CUDA, SDPA "
+            "elsewhere (model.FLEX_DEVICES)", progress="a bar shows on a terminal only",
+            sample="python sample.py --ckpt out/RUN/ckpt.pt")
 
 # ModelConfig fields that are constants now (model.py), at the one value every stored model had
 FIXED = dict(rope_base=10000.0, norm_eps=NORM_EPS, router_renormalize=True, balance_loss_coef=BALANCE_LOSS_COEF,
@@ -27,6 +30,7 @@ def upgraded(ckpt, path):
     """ckpt (a checkpoint dict or a ckpt.dcp/'s meta) with its model config and state in this release's
     fields: n_loops (the loop count of smelt / layer_loop) is n_passes, prelude/core/coda is the even split
     (core_split), [X16]'s N went with the LR rule to the ladders. Raises ValueError naming what differs."""
+    ckpt = upgraded_settings(ckpt)
     cfg, state = ckpt.get("model_config"), ckpt.get("state")
     if not isinstance(cfg, dict) or not ({"n_loops", "n_prelude"} | set(FIXED)) & set(cfg):
         return ckpt
@@ -46,4 +50,18 @@ def upgraded(ckpt, path):
     ckpt = dict(ckpt, model_config=cfg)
     if isinstance(state, dict):
         ckpt["state"] = {k: v for k, v in state.items() if k != "lr_scaling_params"}
+    return ckpt
+
+
+def upgraded_settings(ckpt):
+    """The second fold: muon_variant="x" is optimizer="muon_x"; the model's attention backend is the
+    device's (model.FLEX_DEVICES); resume, progress and sample went from the stored settings."""
+    cfg, train = ckpt.get("model_config"), ckpt.get("train_config")
+    if isinstance(cfg, dict) and "attention" in cfg:
+        ckpt = dict(ckpt, model_config={k: v for k, v in cfg.items() if k != "attention"})
+    if isinstance(train, dict) and {"muon_variant", "resume", "progress", "sample"} & set(train):
+        train = {k: v for k, v in train.items() if k not in ("muon_variant", "resume", "progress", "sample")}
+        if ckpt["train_config"].get("muon_variant") == "x" and train.get("optimizer") == "muon":
+            train["optimizer"] = "muon_x"
+        ckpt = dict(ckpt, train_config=train)
     return ckpt

@@ -35,9 +35,10 @@ HEADROOM = 0.10  # fraction of each GPU kept free: CUDA context, NCCL buffers, f
 def state_bytes_per_element(group, optimizer="muon"):
     """fp32 weight (4) + fp32 gradient (4) + optimizer state: one fp32 momentum for a Muon matrix (4),
     exp_avg and exp_avg_sq for an AdamW parameter (8). optimizer="adamw": AdamW on everything."""
-    if optimizer not in ("muon", "adamw"):
-        raise ValueError(f"optimizer={optimizer!r}: must be 'muon' or 'adamw'")
-    return 4 + 4 + (4 if optimizer == "muon" and group == "matrix" else 8)
+    if optimizer not in ("muon", "muon_x", "adamw"):
+        raise ValueError(f"optimizer={optimizer!r}: must be 'muon', 'muon_x' or 'adamw'")
+    # muon_x's second moment is one number per row or column: next to the matrix, nothing
+    return 4 + 4 + (4 if optimizer != "adamw" and group == "matrix" else 8)
 
 
 def state_bytes_per_rank(cfg, world_size=1, optimizer="muon"):
@@ -429,7 +430,7 @@ def main(argv=None):
                         help="sequences per GPU (default: the config's batch_size, else 1)")
     parser.add_argument("--grad_accum", type=common.number(int, 1, 2 ** 30),
                         help="micro-batches per step (default: the config's, else 1)")
-    parser.add_argument("--optimizer", choices=("muon", "adamw"),
+    parser.add_argument("--optimizer", choices=("muon", "muon_x", "adamw"),
                         help="muon (Muon + AdamW) or adamw (default: the config's, else muon)")
     parser.add_argument("--activation_checkpointing", action="store_true", help="checkpoint every executed block")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",

@@ -24,16 +24,16 @@ import threading
 import time
 
 from model import GPT, ModelConfig
-from tooling import checkpoint, distributed, guards
+from tooling import checkpoint, distributed, guards, weights
 from tooling.common import TEMP_MARK, cli_error, write_atomic
 
 # per command: never carried over from the checkpoint a run forks (init_from) / continues (resume). Paths
 # are never taken from a checkpoint: a run writes where its command says (out_dir, run_name), and reads
 # the checkpoint's data_dir only when the command gives none and that folder still exists (said in the log).
-NOT_INHERITED_FORK = ("run_name", "out_dir", "data_dir", "init_from", "decay_branch", "decay_tokens", "resume",
-                      "overwrite", "stop_at_step", "save_steps", "progress", "sample")
-NOT_INHERITED_RESUME = ("run_name", "out_dir", "data_dir", "init_from", "resume", "overwrite", "stop_at_step",
-                        "progress", "sample")  # a resumed fork or branch starts from its own checkpoint, not its source
+NOT_INHERITED_FORK = ("run_name", "out_dir", "data_dir", "init_from", "decay_branch", "decay_tokens",
+                      "overwrite", "stop_at_step", "save_steps")
+NOT_INHERITED_RESUME = ("run_name", "out_dir", "data_dir", "init_from", "overwrite",
+                        "stop_at_step")  # a resumed fork or branch starts from its own checkpoint, not its source
 BATCH_KEYS = ("batch_size", "global_batch")
 
 
@@ -47,22 +47,24 @@ def resolve_run(settings, overrides):
         settings.check(key, value)
     given = {key for key, value in overrides.items() if value not in (settings.defaults[key], settings.declared[key])}
     base = settings.defaults | overrides
-    resume, source_path = base["resume"], base["init_from"]
-    guards.check_start(resume, source_path)
-    if resume and not source_path:
+    resume, source_path = base["init_from"] == "resume", base["init_from"]
+    if resume:
         run_dir = os.path.join(base["out_dir"], base["run_name"] or "tiny")
         source_path = checkpoint.find_resume_checkpoint(run_dir) if os.path.isdir(run_dir) else None
         if source_path is None:
-            raise FileNotFoundError(f"resume=True: no checkpoint to resume in {run_dir} (ckpt.pt or ckpt.dcp)")
-    source = checkpoint.load_train_checkpoint(source_path) if source_path else None
+            raise FileNotFoundError(f"init_from=resume: no checkpoint to resume in {run_dir} (ckpt.pt or ckpt.dcp)")
     notes = []
+    if source_path and not resume and weights.is_export(source_path):  # shared weights: a new run from them
+        source = exported_source(source_path, base, notes)
+    else:
+        source = checkpoint.load_train_checkpoint(source_path) if source_path else None
     if source is not None:
         model_keys = settings.keys[ModelConfig]
         differ = sorted(k for k in overrides if k in model_keys and overrides[k] != source["model_config"].get(k))
         if differ:
             raise ValueError(f"model settings {differ} differ from the checkpoint {source_path}; "
                              "the model comes from the checkpoint")
-        if "data_dir" not in overrides:
+        if "data_dir" not in overrides and not source.get("export"):
             overrides = dict(overrides, data_dir=inherited_data_dir(source, source_path, notes))
         overrides = dict(overrides, **kept_global_batch(source, overrides, resume))
     values = settings.resolve(overrides, base=source["train_config"] if source else None,
@@ -77,6 +79,20 @@ def resolve_run(settings, overrides):
         values["run_name"] = (branch_run_name(source["train_config"].get("run_name"), source["state"]["step"])
                               if values["decay_branch"] and not resume else "tiny")
     return values, source, notes
+
+
+def exported_source(path, base, notes):
+    """An export folder (python -m tooling.export) as the source of a new run: its model and weights only;
+    step 0, a fresh optimizer, the command's data and settings. A decay branch needs a training checkpoint."""
+    if base["decay_branch"]:
+        raise ValueError(f"init_from={path}: an export holds weights only (no step, schedule or data position); "
+                         "a decay branch forks a training checkpoint (ckpt.pt / ckpt_step<N>.pt)")
+    model_config, state_dict, info = weights.load_exported_state(path)
+    trained = info.get("trained") or {}
+    notes.append(f"weights from the export {path} (step {trained.get('step')} of {trained.get('run_name')!r}): "
+                 "a new run from step 0 with a fresh optimizer")
+    return dict(path=path, export=True, model_config=model_config, model=state_dict, train_config={}, state={},
+                tokenizer=info.get("tokenizer"))
 
 
 def branch_run_name(source_run_name, step):
@@ -249,7 +265,8 @@ class RunDir:
                     sync_log(self.log_path, resumed_from)
                 elif found and not overwrite:
                     raise ValueError(f"{self.path} already holds a run ({', '.join(found)}): continue it with "
-                                     "--resume=True, start it over with --overwrite=True, or use another --run_name")
+                                     "--init_from=resume, start it over with --overwrite=True, or use another "
+                                     "--run_name")
                 elif found:
                     self.replaced = found
                 distributed.exchange("the run folder", lock)
@@ -346,7 +363,7 @@ class RunDir:
     def resume_command(self):
         out_dir, run_name = os.path.split(self.path)
         launch = f"torchrun --nproc_per_node={self.world} train.py" if self.world > 1 else "python train.py"
-        return f"{launch} --out_dir={out_dir} --run_name={run_name} --resume=True"
+        return f"{launch} --out_dir={out_dir} --run_name={run_name} --init_from=resume"
 
     def where(self):
         return (f"the last checkpoint is {self.resume_path} (step {self.saved_step}); continue with: "
