@@ -69,7 +69,7 @@ class TrainConfig:
     stop_at_step: int = 0  # > 0: save and stop after this step, the schedule unchanged (preemption)
     # optimizer
     optimizer: str = "muon"  # "muon": Muon on the hidden matrices, AdamW on the rest; "muon_x": the
-    #   [X] code's Muon (muon.py) so; "adamw": AdamW on all
+    #   [X] code's Muon there (muon.py); "adamw": AdamW on all
     matrix_lr: float = 0.0  # LR of the hidden matrices; 0 -> 0.02 with Muon, 3e-3 with AdamW
     embedding_lr: float = 0.1  # AdamW LR of the token embedding
     unembedding_lr: float = 0.004  # AdamW LR of the lm head

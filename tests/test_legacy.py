@@ -62,3 +62,17 @@ def test_a_setting_that_went_says_what_to_use(tmp_path):
     (tmp_path / "old.py").write_text("n_loops = 2\n")
     with pytest.raises(ValueError, match=r"key in .*old.py 'n_loops': it went \(n_passes is the loop count"):
         train.SETTINGS.parse([str(tmp_path / "old.py")])
+
+
+def test_the_second_fold_reads_stored_settings_in_this_release():
+    """A checkpoint of the release before: muon_variant="x" trains on as optimizer="muon_x", its attention
+    field and the switches that went (resume, progress, sample) are dropped, the rest kept."""
+    from tooling import legacy
+    old = dict(model_config=dict(n_layer=2, attention="sdpa"),
+               train_config=dict(optimizer="muon", muon_variant="x", resume=True, progress=False, sample=False,
+                                 max_steps=7))
+    new = legacy.upgraded_settings(old)
+    assert new["model_config"] == dict(n_layer=2)
+    assert new["train_config"] == dict(optimizer="muon_x", max_steps=7)
+    original = legacy.upgraded_settings(dict(train_config=dict(optimizer="muon", muon_variant="original")))
+    assert original["train_config"] == dict(optimizer="muon")

@@ -59,9 +59,10 @@ def upgraded_settings(ckpt):
     cfg, train = ckpt.get("model_config"), ckpt.get("train_config")
     if isinstance(cfg, dict) and "attention" in cfg:
         ckpt = dict(ckpt, model_config={k: v for k, v in cfg.items() if k != "attention"})
-    if isinstance(train, dict) and {"muon_variant", "resume", "progress", "sample"} & set(train):
-        train = {k: v for k, v in train.items() if k not in ("muon_variant", "resume", "progress", "sample")}
-        if ckpt["train_config"].get("muon_variant") == "x" and train.get("optimizer") == "muon":
-            train["optimizer"] = "muon_x"
-        ckpt = dict(ckpt, train_config=train)
+    went = ("muon_variant", "resume", "progress", "sample")
+    if isinstance(train, dict) and set(went) & set(train):
+        kept = {k: v for k, v in train.items() if k not in went}
+        if train.get("muon_variant") == "x" and kept.get("optimizer") == "muon":
+            kept["optimizer"] = "muon_x"
+        ckpt = dict(ckpt, train_config=kept)
     return ckpt
