@@ -125,20 +125,22 @@ def fit_surface(F, S, D, loss, weights=None, init=None, grid=SURFACE_GRID, n_kee
     """Fit the SMELT surface [S2] by summed Huber(delta) on log-loss with L-BFGS-B.
 
     init: a SurfaceFit to warm-start from (bootstrap refits pass grid=None to use it alone).
-    fixed_exponents: (a, b, c) to keep fixed and refit only (E, A, K) [S section 5.2].
+    fixed_exponents: (a, b, c) to keep fixed and refit only (E, A, K) [S section 5.2]; a None in it stays free
+    ((a, None, None): a profile in a).
     Returns a SurfaceFit (E, A, a, b, K, c, rmse in nats, objective, n_points)."""
     F, S, D, loss, weights = _surface_inputs(F, S, D, loss, weights)
     n_used = int(np.count_nonzero(weights))
-    _check_points(n_used, 3 if fixed_exponents is not None else 6, "SMELT surface")
+    held = np.array([v is not None for v in fixed_exponents or (None,) * 3])
+    _check_points(n_used, 6 - int(held.sum()), "SMELT surface")
     u, x, y = np.log1p(-S), np.log(F), np.log(D)
     if centre is None:
         centre = _Centre(float(np.mean(u)), float(np.mean(x)), float(np.mean(y)))
     u, x, y = u - centre.u0, x - centre.x0, y - centre.y0
     free = np.ones(6, dtype=bool)
     inits = [] if init is None else [_surface_theta(init, centre)]
-    if fixed_exponents is not None:
-        free[[2, 3, 5]] = False
-        grid = np.array([fixed_exponents], dtype=float)
+    if held.any():  # the held exponents at their values in every starting point, the others from the grid
+        free[np.array([2, 3, 5])[held]] = False
+        grid = np.unique(np.where(held, [0.0 if v is None else v for v in fixed_exponents], grid), axis=0)
     theta, value, _ = fit_core(u, x, y, loss, weights, delta, free, grid, n_keep, inits)
     coefs = _surface_from_theta(theta, centre)
     fit = SurfaceFit(**coefs, objective=value, n_points=n_used)

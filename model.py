@@ -427,11 +427,13 @@ def derive(given, sentinel, value):
 @dataclass
 class ModelConfig:
     # vocabulary and context
-    vocab_size: int = 4096  # token ids 0 .. vocab_size - 1 (rows of the embedding and the lm head)
+    vocab_size: int = 4096  # rows of the embedding and the lm head: at least the data's vocabulary;
+    #   above it, padding ([X]: GPT-2's 50257 padded to 50304), cut before the softmax (n_logits)
     block_size: int = 256  # the longest sequence (context length)
-    eot_token: int = 4095  # document separator: each eot starts a new document (document mask)
+    eot_token: int = -1  # document separator: each eot starts a new document (document mask); -1 -> the
+    #   last id, vocab_size - 1 (train.py takes the data's, from its meta.json)
     n_logits: int = 0  # logits kept before the softmax: the real vocabulary of a padded vocab_size ([X]: 50257
-    #   of 50304; the padded rows never take probability); 0 -> vocab_size
+    #   of 50304; the padded rows never take probability); 0 -> vocab_size (train.py: the data's)
     # width and attention
     n_layer: int = 4  # physical depth L (SMELT, layer-loop, plain) or nominal depth P+C+D (prelude-core-coda)
     n_embd: int = 128  # width of the residual stream
@@ -474,6 +476,7 @@ class ModelConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head"):
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
+        self.eot_token = derive(self.eot_token, -1, self.vocab_size - 1)
         if not 0 <= self.eot_token < self.vocab_size:
             bad("eot_token", f"must be a token id in [0, vocab_size={self.vocab_size})")
         if self.n_logits and not self.eot_token < self.n_logits <= self.vocab_size:

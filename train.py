@@ -55,7 +55,6 @@ class TrainConfig:
     final_eval_tokens: int = 0  # > 0: validation tokens of the last eval (the papers': [X] 10M)
     save_steps: list = field(default_factory=list)  # extra checkpoints ckpt_step<N>.pt at these
     save_checkpoints: bool = True  # False: write no checkpoint at all, only the log (benchmarks)
-    overwrite: bool = False  # a new run into a folder that holds a run: replace it (else refused)
     # data
     data_dir: str = ""  # a data/prepare.py folder; "" -> the embedded corpus (prepared at first)
     branch_data_fraction: float = 0.1  # tail of the train split held back for decay branches
@@ -85,8 +84,8 @@ class TrainConfig:
     # forks, decay branches, resume
     init_from: str = ""  # "resume": continue out_dir/run_name/ckpt.pt; a checkpoint: a new run from
     #   it (weights, optimizer, step, tokens); an export folder (tooling.export): weights, step 0
-    decay_branch: bool = False  # this run is a decay branch of init_from [S], on held-back data
-    decay_tokens: int = 0  # tokens of the decay branch
+    decay_tokens: int = 0  # > 0 with init_from=<checkpoint>: a decay branch [S] of this many
+    #   tokens, on held-back data; a stable run's config: the branches it plans (ladders/recipe.py)
     # number of passes
     n_passes_choices: list = field(default_factory=list)  # e.g. [1, 2, 3]: each step's K (or r),
     #   drawn uniformly, seeded by (seed, step)
@@ -100,46 +99,50 @@ class TrainConfig:
     dtype: str = "auto"  # "auto": bf16 autocast on CUDA, fp32 on CPU; "float32" or "bfloat16"
     compile: bool = False  # torch.compile the model
     triton: bool = False  # Triton kernels in the model and Muon (opt-in until bench/gpu_check.sh)
-    collective_timeout_s: float = 600.0  # torchrun: a collective waiting this long ends the run
-    parallel: str = "ddp"  # torchrun: "ddp" (replicas) or "fsdp" (FSDP2: all state sharded)
-    reshard_after_forward: bool = True  # fsdp: free a block's gathered weights after each visit
+    parallel: str = "ddp"  # torchrun: "ddp" (replicas), "fsdp" (FSDP2: all state sharded, a
+    #   block's weights gathered at each visit) or "fsdp_grad_op" (kept gathered from a block's
+    #   forward to its backward: fewer all-gathers, more memory; FSDP1's SHARD_GRAD_OP)
     activation_checkpointing: bool = False  # keep each executed block's input, recompute the rest
 
     grad_accum = 1  # not a setting: a step's micro-batches, from global_batch (derive_grad_accum)
+    decay_branch = False  # not a setting: a fork with decay_tokens, or a branch resumed (its state)
 
     @property
     def resume(self):  # init_from="resume": the run continues its own checkpoint
         return self.init_from == "resume"
+
+    @property
+    def sharded(self):  # FSDP2: every rank holds its shards of the weights and optimizer state
+        return self.parallel != "ddp"
 
     def __post_init__(self):
         guards.check_train_config(self)
 
 
 # the tiny default: a SMELT-looped MoE [S] (the middle 2 of 4 layers run twice, updates scaled 1/2)
-TINY_MODEL = dict(vocab_size=4096, eot_token=4095, block_size=128, n_layer=4, n_embd=128, n_head=4,
-                  n_expert=8, top_k=2, layout="smelt", n_passes=2)
+TINY_MODEL = dict(vocab_size=4096, block_size=128, n_layer=4, n_embd=128, n_head=4, n_expert=8,
+                  top_k=2, layout="smelt", n_passes=2)
 HELP_GROUPS = {title: keys.split() for title, keys in {  # --help shows every setting, in this order
     "the settings a learner changes": "n_layer n_embd n_head n_expert top_k layout n_passes "
     "tie_core boundary boundary_alpha block_size optimizer matrix_lr embedding_lr unembedding_lr "
     "weight_decay warmup_steps decay_fraction max_steps batch_size global_batch data_dir out_dir "
     "run_name seed",
-    "model: vocabulary, attention, feed-forward, loop span": "vocab_size eot_token n_logits "
-    "n_kv_head head_dim qk_norm norm_gain embed_norm tie_embeddings document_mask "
-    "mlp_hidden expert_hidden loop_span",
+    "model: vocabulary, attention, feed-forward, loop span": "vocab_size n_kv_head head_dim "
+    "qk_norm norm_gain embed_norm tie_embeddings document_mask mlp_hidden expert_hidden loop_span",
     "model: [X]'s first pass, multipliers, init": "zero_initial_state residual_multiplier "
     "output_multiplier init embed_init_std uniform_init_scale",
     "optimizers and the decay": "adam_betas adam_eps muon_momentum_warmup grad_clip "
     "decay_shape",
     "growth, random passes, decay branches": "grow_at grow_to grow_untie grow_rewarm_steps "
-    "n_passes_choices init_from decay_branch decay_tokens branch_data_fraction unique_tokens",
+    "n_passes_choices init_from decay_tokens branch_data_fraction unique_tokens",
     "evals, logs, checkpoints": "eval_interval log_interval eval_tokens final_eval_tokens "
     "avg_doc_len save_steps save_checkpoints",
-    "distributed and precision": "device dtype parallel reshard_after_forward "
-    "activation_checkpointing collective_timeout_s",
+    "distributed and precision": "device dtype parallel activation_checkpointing",
     "kernels and compilation": "triton compile",
-    "reliability": "overwrite stop_at_step"}.items()}
+    "reliability": "stop_at_step"}.items()}
+FROM_DATA = ("eot_token", "n_logits")  # ModelConfig fields a new run takes from its data's meta
 SETTINGS = Settings(TrainConfig, ModelConfig, defaults=TINY_MODEL, groups=HELP_GROUPS,
-                    prog="train.py", went=legacy.WENT)
+                    prog="train.py", went=legacy.WENT, not_settings=FROM_DATA)
 DEFAULTS = SETTINGS.defaults
 
 
@@ -319,9 +322,9 @@ def flops_per_token(cfg, n_passes=None, avg_doc_len=0):
 def shard_and_build_optimizers(model, config, device, world, use_bf16):
     """Shard the model (FSDP), build its optimizers, swap in the Triton kernels when asked."""
     model.activation_checkpointing = config.activation_checkpointing
-    if config.parallel == "fsdp":  # bf16 gathered copies of the blocks' fp32 weights on CUDA
+    if config.sharded:  # bf16 gathered copies of the blocks' fp32 weights on CUDA
         bf16 = torch.bfloat16 if use_bf16 and device.type == "cuda" else None
-        distributed.shard(model, device, world, bf16, config.reshard_after_forward)
+        distributed.shard(model, device, world, bf16, config.parallel == "fsdp")
     ns_dtype = torch.bfloat16 if use_bf16 else torch.float32
     optimizers = build_optimizers(model, config, ns_dtype=ns_dtype)
     if config.triton:  # by type, not class name: a class renamed in model.py fails here
@@ -385,8 +388,8 @@ def train(overrides=None):
     # settings, processes, precision, memory: a run that cannot run is refused before it builds
     values, source, notes = rundir.resolve_run(SETTINGS, dict(overrides or {}))
     config, model_config = SETTINGS.build(TrainConfig, values), SETTINGS.build(ModelConfig, values)
-    rank, world, device = distributed.setup(config.device, config.parallel,
-                                            config.collective_timeout_s)
+    config.decay_branch = values["decay_branch"]  # a fork with decay_tokens, or a branch resumed
+    rank, world, device = distributed.setup(config.device, config.parallel)
     guards.derive_grad_accum(config, world, source)  # one step of global_batch on any world size
     use_bf16, autocast, compute_note = distributed.compute(config, device)  # CPU: its threads
     grown = guards.check_run(model_config, config, source, device)
@@ -394,10 +397,11 @@ def train(overrides=None):
     defer_sync, memory_note = memory.check_memory(shapes, config, device, use_bf16, world)
     run = RunDir.of(config, rank, world)
     log, state = tqdm.write if rank == 0 else (lambda *args: None), None
-    with run.hold(config.resume and source, config.overwrite), contextlib.ExitStack() as closing, \
+    with run.hold(config.resume and source), contextlib.ExitStack() as closing, \
             run.on_interrupt(lambda: state.step if state else 0):
         # data and model: fresh, or from the checkpoint a resume, fork or decay branch continues
-        data = open_data(config.data_dir, model_config, world, rank == 0)
+        data, model_config = open_data(config.data_dir, model_config, world, rank == 0,
+                                       new_model=source is None)  # its eot_token, n_logits
         stream = data.stream(model_config.block_size, config.seed, config.branch_data_fraction,
                              config.decay_branch, config.unique_tokens)
         model, optimizers, state = build_model(config, model_config, source, device, world,

@@ -48,7 +48,7 @@ def runs():
         for when, shape in grow.shapes_of_run(cfg, config):
             guards.derive_grad_accum(config, 8)
             out.append((name + when.replace(" ", "_"), shape, 8, config.batch_size, config.grad_accum,
-                        config.reshard_after_forward, config.optimizer))
+                        config.parallel != "fsdp_grad_op", config.optimizer))
     return out
 
 

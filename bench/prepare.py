@@ -128,8 +128,7 @@ def train_start(data_dirs, out_dir, repeats=3):
             opens[data_dir].append(time.perf_counter() - t0)
             cmd = [sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={out_dir}", f"--run_name=r{k}_{i}",
                    "--max_steps=1", "--warmup_steps=1", "--eval_interval=1", "--eval_tokens=256", "--batch_size=2", "--block_size=128",
-                   "--n_layer=2", "--n_embd=64", "--n_head=2", "--n_expert=0", "--vocab_size=50257",
-                   "--eot_token=50256"]
+                   "--n_layer=2", "--n_embd=64", "--n_head=2", "--n_expert=0", "--vocab_size=50257"]
             t0 = time.perf_counter()
             subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
             walls[data_dir].append(time.perf_counter() - t0)

@@ -8,9 +8,8 @@
 # Validation: each eval reads eval_tokens (8,192: a cheap curve), the last one the [X] code's 10M tokens
 # (final_eval_tokens; data/prepare.py --val_tokens 10000000 holds them).
 # model (Table 1: RoPE, SwiGLU, QK-norm, no biases, no norm gains, RMSNorm after the embedding)
-vocab_size = 50304  # GPT-2 50257 padded to a multiple of 64, as the [X] code
-n_logits = 50257  # the padded rows are cut before the softmax, as the [X] code (logits[..., :vocab])
-eot_token = 50256
+vocab_size = 50304  # GPT-2 50257 padded to a multiple of 64, as the [X] code: the padded rows are cut
+#   before the softmax (train.py takes the data's 50257 as n_logits, its eot 50256; [X]: logits[..., :vocab])
 block_size = 2048
 document_mask = False  # the [X] code trains on windows that may start inside a document, attending across them
 n_layer = 8

@@ -16,8 +16,7 @@
 #       cannot include a large-vocabulary head.
 #   avg_doc_len 512 (attended (512+1)/2 = 256.5 keys per query): attention scores + PV add 4.7e7
 #       FLOPs/token. Result: 1.335e9 FLOPs/token (+0.4%), 3.872e9 non-embedding params (+0.1%), S = 0.946.
-vocab_size = 4096
-eot_token = 4095
+vocab_size = 4096  # the gpt2-4096 tokenizer's; eot 4095 (train.py reads it from the data)
 block_size = 4096
 n_layer = 12
 n_embd = 1280
@@ -48,8 +47,7 @@ data_dir = "data/cache/smelt_gpt2_4096"  # your corpus: python data/prepare.py D
 # a node of 8 GPUs of 80 GB, or two: FSDP2 (replicated, the 3.9B parameters' weights, gradients and optimizer
 # state alone take 43 GiB per GPU); 4 sequences per GPU, grad_accum from the world size (8 on 8 GPUs, 4 on
 # 16); python -m tooling.memory config/smelt_200m_base.py for the per-GPU memory
-parallel = "fsdp"
-reshard_after_forward = False  # each block gathered once per micro-batch, not per visit: 50 vs 152 GiB of all-gathers
+parallel = "fsdp_grad_op"  # each block gathered once per micro-batch, not per visit: 50 vs 152 GiB of all-gathers
 batch_size = 4
 global_batch = 256  # sequences per step on any number of GPUs (grad_accum follows)
 # validation: [S] averages its loss over billions of held-out tokens from 39 sources; every eval here reads

@@ -15,7 +15,7 @@ Opening a folder reads meta.json and the val sidecars only: start-up does not gr
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -145,16 +145,21 @@ def held_back_start(shard_sizes, fraction):
     return int(boundaries[np.argmin(np.abs(boundaries - (n - held)))])
 
 
-def open_data(data_dir, model_config=None, world=1, master=True):
-    """load_data, checked against the model that will read it (its vocabulary must hold the data's token
-    ids and share its end-of-text token); with several processes and the embedded corpus, rank 0
-    prepares it first (a barrier through the store: a failure there ends the others, with its line)."""
+def open_data(data_dir, model_config=None, world=1, master=True, new_model=False):
+    """(load_data, the model config) checked against the model that will read it: its vocabulary must hold
+    the data's token ids and share its end-of-text token. new_model: the model is built for this data and
+    takes both from it (eot_token; n_logits, the data's vocabulary, when vocab_size pads it). With several
+    processes and the embedded corpus, rank 0 prepares it first (a barrier through the store: a failure there
+    ends the others, with its line)."""
     if world > 1 and not data_dir:
         if master:
             load_data("")
         distributed.barrier("the embedded corpus")
     data = load_data(data_dir)
     n_vocab, eot = data.meta["n_vocab"], data.meta["eot_token"]
+    if new_model and model_config is not None and n_vocab <= model_config.vocab_size:
+        padded = n_vocab < model_config.vocab_size  # [X]: 50257 of 50304 rows; the rest never take probability
+        model_config = replace(model_config, eot_token=eot, n_logits=n_vocab if padded else 0)
     logits = model_config and (model_config.n_logits or model_config.vocab_size)  # the ids the model can predict
     if model_config is not None and len(data.val_tokens) < model_config.block_size + 1:
         raise ValueError(f"{data.data_dir}: the val split has {len(data.val_tokens):,} tokens, fewer than "
@@ -164,8 +169,9 @@ def open_data(data_dir, model_config=None, world=1, master=True):
         raise ValueError(f"{data.data_dir} holds tokens of tokenizer {data.meta.get('tokenizer')} (n_vocab={n_vocab}, "
                          f"eot_token={eot}), which the model does not fit: vocab_size={model_config.vocab_size} "
                          f"(n_logits={model_config.n_logits}), eot_token={model_config.eot_token}; prepare the data "
-                         f"with the model's tokenizer or set data_dir to such a folder")
-    return data
+                         f"with the model's tokenizer or set data_dir to such a folder"
+                         + (f" (or vocab_size >= {n_vocab})" if new_model else ""))
+    return data, model_config
 
 
 def load_data(data_dir):

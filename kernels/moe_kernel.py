@@ -82,6 +82,16 @@ def _moe_gate_up_kernel(X, WG, WU, HG, HU, ACT, TILE_EXPERT, TILE_FIRST_ROW, TIL
 
 
 @triton.jit
+def _dot_accumulate(acc, a_ptrs, b_ptrs, a_mask, b_mask, FP32_DOT: tl.constexpr):
+    """acc + A tile @ B tile (true fp32 products for fp32 inputs)."""
+    a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    if FP32_DOT:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
 def _grouped_mm_kernel(A, B, A2, B2, C, TILE_EXPERT, TILE_FIRST_ROW, TILE_LAST_ROW, n_experts, N, K,
                        stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                        stride_a2m, stride_a2k, stride_b2e, stride_b2k, stride_b2n, stride_cm, stride_cn,
@@ -105,19 +115,11 @@ def _grouped_mm_kernel(A, B, A2, B2, C, TILE_EXPERT, TILE_FIRST_ROW, TILE_LAST_R
         k_mask = ks < K - k0
         a_mask = row_mask[:, None] & k_mask[None, :]
         b_mask = k_mask[:, None] & col_mask[None, :]
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        if FP32_DOT:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = _dot_accumulate(acc, a_ptrs, b_ptrs, a_mask, b_mask, FP32_DOT)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
         if HAS_SECOND:  # C = A @ B[e] + A2 @ B2[e] (d x sums the gate and up paths)
-            a2 = tl.load(a2_ptrs, mask=a_mask, other=0.0)
-            b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
-            if FP32_DOT:
-                a2, b2 = a2.to(tl.float32), b2.to(tl.float32)
-            acc = tl.dot(a2, b2, acc, input_precision="ieee")
+            acc = _dot_accumulate(acc, a2_ptrs, b2_ptrs, a_mask, b_mask, FP32_DOT)
             a2_ptrs += BLOCK_K * stride_a2k
             b2_ptrs += BLOCK_K * stride_b2k
     tl.store(C + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(C.dtype.element_ty),

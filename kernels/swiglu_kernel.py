@@ -15,13 +15,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, Y, n_rows, n_cols, stride_g, stride_u, stride_y,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gate_up_tile(G, U, n_rows, n_cols, stride_g, stride_u, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's (rows, cols, mask) and its gate and up tiles in fp32."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return rows, cols, mask, g, u
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, Y, n_rows, n_cols, stride_g, stride_u, stride_y,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows, cols, mask, g, u = _gate_up_tile(G, U, n_rows, n_cols, stride_g, stride_u, BLOCK_M, BLOCK_N)
     y = g * tl.sigmoid(g) * u
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -29,11 +36,7 @@ def _swiglu_fwd_kernel(G, U, Y, n_rows, n_cols, stride_g, stride_u, stride_y,
 @triton.jit
 def _swiglu_bwd_kernel(G, U, DY, DG, DU, n_rows, n_cols, stride_g, stride_u, stride_dy, stride_d,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask, g, u = _gate_up_tile(G, U, n_rows, n_cols, stride_g, stride_u, BLOCK_M, BLOCK_N)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     du = dy * g * s

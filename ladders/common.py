@@ -79,8 +79,8 @@ def carried_lrs(settings, cfg, anchor_params, beta):
 def model_settings(cfg):
     """ModelConfig -> train.py model overrides (the resolved fields as plain ints, so the run is fully
     specified and JSON-stable), but a loop span outside a loop layout (train.py refuses a setting that does
-    nothing: guards.check_inert)."""
-    inert = set() if cfg.layout in ("smelt", "layer_loop") else {"loop_span"}
+    nothing: guards.check_inert) and what a run takes from its data (train.FROM_DATA: eot_token, n_logits)."""
+    inert = set(train.FROM_DATA) | (set() if cfg.layout in ("smelt", "layer_loop") else {"loop_span"})
     return {k: (int(v) if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in asdict(cfg).items()
             if k not in inert}
 

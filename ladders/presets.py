@@ -5,8 +5,8 @@ import copy
 from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar, Optional
 
-BYTES = dict(vocab_size=257, eot_token=256)  # gpt2-257: the 256 byte tokens + eot (the preset's tokenizer)
-GPT2_4096 = dict(vocab_size=4096, eot_token=4095)  # data/cache/default
+BYTES = dict(vocab_size=257)  # gpt2-257: the 256 byte tokens + eot (the preset's tokenizer; train.py: the data's eot)
+GPT2_4096 = dict(vocab_size=4096)  # data/cache/default
 # [S]: MoE baselines, top-2 of fine-grained experts; 6 query heads on 3 KV heads, so that the SMELT twin
 # (1.5x the executed layers) matches the KV cache exactly with 2 KV heads of the same size.
 SMELT_MODEL = dict(n_head=6, n_kv_head=3, top_k=2, layout="plain", n_passes=1)
@@ -134,7 +134,7 @@ SMELT_GPU_1NODE = SmeltPreset(
                data_dir=GPU_DATA, branch_data_fraction=0.1),
     branch_tpp=[10, 20, 40, 80], decay_share=0.1, seeds=SEEDS[:1], gpus=8, bootstrap=2000)
 
-X_GPU = dict(model=dict(dict(vocab_size=50304, eot_token=50256) | X_MODEL, block_size=2048), width_per_depth=128,
+X_GPU = dict(model=dict(dict(vocab_size=50304) | X_MODEL, block_size=2048), width_per_depth=128,
              head_dim=128, mlp_multiple=256, tpp=10, rewarm_fraction=0.02, seeds=SEEDS[:1])
 
 PRESETS = {p.name: p for p in [

@@ -26,10 +26,9 @@ def recipe_plan(config_path, gpus=8):
     given = train.SETTINGS.parse([config_path])  # what the file sets, over train.py's defaults
     values = train.SETTINGS.resolve(given)
     config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(ModelConfig, values)
-    for name in ("init_from", "decay_branch"):
-        if values[name]:
-            raise ValueError(f"{config_path}: {name}={values[name]!r}: --plan plans a recipe from its first step; "
-                             "this config continues another run")
+    if values["init_from"]:
+        raise ValueError(f"{config_path}: init_from={values['init_from']!r}: --plan plans a recipe from its first "
+                         "step; this config continues another run")
     guards.derive_grad_accum(config, gpus)  # global_batch: the same step on any number of processes
     seqs = config.batch_size * config.grad_accum * gpus
     step_tokens = seqs * cfg.block_size
@@ -37,7 +36,7 @@ def recipe_plan(config_path, gpus=8):
     grown = None if schedule.grow_step is None else grow.grown_config(cfg, config.grow_to, config.grow_untie)
     points = branch_points(config_path, config, schedule)
     prefix = ["python"] if gpus == 1 else ["torchrun", "--standalone", f"--nproc_per_node={gpus}"]
-    stable = rundir.RunDir(os.path.join(config.out_dir, config.run_name), sharded=config.parallel == "fsdp")
+    stable = rundir.RunDir(os.path.join(config.out_dir, config.run_name), sharded=config.sharded)
     runs = [dict(run_name=config.run_name, role="stable" if points else "run", argv=[config_path],
                  steps=schedule.max_steps, tokens=schedule.max_steps * step_tokens, windows=schedule.max_steps * seqs,
                  flops=plan_flops(cfg, grown, config, 0, schedule.max_steps, schedule.grow_step, step_tokens),
@@ -45,11 +44,12 @@ def recipe_plan(config_path, gpus=8):
                  checkpoints=[stable.step_path(s) for s in sorted(set(config.save_steps))] + [stable.resume_path])]
     for step in points:
         source = stable.step_path(step) if step < schedule.max_steps else stable.resume_path
-        argv = [f"--init_from={source}", "--decay_branch=True", f"--decay_tokens={config.decay_tokens}"]
+        argv = [f"--init_from={source}", f"--decay_tokens={config.decay_tokens}"]  # a fork with decay_tokens
         argv += [f"--{k}={values[k]}" for k in ("out_dir", "data_dir")  # paths never come from a checkpoint
                  if k in rundir.NOT_INHERITED_FORK and values[k] != train.DEFAULTS[k]]
         branch = train.SETTINGS.build(train.TrainConfig, train.SETTINGS.resolve(  # what the branch runs with
             train.SETTINGS.parse(argv), base=values, not_inherited=rundir.NOT_INHERITED_FORK))
+        branch.decay_branch = True  # as rundir.is_decay_branch decides for this fork
         # a branch keeps the stable run's sequences per step (rundir: the checkpoint's global batch)
         state = train.TrainState(step=step, branch_start_step=step)
         steps = train.plan_schedule(branch, state, step_tokens).max_steps - step

@@ -1,10 +1,12 @@
 """[X] data-constrained ladder (kind "repeat", [X] Section 5 and Appendix D): every run reads the same
 unique_tokens for `epochs` epochs; the Operator-1 family (K passes of its tied core) at each stored depth and
-weight decay; which K is best per budget, and whether the best weight decay follows stored parameters."""
+weight decay; which K is best per budget (claimed where the seed bootstrap agrees), whether the best weight
+decay follows stored parameters, and the claims table."""
 
 import math
 
 import numpy as np
+from scipy import stats as scipy_stats
 
 import fit
 import grow
@@ -13,7 +15,8 @@ import train
 from ladders.common import (carried_lrs, compute_active, fmt, lr_scaling, model_settings, sweep_values,
                             tokens_per_step)
 from fit import wd_regression
-from ladders.stats import interpolated_optimum
+from ladders.stats import (AGREEMENT, agreement, claims_lines, difference, interpolated_optimum, pooled_std,
+                           seed_draws, share_verdict, t_interval, t_quantile)
 from ladders.x import x_config
 from model import ModelConfig
 from tooling import plots
@@ -196,12 +199,12 @@ def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
     for (k, d), w in best_wd.items():
         reps = [r for r in rows if r["K"] == k and r["depth"] == d and r["wd"] == w]
         pts[k, d] = (float(np.mean([r["C"] for r in reps])), [r["loss"] for r in reps])
-    spreads = [(len(v), np.std(v, ddof=1)) for _, v in pts.values() if len(v) > 1]
-    dof = sum(n - 1 for n, _ in spreads)
-    sigma = float(np.sqrt(sum((n - 1) * s ** 2 for n, s in spreads) / dof)) if spreads else 0.0
-    out["seed_spread"] = dict(pooled_std=sigma, points=len(spreads))
+    sigma, dof = pooled_std([v for _, v in pts.values()])
+    sigma = sigma or 0.0
+    spreads = [v for _, v in pts.values() if len(v) > 1]
+    out["seed_spread"] = dict(pooled_std=sigma, dof=dof, points=len(spreads))
     lines.append(f"frontier: each K at its best weight decay per stored depth (mean over seeds; n = seeds); pooled "
-                 f"seed std {sigma:.4f} nats over {len(spreads)} points with several seeds")
+                 f"seed std {sigma:.4f} nats over {len(spreads)} points with several seeds ({dof} degrees of freedom)")
     lines.append(f"  {'K':>2} " + " ".join(f"{f'd{d} C':>9} {'loss':>6} {'n':>1}" for d in depths))
     for k in Ks:
         cells = [f"{pts[k, d][0]:9.3g} {np.mean(pts[k, d][1]):6.4f} {len(pts[k, d][1])}" if (k, d) in pts
@@ -212,8 +215,9 @@ def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
     if 1 not in frontier or len(frontier) < 2:
         lines.append("the comparison needs K = 1 and another K: nothing to compare yet")
         return "\n".join(lines), out, None
-    lines += repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out)
+    lines += repeat_budget_lines(frontier, pts, (sigma, dof), n_boot, seed, out)
     lines += repeat_wd_lines(grid, best_wd, wd_star, Ks, depths, out)
+    lines += repeat_claims(preset, out, pts, best_wd)
     figures = dict(frontier=frontier, pts=pts, l_star=out["L_star"], grid=grid, Ks=Ks, depths=depths, wds=wds)
     return "\n".join(lines), out, figures
 
@@ -245,52 +249,60 @@ def repeat_wd_table(grid, Ks, depths, wds):
     return lines, best_wd, wd_star
 
 
-def repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out):
-    """The best K per budget, whether it grows, and the compute at which K >= 2 reaches K = 1's best loss,
-    with a seed bootstrap (every point with several seeds resampled; the others moved by N(0, sigma^2))."""
+def repeat_budget_lines(frontier, pts, noise, n_boot, seed, out):
+    """The best K per budget, where a looped K is best, whether the best K grows, the lowest loss of each K,
+    and the compute at which K >= 2 reaches K = 1's best loss, with the seed bootstrap (stats.seed_draws:
+    every point's seed mean moved by the pooled seed std / sqrt(its seeds) x Student t). noise: (sigma, dof)."""
+    sigma, dof = noise
     allC = [c for p in frontier.values() for c, _ in p]
     budgets = np.geomspace(min(allC), max(allC), 9)
     best, l_star, c_star, reach = repeat_analysis(frontier, budgets)
-    rng = np.random.default_rng(seed)
-    draws_best, draws_ratio, draws_frontier = [], [], []
-    for _ in range(n_boot):
+    keys = sorted(pts)
+    draws = seed_draws([np.mean(pts[p][1]) for p in keys], [len(pts[p][1]) for p in keys], sigma, max(dof, 1),
+                       n_boot if dof else 0, seed)
+    draws_best, draws_ratio = [], []
+    for means in draws:
         f = {}
-        for (k, d), (c, losses) in sorted(pts.items()):
-            v = np.asarray(losses)
-            mean = float(np.mean(v[rng.integers(len(v), size=len(v))])) if len(v) > 1 else \
-                float(v[0] + sigma * rng.standard_normal())
-            f.setdefault(k, []).append((c, mean))
+        for (k, d), mean in zip(keys, means):
+            f.setdefault(k, []).append((pts[k, d][0], float(mean)))
         b, _, cs, re = repeat_analysis(f, budgets)
-        draws_frontier.append(f)
-        draws_best.append(b)
+        draws_best.append([np.nan if k is None else k for k in b])
         draws_ratio.append(cs / re)
-    share = [float(np.mean([db[i] == best[i] for db in draws_best])) if n_boot else float("nan")
-             for i in range(len(budgets))]
-    lines = ["best K per training budget (the lowest loss any size of that K reaches with at most that compute; "
-             f"agree = share of {n_boot} seed-bootstrap draws with the same best K)",
+    draws_best = np.array(draws_best, dtype=float).reshape(len(draws), len(budgets))
+    share = agreement(draws_best, np.array([np.nan if k is None else k for k in best], dtype=float))
+    looped = (draws_best > 1).mean(axis=0) if len(draws) else np.full(len(budgets), np.nan)
+    lines = ["best K per training budget (the lowest loss any size of that K reaches with at most that compute); of "
+             f"{len(draws)} seed-bootstrap draws, agree = the share with the same best K, K > 1 = the share in which a "
+             "looped K is best",
              "  budget  " + " ".join(f"{b:>8.3g}" for b in budgets),
              "  best K  " + " ".join(f"{'-' if k is None else k:>8}" for k in best),
-             "  agree   " + " ".join(f"{s:>8.2f}" for s in share)]
+             "  agree   " + " ".join(f"{s:>8.3f}" for s in share),
+             "  K > 1   " + " ".join(f"{s:>8.3f}" for s in looped)]
     # from the smallest budget at which two K are affordable (below it K = 1 wins by being the only one)
     start = next((i for i, b in enumerate(budgets) if sum(np.isfinite(envelope(p, b)) for p in frontier.values()) > 1),
                  len(budgets) - 1)
-    grows = best[-1] > best[start]
-    grow_share = float(np.mean([db[-1] > db[start] for db in draws_best])) if n_boot else float("nan")
-    lines.append(f"  the best K {'grows' if grows else 'does not grow'} with compute: {best[start]} at "
-                 f"{budgets[start]:.3g} (the smallest budget at which two K are affordable), {best[-1]} at the largest "
-                 "(it grows in "
-                 f"{grow_share:.2f} of the draws)")
-    lowest = {k: min(L for _, L in p) for k, p in frontier.items()}
-    draws_low = {k: [min(L for _, L in draw[k]) for draw in draws_frontier]
-                 for k in frontier}
-    lines.append("  the lowest loss each K reaches (its best stored size) [95% band]: " + ", ".join(
-        f"K={k} {v:.4f} [{fmt(np.percentile(draws_low[k], 2.5) if n_boot else None, '.4f')}, "
-        f"{fmt(np.percentile(draws_low[k], 97.5) if n_boot else None, '.4f')}]" for k, v in lowest.items()))
-    out["lowest_loss"] = {str(k): v for k, v in lowest.items()}
+    switch = next((i for i in range(start, len(budgets)) if best[i] > 1), None)  # the first budget a K > 1 wins
+    first_looped = [next((i for i in range(start, len(budgets)) if db[i] > 1), -1) for db in draws_best]
+    switch_share = float(np.mean([f == (-1 if switch is None else switch) for f in first_looped])) if len(draws) \
+        else float("nan")
+    sure_k1 = [i for i in range(start, len(budgets)) if looped[i] <= 1 - AGREEMENT]
+    sure_loop = [i for i in range(start, len(budgets)) if looped[i] >= AGREEMENT]
+    grow_share = float(np.mean(draws_best[:, -1] > draws_best[:, start])) if len(draws) else float("nan")
+    lines.append(f"  a looped K is best in >= {AGREEMENT:.2f} of the draws "
+                 + (f"from {budgets[sure_loop[0]]:.3g}" if sure_loop else "at no budget") + f", K = 1 in >= "
+                 f"{AGREEMENT:.2f} " + (f"up to {budgets[sure_k1[-1]]:.3g}" if sure_k1 else "at no budget")
+                 + " (from the smallest budget at which two K are affordable); in between the bootstrap cannot tell")
+    if switch is not None:
+        lines.append(f"  the switch to a looped K at {budgets[switch]:.3g} (the point estimate): the same budget in "
+                     f"{switch_share:.2f} of the draws, "
+                     + ("claimed" if switch_share >= AGREEMENT else f"not claimed (below {AGREEMENT:.2f})"))
+    lines.append(f"  the best K at the largest budget exceeds the best K at {budgets[start]:.3g} in {grow_share:.2f} "
+                 "of the draws")
+    lines += lowest_loss_lines(frontier, pts, sigma, dof, out)
     ratio = c_star / reach
-    lo, hi = (np.nanpercentile(draws_ratio, [2.5, 97.5]) if n_boot and np.isfinite(draws_ratio).any()
+    lo, hi = (np.nanpercentile(draws_ratio, [2.5, 97.5]) if len(draws) and np.isfinite(draws_ratio).any()
               else (float("nan"), float("nan")))
-    reached = float(np.mean(np.isfinite(draws_ratio))) if n_boot else float("nan")
+    reached = float(np.mean(np.isfinite(draws_ratio))) if len(draws) else float("nan")
     first_point = any(reach == min(c for c, _ in p) for k, p in frontier.items() if k > 1)
     lines.append(f"best WD-tuned K = 1 loss L* = {l_star:.4f} at C* = {c_star:.3g}; looping (K >= 2, WD-tuned per "
                  "size) "
@@ -298,8 +310,43 @@ def repeat_budget_lines(frontier, pts, sigma, n_boot, seed, out):
                     f"C* / C = {ratio:.2f} [95% band {fmt(lo, '.2f')}, {fmt(hi, '.2f')}; reached in {reached:.2f} of "
                     "the draws] (> 1: looping needs less compute; [X]: 2.2)"
                     if np.isfinite(reach) else "never reaches it in the measured range"))
-    out.update(budgets=budgets, best_K=best, best_K_agree=share, best_K_grows=grows, best_K_grows_share=grow_share,
+    out.update(budgets=budgets, best_K=best, best_K_agree=share, best_K_looped_share=looped,
+               best_K_switch=None if switch is None else float(budgets[switch]), best_K_switch_share=switch_share,
+               best_K_grows=bool(grow_share >= AGREEMENT), best_K_grows_share=grow_share,
+               looped_sure_from=float(budgets[sure_loop[0]]) if sure_loop else None,
+               k1_sure_to=float(budgets[sure_k1[-1]]) if sure_k1 else None,
                L_star=l_star, C_star=c_star, loop_reach_C=reach, loop_compute_ratio=ratio, loop_ratio_band=[lo, hi])
+    return lines
+
+
+def lowest_loss_lines(frontier, pts, sigma, dof, out):
+    """The lowest loss each K reaches (its best stored size) with its t-interval on the pooled seed std, and
+    the best looped K's lowest loss against K = 1's (stats.difference; Welch's test on their own seeds too)."""
+    lowest = {}
+    for k, p in frontier.items():
+        d = min((d for kk, d in pts if kk == k), key=lambda d: np.mean(pts[k, d][1]))
+        v = pts[k, d][1]
+        lo, hi = t_interval(float(np.mean(v)), sigma, len(v), dof) if dof else (None, None)
+        lowest[k] = dict(depth=d, loss=float(np.mean(v)), n=len(v), lo=lo, hi=hi)
+    lines = ["  the lowest loss each K reaches (its best stored size; n seeds) [95% t-interval, pooled seed std]: "
+             + ", ".join(f"K={k} {v['loss']:.4f} (d{v['depth']}, n={v['n']}) [{fmt(v['lo'], '.4f')}, "
+                         f"{fmt(v['hi'], '.4f')}]" for k, v in lowest.items())]
+    out["lowest_loss"] = {str(k): v for k, v in lowest.items()}
+    looped = min((k for k in lowest if k > 1), key=lambda k: lowest[k]["loss"], default=None)
+    if looped is None or not dof:
+        return lines
+    a, b = lowest[1], lowest[looped]
+    diff = difference(a["loss"], a["n"], b["loss"], b["n"], sigma, dof)
+    seeds_a, seeds_b = pts[1, a["depth"]][1], pts[looped, b["depth"]][1]
+    diff["welch_p"] = (float(scipy_stats.ttest_ind(seeds_a, seeds_b, equal_var=False).pvalue)
+                       if min(len(seeds_a), len(seeds_b)) > 1 else None)
+    diff["K"] = looped
+    out["loop_vs_k1"] = diff
+    lines.append(f"  K = 1 minus K = {looped}: {diff['diff']:+.4f} nats = {diff['z']:.1f} x its seed sigma "
+                 f"{diff['sigma']:.4f} (pooled std x sqrt(1/{a['n']} + 1/{b['n']})) [95% t-interval "
+                 f"{diff['lo']:+.4f}, {diff['hi']:+.4f}], p = {diff['p']:.3f}"
+                 + (f"; Welch's test on these {a['n'] + b['n']} runs alone: p = {diff['welch_p']:.2f}"
+                    if diff["welch_p"] is not None else ""))
     return lines
 
 
@@ -315,14 +362,69 @@ def repeat_wd_lines(grid, best_wd, wd_star, Ks, depths, out):
         lines.append("  too few points inside the grid (or stored and executed depth not separable): undecided")
     else:
         b, c, sb, sc = reg
-        lines.append(f"  b (stored) = {b:.2f} +- {sb:.2f}, c (executed) = {c:.2f} +- {sc:.2f} ([X]: WD* follows stored "
+        t = t_quantile(len(inside) - 3)  # OLS on 3 coefficients
+        lines.append(f"  b (stored) = {b:.2f} +- {sb:.2f} [95% t-interval {b - t * sb:.2f}, {b + t * sb:.2f}], c "
+                     f"(executed) = {c:.2f} +- {sc:.2f} [{c - t * sc:.2f}, {c + t * sc:.2f}] ([X]: WD* follows stored "
                      "parameters: b > 0, c ~ 0)")
-        out["wd_regression"] = dict(b_stored=b, c_executed=c, b_se=sb, c_se=sc, points=len(inside))
+        out["wd_regression"] = dict(b_stored=b, c_executed=c, b_se=sb, c_se=sc, points=len(inside),
+                                    b_interval=[b - t * sb, b + t * sb], c_interval=[c - t * sc, c + t * sc])
     mark = lambda e: "<" if e < 0 else ">" if e > 0 else ""  # noqa: E731
     lines.append("  WD* by K (rows) and stored depth (columns): " + "; ".join(
         f"K={k}: " + " ".join(f"{mark(wd_star[k, d][1])}{wd_star[k, d][0]:.3g}" if (k, d) in wd_star else "-"
                               for d in depths) for k in Ks))
     out["wd_star"] = {f"K{k}-d{d}": dict(wd=v[0], edge=v[1]) for (k, d), v in wd_star.items()}
+    return lines
+
+
+def repeat_claims(preset, out, pts, best_wd):
+    """The claims table of a data-constrained ladder ([X] Section 5) and what its design cannot tell."""
+    claims = []
+    reg = out.get("wd_regression")
+    if reg:
+        (blo, bhi), (clo, chi) = reg["b_interval"], reg["c_interval"]
+        claims.append(("the best weight decay follows stored parameters, not executed depth",
+                       "reproduces" if blo > 0 and clo <= 0 <= chi else "does not" if bhi < 0 else "cannot tell",
+                       f"log WD* slope on log N_s {reg['b_stored']:.2f} [{blo:.2f}, {bhi:.2f}], on log executed layers "
+                       f"{reg['c_executed']:.2f} [{clo:.2f}, {chi:.2f}]"))
+    budgets, looped = out["budgets"], out["best_K_looped_share"]
+    claims.append(("the compute-optimal K grows with compute (K > 1 at the largest budget)",
+                   share_verdict(looped[-1]), f"a looped K is best at {budgets[-1]:.3g} FLOPs in {looped[-1]:.3f} of "
+                   f"the draws; the best K grows in {out['best_K_grows_share']:.3f}"))
+    if out["best_K_switch"] is not None:
+        k1, loop = out["k1_sure_to"], out["looped_sure_from"]
+        claims.append(("the budget at which the best K changes", share_verdict(out["best_K_switch_share"])
+                       if out["best_K_switch_share"] >= AGREEMENT else "cannot tell",
+                       f"{out['best_K_switch']:.3g} FLOPs in the point estimate, the same in "
+                       f"{out['best_K_switch_share']:.2f} of the draws; K = 1 is sure up to "
+                       f"{fmt(k1, '.3g')}, a looped K from {fmt(loop, '.3g')}"))
+    diff = out.get("loop_vs_k1")
+    if diff:
+        low = out["lowest_loss"]
+        welch = f"; Welch on the runs alone p = {diff['welch_p']:.2f}" if diff["welch_p"] is not None else ""
+        claims.append((f"looping reaches a loss WD-tuned K = 1 does not (K = {diff['K']} vs K = 1, each at its best "
+                       "size)",
+                       "reproduces" if diff["lo"] > 0 else "does not" if diff["hi"] < 0 else "cannot tell",
+                       f"{low[str(diff['K'])]['loss']:.4f} vs {low['1']['loss']:.4f}: {diff['diff']:+.4f} "
+                       f"[{diff['lo']:+.4f}, {diff['hi']:+.4f}] = {diff['z']:.1f} sigma_diff, p = {diff['p']:.3f}"
+                       + welch))
+    lo, hi = out["loop_ratio_band"]
+    ratio = out["loop_compute_ratio"]
+    claims.append(("looping reaches the best K = 1 loss with 1/2.2 of its compute (C*/C = 2.2)",
+                   "cannot tell" if not np.isfinite(ratio) or not np.isfinite(hi) else
+                   "reproduces" if lo <= 2.2 <= hi else "does not", f"C*/C = {ratio:.2f} [{fmt(lo, '.2f')}, "
+                   f"{fmt(hi, '.2f')}] (seed bootstrap)"))
+    claims.append(("the looped models' advantage comes from the repeated data", "cannot tell",
+                   f"one data budget ({preset.unique_tokens:,} unique tokens x {preset.epochs:g} epochs), no arm that "
+                   "reads fresh data"))
+    sweep, first = preset.lr_sweep, min(d for _, d in pts)
+    one_seed = sorted({k for (k, _), (_, v) in pts.items() if len(v) == 1})
+    lines = claims_lines(claims)
+    if sweep:
+        lines.append(f"cannot tell either: the LR was swept once, at K = 1, d{first}, weight decay "
+                     f"{sweep.weight_decay:g}, " + ("one seed" if sweep.seeds == 1 else f"{sweep.seeds} seeds")
+                     + f" (d{first}'s best weight decay at K = 1 is "
+                     f"{best_wd.get((1, first), float('nan')):g}), and carried to every K"
+                     + (f"; K = {', '.join(map(str, one_seed))} have one seed each" if one_seed else ""))
     return lines
 
 

@@ -1,6 +1,7 @@
 """[S] SMELT grid (kind "smelt"): every (scale, sparsity) cell has a MoE baseline and its SMELT twin matched
 by match.match; a WSD stable run per seed, a decay branch from each of its checkpoints; one [S2] surface
-per architecture, CE Gain [S5] and TPP with cell-bootstrap intervals, the per-pair wins."""
+per architecture and whether the grid identifies it (a profile in a), CE Gain [S5] and TPP with cell-bootstrap
+intervals where it does, the per-pair wins and differences, the claims table."""
 
 import json
 import math
@@ -13,11 +14,15 @@ import match
 import train
 from ladders.common import (compute_active, finite_or_none, fmt, model_settings, sources_of, sources_of_rows,
                             sweep_values, tokens_per_step)
-from ladders.stats import seed_spread, within_noise
+from ladders.stats import (claims_lines, difference_sigma, interval_verdict, profile_bound, profile_interval,
+                           seed_spread, t_interval, within_noise)
 from ladders.presets import SEEDS
 from model import ModelConfig
 from tooling import plots
 from tooling.jobs import RunSpec
+
+PROFILE_A = np.geomspace(0.01, 10.0, 31)  # the values of a the identifiability profile refits the surface at
+F_LEVEL = 1.25  # per-token FLOPs less than 25% above the next lower value are one level of F
 
 
 def smelt_cells(preset):
@@ -93,7 +98,7 @@ def smelt_specs(preset, cells, data, lrs=None, world=None):
                 for tpp, step, decay in plan:
                     decay_steps = decay // step_tokens
                     specs.append(RunSpec(f"{arch}-{cell}-s{seed}-b{tpp:g}", arch, cell, "branch",
-                                         dict(init_from=f"{{runs}}/{stable_id}/ckpt_step{step}.pt", decay_branch=True,
+                                         dict(init_from=f"{{runs}}/{stable_id}/ckpt_step{step}.pt",
                                               decay_tokens=decay, eval_tokens=preset.train["eval_tokens"],
                                               eval_interval=max(1, decay_steps // 4)),
                                          dict(meta, seed=seed, branch_step=step, branch_tpp=tpp,
@@ -172,22 +177,27 @@ def match_table(cells, search=None):
     return lines, records
 
 
-def win_counts(rows, ref="baseline", target="smelt", key="loss"):
-    """Pairs (same cell, branch and seed) where the target's loss is lower: (wins, pairs)."""
+def pair_differences(rows, ref="baseline", target="smelt", key="loss"):
+    """[(cell, branch TPP, seed, target's loss - ref's)] over the pairs: the same cell, branch and seed."""
     by = {(r["arch"], r["cell"], r["branch_tpp"], r["seed"]): r for r in rows}
-    wins = pairs = 0
+    diffs = []
     for (a, cell, tpp, seed), r in by.items():
         other = by.get((target, cell, tpp, seed))
-        if a != ref or other is None or r.get(key) is None or other.get(key) is None:
-            continue
-        pairs += 1
-        wins += other[key] < r[key]
-    return wins, pairs
+        if a == ref and other is not None and r.get(key) is not None and other.get(key) is not None:
+            diffs.append((cell, tpp, seed, other[key] - r[key]))
+    return diffs
+
+
+def win_counts(rows, ref="baseline", target="smelt", key="loss"):
+    """Pairs (same cell, branch and seed) where the target's loss is lower: (wins, pairs)."""
+    diffs = pair_differences(rows, ref, target, key)
+    return sum(d < 0 for *_, d in diffs), len(diffs)
 
 
 def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None):
-    """LR sweep (sweep_table's (lines, table)), matching, seed spread, win counts, both surfaces, CE Gain
-    with cell-bootstrap intervals and TPP -> (text, dict, figure data)."""
+    """LR sweep (sweep_table's (lines, table)), matching, seed spread, win counts and pair differences, both
+    surfaces and whether the grid identifies them, CE Gain with cell-bootstrap intervals and TPP (only where
+    identified), the claims table -> (text, dict, figure data)."""
     lines, out = [], {"preset": preset.name, "match": [], "fits": {}, "ce_gain": [], "tpp": [], "wins": {},
                       "seed_spread": {}}
     lines.append(f"== {preset.name}: [S] SMELT vs matched baseline ({len(cells)} cells)")
@@ -217,35 +227,106 @@ def smelt_report(preset, cells, rows, n_boot, seed=0, progress=True, sweep=None)
         except ValueError as e:
             lines.append(f"cell bootstrap failed: {e}")
     lines += surface_lines(fits, boot, out)
+    lines += identifiability_lines(runs, fits, out)
+    identified = all(out["identified"].values())
     CC, SS = np.meshgrid(budgets, sparsities, indexing="ij")
-    gain = fit.ce_gain(fits["baseline"], fits["smelt"], CC, SS)
-    flat = [a for a, f in fits.items() if degenerate(f)]
-    if flat:  # [S5] needs both frontiers: no gain, whatever the arithmetic gives (1 - C / inf = +1)
-        gain = np.full_like(gain, np.nan)
-    lines += ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out,
-                           why=f"the {' and '.join(flat)} surface is degenerate, see above" if flat else None)
-    lines += tpp_lines(fits, CC, SS, budgets, sparsities, boot, out)
-    figures = dict(fits=fits, sparsities=sparsities, budgets=budgets, gain=gain, boot=boot,
+    gain = np.full(CC.shape, np.nan)
+    if identified:  # [S5] and [S3] only from surfaces the grid identifies, at budgets inside its range
+        gain = fit.ce_gain(fits["baseline"], fits["smelt"], CC, SS)
+        flat = [a for a, f in fits.items() if degenerate(f)]
+        if flat:  # [S5] needs both frontiers: no gain, whatever the arithmetic gives (1 - C / inf = +1)
+            gain = np.full_like(gain, np.nan)
+        lines += ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out,
+                               why=f"the {' and '.join(flat)} surface is degenerate, see above" if flat else None)
+        lines += tpp_lines(fits, CC, SS, budgets, sparsities, boot, out)
+    else:
+        lines.append("[S5] CE Gain and [S3] TPP: not reported: the [S2] surface of "
+                     + " and ".join(a for a, ok in out["identified"].items() if not ok)
+                     + " is not identified on this grid (above), so neither its frontier nor any number read off it "
+                       "is a measurement")
+    lines += smelt_claims(preset, rows, fits, out, sweep)
+    figures = dict(fits=fits, sparsities=sparsities, budgets=budgets, gain=gain, boot=boot, identified=identified,
                    C_range=(float(measured_C.min()), float(measured_C.max())))
     return "\n".join(lines), out, figures
 
 
+def f_levels(F):
+    """The levels of per-token FLOPs of a grid: sorted values, a new level wherever one is more than F_LEVEL x the
+    value below it -> [(lowest, highest)] per level."""
+    levels = []
+    for f in sorted(float(v) for v in F):
+        if levels and f <= F_LEVEL * levels[-1][1]:
+            levels[-1][1] = f
+        else:
+            levels.append([f, f])
+    return [tuple(level) for level in levels]
+
+
 def grid_lines(rows, runs, out):
-    """What the grid can resolve: the span of F, S and D the [S2] surface is fitted on -> report lines;
-    a surface of six coefficients on F spanning less than a decade is not identifiable by design."""
-    F, S, D = (np.asarray(runs[k], dtype=float) for k in ("F", "S", "D"))
+    """What the grid can resolve: the span and the levels of each architecture's F (its surface is fitted on its
+    own points), S and D -> report lines; on F spanning less than a decade the six-coefficient surface is not
+    identifiable by design."""
+    S, D = (np.asarray(runs[k], dtype=float) for k in ("S", "D"))
     cells = len(set(runs["cell"].tolist()))
     layers = sorted({r["n_layer"] for r in rows if r.get("n_layer") is not None})
-    span = float(F.max() / F.min())
-    out["grid"] = dict(F_span=span, cells=cells, S=[float(S.min()), float(S.max())], D=[float(D.min()), float(D.max())],
-                       n_layer=layers)
-    line = (f"grid: F spans {span:.1f}x ({F.min():.3g}..{F.max():.3g} FLOPs per token) over {cells} cells, S "
-            f"{S.min():.3f}..{S.max():.3f}, D {D.min():.3g}..{D.max():.3g} tokens"
+    archs = list(dict.fromkeys(runs["arch"].astype(str).tolist()))
+    spans = {a: (lambda F: float(F.max() / F.min()))(np.asarray(runs["F"][runs["arch"].astype(str) == a], dtype=float))
+             for a in archs}
+    levels = {a: f_levels(runs["F"][runs["arch"].astype(str) == a]) for a in archs}
+    span = min(spans.values())
+    out["grid"] = dict(F_span=span, F_span_by_arch=spans, F_levels={a: len(v) for a, v in levels.items()}, cells=cells,
+                       S=[float(S.min()), float(S.max())], D=[float(D.min()), float(D.max())], n_layer=layers)
+    F = np.asarray(runs["F"], dtype=float)
+    line = (f"grid: F spans {span:.1f}x within each architecture ("
+            + ", ".join(f"{a} {v:.2f}x" for a, v in spans.items())
+            + f"; {F.min():.3g}..{F.max():.3g} FLOPs per token over both) over {cells} cells, S {S.min():.3f}.."
+            f"{S.max():.3f}, D {D.min():.3g}..{D.max():.3g} tokens"
             + (f", {layers[0]} layers in every cell" if len(layers) == 1 else ""))
     if span < 10:
         line += ("; on F spanning less than a decade the six-coefficient [S2] surface is not identifiable by "
                  "design: its coefficients, CE Gain and TPP describe these points, not [S]'s law")
-    return [line]
+    moves = {a: max(hi / lo for lo, hi in v) - 1 for a, v in levels.items()}
+    return [line, "  F takes " + ", ".join(f"{len(v)} levels ({a}: each moves at most {100 * moves[a]:.0f}%)"
+                                         for a, v in levels.items())
+            + f" (a value less than {100 * (F_LEVEL - 1):.0f}% above the next lower one: the same level)"]
+
+
+def surface_profile(runs, arch, values=PROFILE_A):
+    """The [S2] surface of one architecture refitted with a held at each of `values` (every other coefficient
+    free): [(a, SurfaceFit)], the full fit's own a among them."""
+    m = runs["arch"].astype(str) == arch
+    F, S, D, loss = (runs[k][m] for k in ("F", "S", "D", "loss"))
+    return [(float(a), fit.fit_surface(F, S, D, loss, fixed_exponents=(float(a), None, None))) for a in values]
+
+
+def identifiability_lines(runs, fits, out):
+    """Is each [S2] surface identified? Its F must take at least 4 levels (more than the E, A and a of its F
+    term) and its profile interval of a (stats.profile_interval, the likelihood-ratio bound) must stay inside
+    the values tried -> report lines; out["identified"][arch] and out["profile"][arch]."""
+    out["identified"], out["profile"] = {}, {}
+    lines = [f"[S2] identifiability: the surface refitted with a held at each of {len(PROFILE_A)} values "
+             f"{PROFILE_A[0]:g}..{PROFILE_A[-1]:g}; the 95% profile interval of a: the objective within chi2(1)/2 x "
+             "objective / points of its lowest"]
+    for arch, full in fits.items():
+        profile = sorted(surface_profile(runs, arch) + [(full.a, full)], key=lambda p: p[0])
+        a, objective = np.array([p for p, _ in profile]), np.array([f.objective for _, f in profile])
+        bound = profile_bound(full.objective, full.n_points)
+        lo, hi, at_edge = profile_interval(a, objective, bound)
+        inside = [f for _, f in profile if f.objective <= objective.min() + bound]
+        levels = out["grid"]["F_levels"][arch]
+        ok = levels >= 4 and not at_edge
+        out["identified"][arch] = ok
+        out["profile"][arch] = dict(a=[lo, hi], at_edge=at_edge, bound=bound, F_levels=levels,
+                                    E=[min(f.E for f in inside), max(f.E for f in inside)],
+                                    c=[min(f.c for f in inside), max(f.c for f in inside)],
+                                    c_whole=[min(f.c for _, f in profile), max(f.c for _, f in profile)])
+        p = out["profile"][arch]
+        edge = " (reaches the end of what was tried)" if at_edge else ""
+        lines.append(f"  {arch:>9}: a in [{lo:.3g}, {hi:.3g}]{edge}, along it E {p['E'][0]:.2f}..{p['E'][1]:.2f} and c "
+                     f"{p['c'][0]:.3f}..{p['c'][1]:.3f} (c {p['c_whole'][0]:.3f}..{p['c_whole'][1]:.3f} over every a "
+                     f"tried), the objective within {bound:.2g} of its lowest: "
+                     + ("identified" if ok else "NOT identified" + (f" (F at {levels} levels)" if levels < 4 else "")))
+    return lines
 
 
 def degenerate(f):
@@ -258,8 +339,8 @@ def smelt_noise_lines(rows, out):
     """The baseline's seed spread and the per-pair win counts (overall and per source) -> report lines;
     their numbers go into out["seed_spread"] and out["wins"]."""
     lines = []
-    per, pooled = seed_spread(rows, ("cell", "branch_tpp"), "baseline")
-    out["seed_spread"] = dict(pooled_std=pooled, groups=[dict(cell=k[0], branch_tpp=k[1], mean=m, std=s, n=n)
+    per, pooled, dof = seed_spread(rows, ("cell", "branch_tpp"), "baseline")
+    out["seed_spread"] = dict(pooled_std=pooled, dof=dof, groups=[dict(cell=k[0], branch_tpp=k[1], mean=m, std=s, n=n)
                                                          for k, (m, s, n) in per.items()])
     stds = [s for _, s, _ in per.values() if s is not None]
     if stds:
@@ -272,6 +353,35 @@ def smelt_noise_lines(rows, out):
         w, p = win_counts(rows, key=f"loss_{s}")
         out["wins"][s] = [w, p]
         lines.append(f"  on {s}: {w}/{p}")
+    return lines + pair_difference_lines(rows, pooled, out)
+
+
+def pair_difference_lines(rows, sigma, out):
+    """SMELT minus baseline per pair against a pair's seed noise, sqrt(2) x the pooled std (two single runs),
+    by scale, and the mean over cells with its t-interval over cells -> report lines; out["pair_difference"]."""
+    diffs = pair_differences(rows)
+    if not diffs or not sigma:
+        return []
+    s2 = difference_sigma(sigma)
+    scale = lambda cell: cell.rsplit("-", 1)[0]  # noqa: E731  (L8w72-e16 -> L8w72)
+    lines = [f"SMELT minus baseline per pair: a pair's seed noise is sqrt(2) x the pooled std = {s2:.4f} nats "
+             "(sigma_diff)"]
+    by_scale = {}
+    for sc in dict.fromkeys(scale(c) for c, *_ in diffs):
+        d = np.array([x for c, *_, x in diffs if scale(c) == sc])
+        by_scale[sc] = dict(pairs=len(d), wins=int((d < 0).sum()), median=float(np.median(d)),
+                            median_sigmas=float(np.median(d) / s2), above=int((d > 2 * s2).sum()),
+                            below=int((d < -2 * s2).sum()))
+        lines.append(f"  {sc}: SMELT lower in {by_scale[sc]['wins']}/{len(d)}, median {np.median(d):+.4f} "
+                     f"({np.median(d) / s2:+.1f} sigma_diff), {d.min():+.4f}..{d.max():+.4f}; beyond +2 sigma_diff "
+                     f"{by_scale[sc]['above']}, beyond -2 sigma_diff {by_scale[sc]['below']}")
+    cells = np.array([np.mean([x for c, *_, x in diffs if c == cell]) for cell in dict.fromkeys(c for c, *_ in diffs)])
+    out["pair_difference"] = dict(sigma_diff=s2, by_scale=by_scale, mean=float(cells.mean()), cells=len(cells))
+    if len(cells) > 1:
+        lo, hi = t_interval(float(cells.mean()), float(cells.std(ddof=1)), len(cells), len(cells) - 1)
+        out["pair_difference"].update(lo=lo, hi=hi)
+        lines.append(f"  the mean over the {len(cells)} cells (each its branches' mean): {cells.mean():+.4f} [95% "
+                     f"t-interval over cells {lo:+.4f}, {hi:+.4f}]")
     return lines
 
 
@@ -378,6 +488,80 @@ def boot_interval(boot, key, i, j, value):
     return None, None
 
 
+def smelt_claims(preset, rows, fits, out, sweep):
+    """The claims table of an [S] grid: SMELT against its baseline pair by pair, the surfaces' identifiability,
+    CE Gain and TPP (reported only where identified), the D exponent, the decay branches, the matching; and
+    what its LR sweep and seeds cannot tell."""
+    claims = []
+    diff, (wins, pairs) = out.get("pair_difference"), out["wins"]["all"]
+    if diff and "lo" in diff:
+        scales = "; ".join(f"{sc} median {v['median']:+.3f} ({v['median_sigmas']:+.1f} sigma_diff)"
+                           for sc, v in diff["by_scale"].items())
+        claims.append(("SMELT reaches a lower loss than its compute-matched baseline in every pair ([S]: 96/96)",
+                       "reproduces" if diff["hi"] < 0 else "does not" if diff["lo"] > 0 else "cannot tell",
+                       f"{wins}/{pairs} pairs; SMELT - baseline {diff['mean']:+.4f} [{diff['lo']:+.4f}, "
+                       f"{diff['hi']:+.4f}] over cells; {scales}; sigma_diff = sqrt(2) x "
+                       f"{out['seed_spread']['pooled_std']:.4f} = {diff['sigma_diff']:.4f}"))
+    prof = out.get("profile", {})
+    if prof:
+        claims.append(("a six-coefficient [S2] surface L(F, S, D) per architecture, identified by the grid",
+                       "cannot tell" if not all(out["identified"].values()) else "reproduces",
+                       "; ".join(f"{a}: {'identified' if out['identified'][a] else 'NOT identified'}, F at "
+                                 f"{p['F_levels']} levels, a in [{p['a'][0]:.2g}, {p['a'][1]:.2g}] (profile), E "
+                                 f"{p['E'][0]:.2f}..{p['E'][1]:.2f} along it" for a, p in prof.items())))
+        ok = all(out["identified"].values())
+        gains = [g for g in out["ce_gain"] if g["value"] is not None]
+        claims.append(("CE Gain [S5] 6.8-18% at 1e20-1e21 FLOPs, and the compute-optimal TPP [S3]",
+                       interval_verdict([(g["lo"], g["hi"]) for g in gains], 0.0) if ok and gains else "cannot tell",
+                       (f"CE Gain {min(g['value'] for g in gains):+.3f}..{max(g['value'] for g in gains):+.3f} inside "
+                        "the measured range (intervals above)" if ok and gains else
+                        "not reported: " + ("no finite value" if ok else "the surfaces are not identified"))))
+        c = {a: (f.c, out["fits"][a].get("c_interval", [None, None])) for a, f in fits.items()}
+        paper_c = {a: fit.SYNTHETIC_SURFACES[a]["c"] for a in c if a in fit.SYNTHETIC_SURFACES}
+        inside = [i[0] is not None and i[0] <= paper_c[a] <= i[1] for a, (_, i) in c.items() if a in paper_c]
+        no_interval = any(i[0] is None for _, i in c.values())
+        claims.append(("the data exponent c of each surface ([S]: " + " / ".join(f"{v:.2f}" for v in paper_c.values())
+                       + ")", "cannot tell" if not ok or no_interval else "reproduces" if all(inside) else "does not",
+                       ", ".join(f"{a} {v:.3f} [{fmt(i[0], '.2f')}, {fmt(i[1], '.2f')}]" for a, (v, i) in c.items())
+                       + " (cell bootstrap); along the profile of a c moves " + ", ".join(
+                           f"{p['c_whole'][0]:.2f}..{p['c_whole'][1]:.2f} ({a})" for a, p in prof.items())))
+    series = {}
+    for r in rows:
+        series.setdefault((r["arch"], r["cell"], r["seed"]), []).append((r["D"], r["loss"]))
+    falls = sum(all(b[1] < a[1] for a, b in zip(v, v[1:])) for v in (sorted(p) for p in series.values()))
+    claims.append(("the loss falls with the tokens D of each decay branch", "reproduces" if falls == len(series)
+                   else "does not", f"in {falls} of {len(series)} stable runs' branches (arch, cell, seed)"))
+    if out["match"]:
+        ratio = lambda k: [m["ratios"][k] for m in out["match"]]  # noqa: E731
+        claims.append(("the twin matches its baseline's FLOPs, parameters and KV cache ([S] Table 10)", "reproduces",
+                       f"F {100 * (min(ratio('flops')) - 1):+.1f}..{100 * (max(ratio('flops')) - 1):+.1f}%, N "
+                       f"{100 * (min(ratio('params')) - 1):+.1f}..{100 * (max(ratio('params')) - 1):+.1f}%, KV "
+                       f"{min(ratio('kv')):.2f}..{max(ratio('kv')):.2f}x: by construction (the matcher's tolerance)"))
+    return claims_lines(claims) + sweep_confound_lines(preset, rows, out, sweep)
+
+
+def sweep_confound_lines(preset, rows, out, sweep):
+    """What the LR sweep and the seeds cannot tell: each architecture's best swept value and its neighbours'
+    excess in sigma_diff (a sweep point is one run), the widths it is carried to, the twin's seeds."""
+    sigma = (out.get("pair_difference") or {}).get("sigma_diff")
+    if not sweep or not sigma:
+        return []
+    parts, nearest = [], []
+    for arch, by in sweep[1].items():
+        values = sorted((float(v), loss) for v, loss in by.items() if loss is not None)
+        i = min(range(len(values)), key=lambda j: values[j][1])
+        near = [values[j][1] - values[i][1] for j in (i - 1, i + 1) if 0 <= j < len(values)]
+        nearest.append(min(near, default=np.inf) / sigma)
+        parts.append(f"{arch} best at {values[i][0]:g}, its neighbours {', '.join(f'+{d:.3f}' for d in near)} nats "
+                     f"({', '.join(f'{d / sigma:.1f}' for d in near)} sigma_diff)")
+    widths = sorted({r["n_embd"] for r in rows if r.get("n_embd") and r["arch"] == "baseline"})
+    resolved = min(nearest) >= 2
+    return [f"cannot tell either: the LR sweep at the first cell ({'; '.join(parts)}): "
+            + ("resolved" if resolved else "the optimum is not resolved (a neighbour within 2 sigma_diff)")
+            + f"; each LR carried unchanged to every cell (baseline widths {widths[0]}..{widths[-1]}); one seed of the "
+            "twin"]
+
+
 def decay_curves(specs, results):
     """{label: (tokens, val loss)} of the largest scale's stable runs (first seed) and their branches."""
     stable = [s for s in specs if s.role == "stable" and s.meta.get("seed") == SEEDS[0]]
@@ -401,8 +585,8 @@ def decay_curves(specs, results):
 def smelt_plots(preset, f, path, specs, results):
     """The surfaces' frontiers, the CE Gain (when defined) and, with the runs' logs, the decay branches."""
     written = []
-    if plots.plot_surface_frontiers(fit.frontier_curves(f["fits"]), f["sparsities"], path("frontiers.png"),
-                                    C_range=f["C_range"]):
+    if f["identified"] and plots.plot_surface_frontiers(  # no frontier of a surface the grid does not identify
+            fit.frontier_curves(f["fits"]), f["sparsities"], path("frontiers.png"), C_range=f["C_range"]):
         written.append(path("frontiers.png"))
     boot = f["boot"] or {"lo": {}, "hi": {}}
     if np.isfinite(f["gain"]).any() and plots.plot_ce_gain(  # no figure of an undefined CE Gain

@@ -1,6 +1,7 @@
 """[X] ladders (kind "x"): Vanilla, Operator-1, Loop-2, Untied-2, Loop-Grow and Untied-Grow at depths d,
 width width_per_depth x d, each at its own budget; E fitted on Vanilla, shared-E power laws per architecture
-[X7], and compute multipliers at Vanilla's budgets [X6] with seed-bootstrap bands."""
+[X7], and compute multipliers at Vanilla's budgets [X6] with seed-bootstrap bands; with every architecture
+seeded, the pairs (growth vs its twin, untied vs tied) and the claims table."""
 
 import functools
 import math
@@ -16,7 +17,7 @@ import match
 import train
 from ladders.common import (carried_lrs, compute_active, finite_or_none, fmt, model_settings, sources_of, sweep_values,
                             tokens_per_step)
-from ladders.stats import seed_spread, within_noise
+from ladders.stats import claims_lines, interval_verdict, pooled_std, seed_draws, seed_spread, within_noise
 from ladders.presets import X_RECIPES
 from model import ModelConfig
 from tooling import plots
@@ -25,10 +26,19 @@ from tooling.jobs import RunSpec
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what a ladder point sets itself (sizes, data, the batch, the run's length and evals, the growth step); the
 # recipe's other step counts become fractions of the run (RECIPE_FRACTIONS)
-RECIPE_OWN = {"vocab_size", "n_logits", "eot_token", "block_size", "n_layer", "n_embd", "n_head", "head_dim",
+RECIPE_OWN = {"vocab_size", "block_size", "n_layer", "n_embd", "n_head", "head_dim",
               "data_dir", "run_name", "batch_size", "global_batch",
               "max_steps", "eval_interval", "final_eval_tokens", "grow_at"}
 RECIPE_FRACTIONS = ("warmup_steps", "muon_momentum_warmup", "grow_rewarm_steps")
+# [X]'s own ladders (tests/data/fineweb_ladders.csv, depths >= 8; tests/test_ladder.py recomputes them): the
+# interpolated [X6] multiplier of an architecture over its reference at the reference's first and last budgets
+# where it interpolates (3e18 .. 1e20 FLOPs) -> the claims table's [X] numbers
+X_PAPER_MULTIPLIERS = {("operator-1", "vanilla"): (1.16, 1.25), ("loop-2", "vanilla"): (1.13, 1.26),
+                       ("untied-2", "vanilla"): (1.24, 1.34), ("loop-grow", "vanilla"): (1.18, 1.36),
+                       ("untied-grow", "vanilla"): (1.36, 1.55), ("loop-grow", "loop-2"): (1.04, 1.08),
+                       ("untied-grow", "untied-2"): (1.08, 1.17), ("untied-2", "loop-2"): (1.09, 1.07)}
+# the pairs a claim compares directly (growth vs its twin, untied vs tied), each at its reference's budgets
+X_PAIRS = (("loop-grow", "loop-2"), ("untied-grow", "untied-2"), ("untied-2", "loop-2"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,51 +222,53 @@ def depth_means(points):
             np.array([np.mean([l for _, l, dd in points if dd == d]) for d in depths]))
 
 
-def multiplier_bootstrap(points, ref, sigma, n_draws=400, seed=0):
-    """95% bands of the multipliers from the measured noise: each draw resamples the reference's seeds
-    at every depth (with replacement); another architecture's seeds are resampled alike where it has
-    several at a depth, otherwise its loss moves by N(0, sigma^2) (sigma: the reference's pooled seed
-    spread); then it refits and recomputes both multipliers (from the per-depth means) at the reference's
-    mean budgets. Returns (budgets, {arch: {"measured": (lo, hi), "fitted": (lo, hi)}})."""
-    rng = np.random.default_rng(seed)
-    ref_by_depth = {}
-    for C, L, depth in points[ref]:
-        ref_by_depth.setdefault(depth, []).append((C, L))
-    depths = sorted(ref_by_depth)
-    ref_C = np.array([np.mean([c for c, _ in ref_by_depth[d]]) for d in depths])
-    draws = {a: ([], []) for a in points if a != ref}
-    for _ in range(n_draws):  # the reference: its seeds resampled with replacement at every depth
-        chosen = {d: [reps[i] for i in rng.integers(len(reps), size=len(reps))] for d, reps in ref_by_depth.items()}
-        runs = {ref: (np.array([c for d in depths for c, _ in chosen[d]]),
-                      np.array([l for d in depths for _, l in chosen[d]]))}
-        drawn = {ref: [(c, l, d) for d in depths for c, l in chosen[d]]}
-        for a, pts in points.items():
-            if a == ref:
-                continue
-            if len({d for *_, d in pts}) == len(pts):  # one seed per depth: moved by the reference's spread
-                runs[a] = (np.array([c for c, _, _ in pts]), np.array([l for _, l, _ in pts]) +
-                           sigma * rng.standard_normal(len(pts)))
-                drawn[a] = list(zip(runs[a][0], runs[a][1], [d for *_, d in pts]))
-            else:  # its own seeds resampled at every depth
-                drawn[a] = [p for d in sorted({d for *_, d in pts}) for reps in [[q for q in pts if q[2] == d]]
-                            for p in (reps[i] for i in rng.integers(len(reps), size=len(reps)))]
-                runs[a] = (np.array([c for c, _, _ in drawn[a]]), np.array([l for _, l, _ in drawn[a]]))
+def seed_noise(points, sigma, dof):
+    """{arch: (sigma, dof)}: an architecture's own seed std pooled over its depths where it has several seeds
+    at a depth, else the given (sigma, dof) (the reference's)."""
+    noise = {}
+    for a, pts in points.items():
+        own, k = pooled_std([[l for _, l, d in pts if d == depth] for depth in sorted({d for *_, d in pts})])
+        noise[a] = (own, k) if k else (sigma or 0.0, max(dof or 1, 1))
+    return noise
+
+
+def multiplier_bootstrap(points, ref, sigma, n_draws=400, seed=0, dof=None, pairs=()):
+    """95% bands of the multipliers from the measured noise (stats.seed_draws, a Student t per mean): each draw
+    moves an architecture's seeds at a depth together by a draw of their mean's error, sigma / sqrt(n) x t(dof),
+    with its own pooled seed std (seed_noise; sigma and dof, default the reference's seed dof, where it has one
+    seed per depth); then it refits and recomputes both multipliers (from the per-depth means) at the
+    reference's mean budgets, and each pair's (arch, its reference) interpolated multiplier at that reference's.
+    Returns (budgets, {arch: {"measured": (lo, hi), "fitted": (lo, hi)}}, {pair: ((lo, hi), the share of draws in
+    which it is defined: inside both ladders' losses)})."""
+    ref_dof = pooled_std([[l for _, l, d in points[ref] if d == depth] for depth in {d for *_, d in points[ref]}])[1]
+    noise = seed_noise(points, sigma, dof or ref_dof)
+    groups = [(a, d) for a, pts in points.items() for d in sorted({d for *_, d in pts})]
+    means = [np.mean([l for _, l, dd in points[a] if dd == d]) for a, d in groups]
+    ns = [sum(dd == d for *_, dd in points[a]) for a, d in groups]
+    draws = seed_draws(means, ns, [noise[a][0] for a, _ in groups], [noise[a][1] for a, _ in groups], n_draws, seed)
+    ref_C = depth_means(points[ref])[0]
+    boot = {a: ([], []) for a in points if a != ref}
+    pair_boot = {pair: [] for pair in pairs}
+    for row in draws:
+        shift = {g: new - old for g, new, old in zip(groups, row, means)}
+        drawn = {a: [(c, l + shift[a, d], d) for c, l, d in pts] for a, pts in points.items()}
         try:
-            fits = power_fits(runs, ref)
+            fits = power_fits({a: (np.array([c for c, _, _ in p]), np.array([l for _, l, _ in p]))
+                               for a, p in drawn.items()}, ref)
         except ValueError:
             continue
-        ref_L = np.array([np.mean([l for _, l in chosen[d]]) for d in depths])
-        means = {a: depth_means(p) for a, p in drawn.items()}
-        for a, (measured, fitted, _) in multipliers(means, fits, ref, ref_C, ref_L).items():
-            draws[a][0].append(measured)
-            draws[a][1].append(fitted)
-    bands = {}
+        per_depth = {a: depth_means(p) for a, p in drawn.items()}
+        for a, (measured, fitted, _) in multipliers(per_depth, fits, ref, ref_C, per_depth[ref][1]).items():
+            boot[a][0].append(measured)
+            boot[a][1].append(fitted)
+        for arm, base in pairs:
+            pair_boot[arm, base].append(fit.compute_multiplier(*per_depth[base], *per_depth[arm]))
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an all-nan column (no interpolation possible) stays nan
-        for a, (measured, fitted) in draws.items():
-            bands[a] = {name: tuple(np.nanpercentile(np.array(d), [2.5, 97.5], axis=0)) if d else None
-                        for name, d in (("measured", measured), ("fitted", fitted))}
-    return ref_C, bands
+        band = lambda d: tuple(np.nanpercentile(np.array(d), [2.5, 97.5], axis=0)) if d else None  # noqa: E731
+        bands = {a: {"measured": band(m), "fitted": band(f)} for a, (m, f) in boot.items()}
+        defined = lambda d: np.isfinite(np.array(d)).mean(axis=0) if d else None  # noqa: E731
+        return ref_C, bands, {pair: (band(d), defined(d)) for pair, d in pair_boot.items()}
 
 
 def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400, lrs=None):
@@ -277,8 +289,8 @@ def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400, lrs=None):
     if not rows:
         lines.append("no finished runs yet")
         return "\n".join(lines), out, None
-    per, pooled = seed_spread(rows, ("depth",), ref)
-    out["seed_spread"] = dict(pooled_std=pooled, per_depth={str(k[0]): dict(mean=m, std=s, n=n)
+    per, pooled, dof = seed_spread(rows, ("depth",), ref)
+    out["seed_spread"] = dict(pooled_std=pooled, dof=dof, per_depth={str(k[0]): dict(mean=m, std=s, n=n)
                                                               for k, (m, s, n) in per.items()})
     lines.append("final validation loss (rows: architecture; columns: depth; the reference: mean over seeds)")
     lines.append(f"  {'':>12} " + " ".join(f"{f'd{d}':>9}" for d in depths))
@@ -312,13 +324,117 @@ def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400, lrs=None):
     for a, f in fits.items():
         lines.append(f"  {a:>12}: A={f.A:.4f} gamma={f.gamma:.4f} +- {f.gamma_se:.4f}")
         out["fits"][a] = f.to_dict()
-    ref_C, bands = multiplier_bootstrap(points, ref, pooled or 0.0, n_draws=n_boot if pooled else 0,
-                                        seed=preset.seed)
+    pairs = [p for p in X_PAIRS if set(p) <= set(points)] if preset.seed_every_arch else []
+    ref_C, bands, pair_bands = multiplier_bootstrap(points, ref, pooled or 0.0, n_draws=n_boot if pooled else 0,
+                                                    seed=preset.seed, dof=dof, pairs=pairs)
     ref_L = depth_means(points[ref])[1]
     mult = multipliers({a: depth_means(p) for a, p in points.items()}, fits, ref, ref_C, ref_L)
     lines += multiplier_lines(mult, bands, ref, ref_C, out, show_fitted=preset.multipliers != "interpolated")
+    if preset.seed_every_arch:  # every architecture's seeds: the pairs and the claims table
+        lines += pair_lines(points, pairs, pair_bands, out)
+        lines += x_claims(preset, rows, fits, ref, out, lrs or {})
     figures = dict(runs=runs, fits=fits, ref_C=ref_C, mult=mult, bands=bands)
     return "\n".join(lines), out, figures
+
+
+def pair_lines(points, pairs, pair_bands, out):
+    """Each pair's interpolated [X6] multiplier (arch over its reference, at the reference's per-depth budgets)
+    with its seed-bootstrap band, and every architecture's own pooled seed std -> report lines."""
+    noise = seed_noise(points, None, None)
+    lines = ["seed std of each architecture, pooled over its depths (the bootstrap's noise; 95% bands: a Student t "
+             "per seed mean): " + ", ".join(f"{a} {s:.4f} ({k} dof)" for a, (s, k) in noise.items()),
+             "[X6] pairs: an architecture's interpolated multiplier over its twin at the twin's per-depth budgets "
+             "[95% seed-bootstrap band]"]
+    out["pairs"] = {}
+    for arm, base in pairs:
+        C, _ = depth_means(points[base])
+        m = fit.compute_multiplier(*depth_means(points[base]), *depth_means(points[arm]))
+        band, defined = pair_bands.get((arm, base)) or (None, None)
+        nan = np.full(len(C), np.nan)
+        (lo, hi), defined = band or (nan, nan), nan if defined is None else defined
+        out["pairs"][f"{arm}/{base}"] = [dict(C=float(c), value=finite_or_none(v), lo=finite_or_none(a),
+                                              hi=finite_or_none(b), defined=finite_or_none(d))
+                                         for c, v, a, b, d in zip(C, m, lo, hi, defined)]
+        lines.append(f"  {f'{arm} / {base}':>24} " + " ".join(
+            f"{c:.3g}: " + (f"{v:.3f} [{fmt(a, '.2f')}, {fmt(b, '.2f')}]" + (f" (in {d:.2f} of the draws)" if d < 0.99
+                                                                             else "") if np.isfinite(v) else "-")
+            for c, v, a, b, d in zip(C, m, lo, hi, defined)))
+    return lines
+
+
+def rises(records):
+    """Does an interpolated multiplier rise with budget? 'reproduces' when its last band lies above its first,
+    'does not' when below, 'cannot tell' otherwise (records: [{value, lo, hi}] per budget, value None outside)."""
+    got = [r for r in records if r["value"] is not None]
+    if len(got) < 2 or None in (got[0]["lo"], got[0]["hi"], got[-1]["lo"], got[-1]["hi"]):
+        return "cannot tell"
+    first, last = got[0], got[-1]
+    return "reproduces" if last["lo"] > first["hi"] else "does not" if last["hi"] < first["lo"] else "cannot tell"
+
+
+def multiplier_claim(records, paper, rising=True):
+    """(verdict, number) of an [X] claim that an architecture needs less compute than its reference (every
+    band above 1) and, with rising, more so with budget (rises) -> the claims table's row."""
+    got = [r for r in records if r["value"] is not None]
+    if not got:
+        return "cannot tell", "no budget inside both ladders' losses"
+    parts = [interval_verdict([(r["lo"], r["hi"]) for r in got], 1.0)] + ([rises(got)] if rising else [])
+    verdict = "does not" if "does not" in parts else "reproduces" if set(parts) == {"reproduces"} else "cannot tell"
+    number = ", ".join(f"{r['value']:.2f} [{fmt(r['lo'], '.2f')}, {fmt(r['hi'], '.2f')}]" for r in got)
+    return verdict, f"{number} at {got[0]['C']:.2g}..{got[-1]['C']:.2g} FLOPs ([X]: {paper[0]:.2f} -> {paper[1]:.2f})"
+
+
+def x_claims(preset, rows, fits, ref, out, lrs):
+    """The claims table of an [X] ladder with every architecture's seeds: the looped and grown architectures
+    against Vanilla (ahead; rising), Operator-1 against Vanilla, growth against its non-grown twin, untied
+    against tied, the fitted exponents; and what its LRs cannot tell."""
+    records = {a: [dict(C=r["C"], value=r["measured"], lo=r["measured_lo"], hi=r["measured_hi"]) for r in rec]
+               for a, rec in out["multipliers"].items()}
+    looped = [a for a in records if a != "operator-1" and (a, ref) in X_PAPER_MULTIPLIERS]
+    got = [(a, r) for a in looped for r in records[a] if r["value"] is not None]
+    claims = []
+    if got:
+        paper = [v for a in looped for v in X_PAPER_MULTIPLIERS[a, ref]]
+        (a_lo, r_lo), (a_hi, r_hi) = min(got, key=lambda p: p[1]["value"]), max(got, key=lambda p: p[1]["value"])
+        above = sum(r["lo"] is not None and r["lo"] > 1 for _, r in got)
+        claims.append((f"every looped or grown architecture needs less compute than {ref} (multiplier > 1)",
+                       interval_verdict([(r["lo"], r["hi"]) for _, r in got], 1.0),
+                       f"{above} of {len(got)} bands above 1, from {r_lo['value']:.2f} [{fmt(r_lo['lo'], '.2f')}, "
+                       f"{fmt(r_lo['hi'], '.2f')}] ({a_lo}, {r_lo['C']:.2g}) to {r_hi['value']:.2f} "
+                       f"[{fmt(r_hi['lo'], '.2f')}, {fmt(r_hi['hi'], '.2f')}] ({a_hi}, {r_hi['C']:.2g}) ([X]: "
+                       f"{min(paper):.2f}..{max(paper):.2f})"))
+        trend = {a: rises(records[a]) for a in looped}
+        claims.append(("their multipliers rise with budget (the exponent gains)",
+                       "reproduces" if set(trend.values()) == {"reproduces"} else "does not"
+                       if "does not" in trend.values() and "reproduces" not in trend.values() else "cannot tell",
+                       "; ".join(f"{a} {g[0]['value']:.2f} -> {g[-1]['value']:.2f}" for a in looped
+                                 for g in [[r for r in records[a] if r["value"] is not None]] if g)
+                       + f" (the last band below the first for {sum(v == 'does not' for v in trend.values())} of "
+                         f"{len(trend)})"))
+    if "operator-1" in records and ("operator-1", ref) in X_PAPER_MULTIPLIERS:
+        claims.append((f"the boundary operator alone (Operator-1) needs less compute than {ref}, more so with budget",
+                       *multiplier_claim(records["operator-1"], X_PAPER_MULTIPLIERS["operator-1", ref])))
+    for key, rec in out.get("pairs", {}).items():
+        arm, base = key.split("/")
+        grows = arm.endswith("-grow")
+        claims.append((f"growing beats not growing ({arm} vs {base}), more so with budget" if grows else
+                       f"untied beats tied ({arm} vs {base}) by a constant factor",
+                       *multiplier_claim(rec, X_PAPER_MULTIPLIERS[arm, base], rising=grows)))
+    if fits[ref].E < 1e-3:  # at its lower bound: the exponents are not [X]'s
+        gammas = [f.gamma for f in fits.values()]
+        claims.append(("the exponents of the shared-E laws [X7] order the architectures", "cannot tell",
+                       f"{ref}'s free fit puts E at its bound ({fits[ref].E:.4f}): gamma {min(gammas):.3f}.."
+                       f"{max(gammas):.3f}, not comparable with [X]'s"))
+    lines = claims_lines(claims)
+    steps = [r["D"] / tokens_per_step(preset) for r in rows if r["depth"] == preset.depths[0]]
+    if lrs and preset.lr_sweep:
+        same = len(set(lrs.values())) == 1
+        lines.append(f"cannot tell either: every LR comes from one sweep at d{preset.depths[0]} ({min(steps):.0f}-"
+                     f"{max(steps):.0f} steps; {preset.lr_sweep.seeds} seeds per value) carried up by [X16]"
+                     + (f", and all {len(lrs)} architectures peaked at the same grid value "
+                        f"({next(iter(lrs.values())):g}; values 2x apart), so the sweep does not tell their optima "
+                        "apart" if same else ""))
+    return lines
 
 
 def lr_confound_lines(preset, archs, lrs, ref):

@@ -80,7 +80,7 @@ def test_the_gpu_runs_fit_one_h200_and_are_the_recipes_share():
     config, cfg = gpu_check.settings_of(runs["x_d8"], 1)
     assert (config.batch_size, config.grad_accum, cfg.block_size, cfg.executed_layers()) == (16, 2, 2048, 11)
     config, cfg = gpu_check.settings_of(runs["s95"], 1)
-    assert (config.batch_size, config.grad_accum, cfg.n_expert, config.parallel) == (2, 2, 288, "fsdp")
+    assert (config.batch_size, config.grad_accum, cfg.n_expert, config.parallel) == (2, 2, 288, "fsdp_grad_op")
     assert gpu_check.settings_of([*runs["x_d8"], "--final_eval_tokens=0"], 1)[0].final_eval_tokens == 0
 
 

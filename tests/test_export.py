@@ -279,4 +279,4 @@ def test_train_init_from_an_export_starts_a_new_run_from_its_weights(exported, d
     assert trained["state"]["step"] == 2 and trained["model_config"] == plain_config(model.config)
     assert not torch.equal(trained["model"]["wte.weight"], model.wte.weight)  # it trained from there
     with pytest.raises(ValueError, match="an export holds weights only"):
-        train.train(settings | dict(run_name="branch", decay_branch=True, decay_tokens=256))
+        train.train(settings | dict(run_name="branch", decay_tokens=256))  # a branch forks a checkpoint

@@ -247,7 +247,7 @@ def rehearse_on_meta(monkeypatch, group):
     run = types.SimpleNamespace(group=group, steps=[], clips=0, reads=[], grew=[], saves=[], placed=[], tolerated=[],
                                 rebuilt=[])
     patch = monkeypatch.setattr
-    patch(distributed, "setup", lambda device, parallel, timeout_s: (0, 2, META))
+    patch(distributed, "setup", lambda device, parallel, timeout_s=None: (0, 2, META))
     patch(train, "evaluate", lambda *args, **kwargs: {"val_loss": 0.0})
     # DDP: its shape check and bucket rebuild read back what they sent through the group
     patch(ddp, "_verify_param_shape_across_processes",
@@ -305,7 +305,7 @@ def meta_world(monkeypatch, group):
 
 
 def settings_of(data_dir, tmp_path, **values):
-    return dict(vocab_size=4096, eot_token=4095, block_size=16, n_embd=32, n_head=2, batch_size=2, global_batch=8,
+    return dict(vocab_size=4096, block_size=16, n_embd=32, n_head=2, batch_size=2, global_batch=8,
                 max_steps=20, log_interval=3, eval_interval=6, data_dir=data_dir,
                 out_dir=str(tmp_path)) | values
 

@@ -76,3 +76,11 @@ def test_the_second_fold_reads_stored_settings_in_this_release():
     assert new["train_config"] == dict(optimizer="muon_x", max_steps=7)
     original = legacy.upgraded_settings(dict(train_config=dict(optimizer="muon", muon_variant="original")))
     assert original["train_config"] == dict(optimizer="muon")
+    # the third fold: reshard_after_forward=False is parallel="fsdp_grad_op"; overwrite, collective_timeout_s
+    # and decay_branch (a branch's state says it) went
+    stored = dict(parallel="fsdp", reshard_after_forward=False, overwrite=True, collective_timeout_s=60.0,
+                  decay_branch=True, decay_tokens=512)
+    assert legacy.upgraded_settings(dict(train_config=stored))["train_config"] == \
+        dict(parallel="fsdp_grad_op", decay_tokens=512)
+    resharded = dict(parallel="fsdp", reshard_after_forward=True)
+    assert legacy.upgraded_settings(dict(train_config=resharded))["train_config"] == dict(parallel="fsdp")

@@ -258,11 +258,11 @@ def test_every_documented_gpu_run_fits_on_80_gb_gpus(label, world, argv):
     config, cfg = train.SETTINGS.build(train.TrainConfig, values), train.SETTINGS.build(ModelConfig, values)
     from tooling import guards
     guards.derive_grad_accum(config, world)
-    parallel = config.parallel if world > 1 or config.parallel == "fsdp" else "ddp"
+    parallel = "fsdp" if config.sharded else "ddp"
     for when, shape in grow.shapes_of_run(cfg, config):
         plan = memory.memory_plan(shape, world, config.batch_size, config.optimizer, config.activation_checkpointing,
                                   gpu_gb=80, kernels=config.triton, grad_accum=config.grad_accum)[parallel]
-        fits = plan["keep_gathered_fits"] if parallel == "fsdp" and not config.reshard_after_forward else plan["fits"]
+        fits = plan["keep_gathered_fits"] if config.parallel == "fsdp_grad_op" else plan["fits"]
         assert fits, f"{label}{when}: {plan['total_gb_per_gpu']:.1f} GiB per GPU ({parallel})"
 
 

@@ -30,7 +30,7 @@ OPTIONS = {  # more runs of some cases at grad_accum 2, under both wrappers: set
     "smelt_moe_random": {"compiled": dict(compile=True)},
     "pcc_grow_untied": {"compiled": dict(compile=True), "checkpointed": dict(activation_checkpointing=True)},
     "smelt_moe_grow": {"checkpointed": dict(activation_checkpointing=True)},
-    "pcc_untied_random_below_k": {"unsharded": dict(reshard_after_forward=False)},  # fsdp's (refused under ddp)
+    "pcc_untied_random_below_k": {"unsharded": dict(parallel="fsdp_grad_op")},  # gathered forward to backward
 }
 FSDP_ONLY = {"unsharded"}
 TOL = dict(rel=1e-5, abs=1e-6)  # fp32: gradient sums in another order, the same Newton-Schulz inputs
@@ -56,9 +56,9 @@ def parallel_runs(tmp_path_factory, data_dir, torchrun):
             for grad_accum in (1, 2):
                 for option, overrides in variants(case, grad_accum, parallel):
                     name = job_name(case, parallel, grad_accum, option)
-                    jobs.append(dict(name=name, settings=BASE | settings | overrides | dict(
+                    jobs.append(dict(name=name, settings=BASE | settings | dict(
                         parallel=parallel, global_batch=2 * BASE["batch_size"] * grad_accum, data_dir=data_dir,
-                        out_dir=str(root / name))))
+                        out_dir=str(root / name)) | overrides))
     (root / "jobs.json").write_text(json.dumps(jobs))
     torchrun(["tests/fsdp_driver.py", str(root / "jobs.json"), str(root / "results.json"), "--compile_backend",
               "aot_eager"], nproc=2, timeout=600)

@@ -274,7 +274,7 @@ def test_held_back_region_is_whole_shards_at_the_end(sharded, tmp_path):
                                       decay_fraction=0.0, save_steps=[2], eval_interval=4))
     assert stable["data_split"] in boundaries and stable["data_read"][1] <= stable["data_split"]
     branch = train.train(dict(out_dir=str(tmp_path), init_from=os.path.join(stable["run_dir"], "ckpt_step2.pt"),
-                              decay_branch=True, decay_tokens=2 * 4 * 128))
+                              decay_tokens=2 * 4 * 128))
     assert branch["data_region"] == "branch" and branch["data_split"] == stable["data_split"]
     assert stable["data_split"] <= branch["data_read"][0] and branch["data_read"][1] <= boundaries[-1]
 
@@ -355,7 +355,14 @@ def test_bad_prepared_folder_is_one_line_naming_the_file(sharded, tmp_path, caps
     with pytest.raises(ValueError) as e:
         loader.open_data(str(folder), model)
     assert "\n" not in str(e.value) and f"{folder} holds tokens of tokenizer gpt2-4096" in str(e.value)
-    assert loader.open_data(str(folder), ModelConfig()).meta == data.meta
+    assert loader.open_data(str(folder), ModelConfig())[0].meta == data.meta
+    # a new model takes the data's end-of-text id, and cuts a padded vocabulary to the data's
+    _, fitted = loader.open_data(str(folder), ModelConfig(vocab_size=4160, eot_token=7), new_model=True)
+    assert (fitted.eot_token, fitted.n_logits, fitted.vocab_size) == (4095, 4096, 4160)
+    _, fitted = loader.open_data(str(folder), ModelConfig(vocab_size=4096), new_model=True)
+    assert (fitted.eot_token, fitted.n_logits) == (4095, 0)  # the whole vocabulary: nothing to cut
+    with pytest.raises(ValueError, match=r"n_vocab=4096.*\(or vocab_size >= 4096\)$"):
+        loader.open_data(str(folder), ModelConfig(vocab_size=1000), new_model=True)
     shard = folder / "train_000003.bin"
     shard.write_bytes(shard.read_bytes()[:-2])  # truncated
     err = one_line_error(prep.main, ["--verify", "--out", str(folder)], capsys, "prepare.py")

@@ -107,7 +107,7 @@ def test_train_bf16_growth_and_decay_branch(tmp_path, data_dir, untie):
     model, ckpt = load_model(stable["ckpt_path"])
     assert ckpt["state"]["grown"] and model.config.n_passes == 2 and model.config.tie_core == (not untie)
     branch = train.train(dict(out_dir=str(tmp_path), init_from=os.path.join(stable["run_dir"], "ckpt_step6.pt"),
-                              decay_branch=True, decay_tokens=3 * 4 * 32))
+                              decay_tokens=3 * 4 * 32))
     assert branch["step"] == 9 and all(v == v for v in branch["train_losses"])
     log = [json.loads(line) for line in open(branch["log_path"])]
     assert log[-1]["lr"] == 0.0  # decayed to the floor, in bf16 like its stable phase (dtype is inherited)

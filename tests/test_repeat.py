@@ -34,7 +34,7 @@ def quiet(*args, **kwargs):
 
 
 def test_unique_tokens_reads_only_them_for_many_epochs(tmp_path, capsys):
-    base = dict(n_layer=1, n_embd=16, n_head=2, n_expert=0, layout="plain", n_passes=1, vocab_size=257, eot_token=256,
+    base = dict(n_layer=1, n_embd=16, n_head=2, n_expert=0, layout="plain", n_passes=1, vocab_size=257,
                 block_size=16, batch_size=4, max_steps=30, eval_interval=30, eval_tokens=256,
                 out_dir=str(tmp_path),
                 data_dir=data_plan(get_preset("x-repeat-micro")).data_dir)
@@ -47,7 +47,7 @@ def test_unique_tokens_reads_only_them_for_many_epochs(tmp_path, capsys):
     for bad, message in ((16, "unique_tokens=16: must be in [block_size + 1"),
                          (10 ** 9, "unique_tokens=1,000,000,000")):
         err = one_line_error(train.main, [f"--unique_tokens={bad}", "--n_expert=0", "--max_steps=1", "--vocab_size=257",
-                                          "--eot_token=256", f"--data_dir={base['data_dir']}", "--block_size=16",
+                                          f"--data_dir={base['data_dir']}", "--block_size=16",
                                           f"--out_dir={tmp_path}", "--run_name=bad"],
                              capsys, "train.py")
         assert message in err
@@ -215,9 +215,18 @@ def test_committed_repeat_report_rebuilds_from_its_csv(tmp_path):
         shutil.copy(os.path.join(docs, f"x-cpu-repeat-{name}"), tmp_path / f"x-cpu-repeat-{name}")
     report = pipeline.rereport("x-cpu-repeat", str(tmp_path / "x-cpu-repeat-runs.csv"), log=quiet)
     text = (tmp_path / "x-cpu-repeat-report.txt").read_text()
-    mask = lambda t: re.sub(r"\[[-+0-9.,e ]*\]|\[95% band [^;]*;|agree .*|in [01]\.[0-9]+ of the draws", "", t)  # noqa: E731
+    bands = r"\[[-+0-9.,e ]*\]|\[95% band [^;]*;|agree .*|K > 1 .*|in [01]\.[0-9]+ of the draws"
+    mask = lambda t: re.sub(bands, "", t)  # noqa: E731
     assert mask(text) == mask(open(os.path.join(docs, "x-cpu-repeat-report.txt")).read())
     assert report["wd_regression"]["points"] == 16 and report["best_K"][-1] == 4 and report["best_K_grows"]
+    # a looped K at the top budget holds; where the best K switches does not (the bootstrap agrees in < 0.9)
+    assert report["best_K_looped_share"][-1] >= 0.9 and report["best_K_switch_share"] < 0.9
+    for row in ("| the compute-optimal K grows with compute (K > 1 at the largest budget) | reproduces |",
+                "| the budget at which the best K changes | cannot tell |",
+                "| looping reaches the best K = 1 loss with 1/2.2 of its compute (C*/C = 2.2) | does not |",
+                "| the looped models' advantage comes from the repeated data | cannot tell |"):
+        assert row in text
+    assert report["loop_vs_k1"]["sigma"] == pytest.approx(report["seed_spread"]["pooled_std"] * math.sqrt(2 / 3))
 
 
 def test_multipliers_read_seed_means_when_every_architecture_has_seeds():
@@ -230,7 +239,7 @@ def test_multipliers_read_seed_means_when_every_architecture_has_seeds():
     measured = fit.compute_multiplier([2e12], [1.90], C, L)
     assert measured[0] == pytest.approx(2 / 2 ** (1 / 6))
     points = {"vanilla": ref, "b": arm}
-    _, bands = multiplier_bootstrap(points, "vanilla", 0.01, n_draws=50, seed=0)
+    _, bands, _ = multiplier_bootstrap(points, "vanilla", 0.01, n_draws=50, seed=0)
     lo, hi = bands["b"]["measured"]
     assert lo[1] <= 2 / 2 ** (1 / 6) <= hi[1]
 
@@ -246,6 +255,16 @@ def test_committed_smelt_report_says_what_the_readme_quotes(tmp_path):
     text = (tmp_path / "smelt-cpu-mini-report.txt").read_text()
     committed = open(os.path.join(docs, "smelt-cpu-mini-report.txt")).read()
     for line in ("per-pair wins (SMELT loss < baseline loss at the same cell, branch and seed): 3/27",
-                 "grid: F spans 10.7x", "pooled 0.0155", "c = 0.4581", "c = 0.4588"):
+                 "grid: F spans 10.3x within each architecture", "pooled 0.0155", "c = 0.4581", "c = 0.4588",
+                 "a pair's seed noise is sqrt(2) x the pooled std = 0.0219 nats",
+                 "[S5] CE Gain and [S3] TPP: not reported"):
         assert line in text and line in committed
-    assert report["grid"]["cells"] == 9 and report["grid"]["F_span"] >= 10
+    assert report["grid"]["cells"] == 9 and report["grid"]["F_span"] >= 10 and report["grid"]["F_levels"] == \
+        {"baseline": 3, "smelt": 3}
+    assert report["identified"] == {"baseline": False, "smelt": False} and report["ce_gain"] == []
+    assert report["profile"]["smelt"]["at_edge"] and report["profile"]["baseline"]["E"][1] - \
+        report["profile"]["baseline"]["E"][0] > 0.9  # E moves by 1 nat along the baseline's profile of a
+    # the rest is the committed report, but for the cell bootstrap's intervals (20 draws here, 2000 there)
+    interval = re.compile(r"^      [ac] = |reaches 0: this exponent|\| the data exponent c")
+    drop = lambda t: [line for line in t.splitlines() if not interval.search(line)]  # noqa: E731
+    assert drop(text) == drop(committed)

@@ -37,10 +37,11 @@ def run(data_dir, out, **overrides):
 
 def test_defaults_live_in_one_place_and_train_the_tiny_smelt_moe():
     """train.py's defaults are TrainConfig's and ModelConfig's field defaults as declared (a derived size stays
-    "derive", so it follows the sizes a run sets) with the tiny model on top."""
+    "derive", so it follows the sizes a run sets) with the tiny model on top; the fields a run takes from its
+    data (eot_token, n_logits) are no settings."""
     from dataclasses import fields
     expected = {f.name: getattr(train.TrainConfig(), f.name) for f in fields(train.TrainConfig)}
-    expected |= {f.name: f.default for f in fields(ModelConfig)} | train.TINY_MODEL
+    expected |= {f.name: f.default for f in fields(ModelConfig) if f.name not in train.FROM_DATA} | train.TINY_MODEL
     assert train.DEFAULTS == expected and train.DEFAULTS["head_dim"] == 0 and train.DEFAULTS["mlp_hidden"] == 0
     wide = train.SETTINGS.build(train.ModelConfig, train.SETTINGS.resolve({"n_embd": 256, "n_head": 2}))
     assert (wide.head_dim, wide.n_kv_head, wide.mlp_hidden) == (128, 2, 768)  # derived from the run's own sizes
@@ -167,8 +168,7 @@ def test_decay_branch_forks_weights_decays_to_zero_on_unseen_data(tmp_path, data
                  matrix_lr=0.03)
     assert stable["data_region"] == "stable" and stable["data_read"][1] <= stable["data_split"]
     ckpt_path = os.path.join(stable["run_dir"], "ckpt_step4.pt")
-    branch = train.train(dict(out_dir=str(tmp_path), init_from=ckpt_path, decay_branch=True,
-                              decay_tokens=5 * 4 * 32))
+    branch = train.train(dict(out_dir=str(tmp_path), init_from=ckpt_path, decay_tokens=5 * 4 * 32))
     assert branch["run_dir"].endswith("stable_decay4") and os.path.exists(branch["ckpt_path"])
     assert branch["step"] == 4 + 5 and branch["max_steps"] == 9
     assert branch["data_region"] == "branch" and branch["data_read"][0] >= branch["data_split"]  # unseen data
@@ -331,7 +331,7 @@ def test_data_repetition_is_logged_warned_and_refused_for_branches(tmp_path, dat
     assert log[0]["epochs"] == 0 and log[-1]["epochs"] == pytest.approx(160 / 127)
     with pytest.raises(ValueError, match=r"decay branch needs 100 windows .* held-back data has 14 .*reread"):
         train.train(dict(out_dir=str(tmp_path), init_from=os.path.join(wraps["run_dir"], "ckpt_step10.pt"),
-                         decay_branch=True, decay_tokens=100 * 4 * 128 // 4))
+                         decay_tokens=100 * 4 * 128 // 4))
 
 
 def test_help_describes_every_setting():
@@ -642,7 +642,8 @@ def test_planned_schedule_decays_over_exactly_the_last_fraction():
     config = train.TrainConfig(max_steps=100, warmup_steps=10, decay_fraction=0.3, decay_shape="linear")
     linear = train.plan_schedule(config, state, tokens_per_step=1)
     assert [linear.lr_multiplier(s) for s in (69, 70, 71, 99)] == pytest.approx([1.0, 1.0, 1 - 1 / 29, 0.0])
-    config = train.TrainConfig(warmup_steps=10, decay_branch=True, init_from="stable.pt", decay_tokens=200)
+    config = train.TrainConfig(warmup_steps=10, init_from="stable.pt", decay_tokens=200)
+    config.decay_branch = True  # rundir.resolve_run: a fork with decay_tokens
     forked = train.TrainState(branch_start_step=50)
     branch = train.plan_schedule(config, forked, tokens_per_step=10)
     assert (branch.max_steps, branch.decay_start, branch.lr_multiplier(49)) == (70, 50, 1.0)

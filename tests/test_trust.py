@@ -6,7 +6,7 @@ and a setting is wrong (README "Reliability"). Each test is a case a prober foun
 - SIGTERM ends a run like Ctrl-C; a lock of another host says how to take it over; a frozen or killed
   peer ends the others within the collective timeout with one line, at any collective; a failure or
   refusal on one rank ends every rank within seconds, each with the one line naming that rank;
-- a new run never overwrites a run folder unless told to; a resume keeps its global batch;
+- a new run never overwrites a run folder; a resume keeps its global batch;
 - bad settings of every CLI: one line naming the setting, exit status 2, nothing accepted in silence.
 """
 import errno
@@ -315,14 +315,16 @@ def test_locks(tmp_path, data_dir, monkeypatch, capsys):
     assert "locked by process 4242 on host node-7 since 2026-11-30T23:59:59" in err
     assert f"rm {run / 'lock'}" in err
     for stale in (f"{socket.gethostname()} 999999999 2026-11-30T23:59:59", ""):  # a dead process here; empty
+        shutil.rmtree(run)
+        run.mkdir()
         (run / "lock").write_text(stale)
-        assert train.main(settings + ["--overwrite=True"]) == 0  # taken over
+        assert train.main(settings) == 0  # taken over
         assert not (run / "lock").exists()
     # a full disk while the lock is written: one line, and no empty lock left behind
     def disk_full(path, write):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(rundir, "write_atomic", disk_full)
-    err = one_line_error(train.main, settings + ["--overwrite=True"], capsys, "train.py")
+    err = one_line_error(train.main, settings, capsys, "train.py")
     assert f"cannot write the lock file {run / 'lock'}: No space left on device" in err
     assert not (run / "lock").exists()
 
@@ -337,10 +339,11 @@ def start_two_processes(tmp_path, data_dir, extra=(), rank_extra=((), ()), fault
     processes = []
     for rank in (0, 1):
         env = subprocess_env() | dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+                                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                                      LOOPSTUDY_COLLECTIVE_TIMEOUT_S=str(timeout_s))
         processes.append(subprocess.Popen(
-            [sys.executable, *script, *argv(**SMALL, data_dir=data_dir, out_dir=str(tmp_path), max_steps=max_steps,
-                                            collective_timeout_s=timeout_s), *extra, *rank_extra[rank]],
+            [sys.executable, *script, *argv(**SMALL, data_dir=data_dir, out_dir=str(tmp_path), max_steps=max_steps),
+             *extra, *rank_extra[rank]],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     return processes
 
@@ -448,17 +451,17 @@ def test_a_failure_on_one_rank_ends_every_rank_with_its_line(case, tmp_path, dat
 # 5. Run folders and the global batch
 
 
-def test_a_new_run_never_overwrites_a_run_folder_unless_told(trained, tmp_path, data_dir, capsys):
+def test_a_new_run_never_overwrites_a_run_folder(trained, tmp_path, data_dir, capsys):
     run = copy_run(trained, tmp_path)
     (run / "ckpt_step2.pt").write_bytes((run / "ckpt.pt").read_bytes())
     settings = argv(**SMALL, data_dir=data_dir, out_dir=str(run.parent), run_name="run", max_steps=2)
     before = {p.name: p.read_bytes() for p in run.iterdir()}
     err = one_line_error(train.main, settings, capsys, "train.py")
-    assert "already holds a run (ckpt.pt, ckpt_step2.pt, log.jsonl)" in err and "--overwrite=True" in err
+    assert "already holds a run (ckpt.pt, ckpt_step2.pt, log.jsonl)" in err
+    assert "--init_from=resume" in err and "delete the folder" in err
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
-    assert train.main(settings + ["--overwrite=True"]) == 0
-    assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "log.jsonl"]  # the old step checkpoint went too
-    assert [json.loads(line)["step"] for line in open(run / "log.jsonl")] == [0, 2]
+    err = one_line_error(train.main, settings + ["--overwrite=True"], capsys, "train.py")
+    assert "unknown command-line key 'overwrite': it went (delete the run folder" in err
 
 
 def test_a_resume_keeps_the_global_batch_on_any_number_of_processes(trained, tmp_path):
@@ -533,7 +536,7 @@ def test_the_step_0_line_waits_for_the_first_checkpoint(tmp_path, data_dir, monk
 def test_a_decay_branch_forks_only_a_stable_checkpoint(tmp_path, data_dir, capsys):
     decayed = train.train(SMALL | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="decayed", max_steps=6,
                                        decay_fraction=0.5))
-    branch = dict(out_dir=str(tmp_path), data_dir=data_dir, decay_branch=True, decay_tokens=256)
+    branch = dict(out_dir=str(tmp_path), data_dir=data_dir, decay_tokens=256)  # a fork with decay_tokens
     err = one_line_error(train.main, argv(**branch, init_from=decayed["ckpt_path"]), capsys, "train.py")
     assert "after its LR began to decay at step 3" in err
     stable = train.train(SMALL | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="stable", max_steps=4,
@@ -567,7 +570,6 @@ BAD_SETTINGS = [  # (prog, argv, what the line must name); CKPT / DATA are fille
     ("train.py", ["--layout=pcc", "--n_passes=0"], "n_passes=0: must be >= 1"),
     ("train.py", ["--n_layer=1"], "loop_span"),
     ("train.py", ["--batch_size=0"], "batch_size=0: must be >= 1"),
-    ("train.py", ["--collective_timeout_s=0"], "collective_timeout_s=0.0: must be >= 1"),
     ("train.py", ["--eval_tokens=-5"], "eval_tokens=-5"),
     ("train.py", ["--branch_data_fraction=1.5"], "branch_data_fraction=1.5"),
     ("train.py", ["--adam_betas=(0.9, 1.2)"], "adam_betas"),
@@ -576,7 +578,8 @@ BAD_SETTINGS = [  # (prog, argv, what the line must name); CKPT / DATA are fille
     ("train.py", ["--n_embd=1.5"], "n_embd=1.5 has type float"),
     ("train.py", ["--save_steps=[0]"], "save_steps"),
     ("train.py", ["--n_passes_choices=[2]", "--layout=plain"], "n_passes_choices"),
-    ("train.py", ["--decay_branch=True"], "decay_branch"),
+    ("train.py", ["--decay_branch=True"], "unknown command-line key 'decay_branch': it went (init_from=<checkpoint>"),
+    ("train.py", ["--eot_token=7"], "unknown command-line key 'eot_token': it went (a new run takes its data's"),
     ("train.py", ["--resume=True"], "unknown command-line key 'resume': it went (init_from=resume"),
     ("sample.py", ["--ckp", "CKPT"], "unrecognized arguments: --ckp"),
     ("sample.py", ["--top_k", "0"], "argument --top_k: 0: must be >= 1"),
@@ -638,3 +641,18 @@ def test_every_bad_setting_is_one_line_naming_it(prog, args, named, trained, dat
 
 def test_the_catalogue_covers_40_bad_settings_across_the_clis():
     assert len(BAD_SETTINGS) >= 40 and len({prog for prog, _, _ in BAD_SETTINGS}) >= 9
+
+
+@pytest.mark.parametrize("text", ["0", "abc", "nan", "-5"])
+def test_a_bad_collective_timeout_is_one_line_naming_it(text, monkeypatch, tmp_path, capsys):
+    """The collective timeout is the environment's (LOOPSTUDY_COLLECTIVE_TIMEOUT_S, 600 s when unset): a value
+    that is no number of seconds >= 1 ends a run before it starts, in one line naming the variable."""
+    from tooling import distributed
+    monkeypatch.delenv(distributed.COLLECTIVE_TIMEOUT_ENV, raising=False)
+    assert distributed.collective_timeout_s() == 600.0
+    monkeypatch.setenv(distributed.COLLECTIVE_TIMEOUT_ENV, "7.5")
+    assert distributed.collective_timeout_s() == 7.5
+    monkeypatch.setenv(distributed.COLLECTIVE_TIMEOUT_ENV, text)
+    err = one_line_error(train.main, [f"--out_dir={tmp_path / 'never'}", "--max_steps=1"], capsys, "train.py")
+    assert f"LOOPSTUDY_COLLECTIVE_TIMEOUT_S='{text}': must be a number of seconds >= 1" in err
+    assert not (tmp_path / "never").exists()

@@ -4,8 +4,8 @@
   fork killed with kill -9;
 - a resume that changes the schedule says exactly what changes; a fork with nothing to train, a warmup
   longer than the run are refused before anything is written;
-- --overwrite keeps the old run (the checkpoint a fork starts from included) until the new run has written
-  its own first checkpoint;
+- a fork with decay_tokens is a decay branch and resumes as one; a stable run whose decay_tokens plan its
+  branches resumes as the stable run;
 - a setting given where it does nothing is refused with what it needs; --help shows each default as it is;
 - a config file that exits or is not UTF-8 is one line naming it; CPU threads follow the idle cores.
 """
@@ -52,7 +52,7 @@ def stable(tmp_path_factory, data_dir):
     return out / "stable" / "ckpt_step2.pt"
 
 
-KINDS = {"plain": {}, "fork": dict(max_steps=8), "branch": dict(decay_branch=True, decay_tokens=4 * 4 * 32)}
+KINDS = {"plain": {}, "fork": dict(max_steps=8), "branch": dict(decay_tokens=4 * 4 * 32)}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -72,7 +72,7 @@ def test_a_run_stopped_at_a_step_resumes_by_the_command_it_prints(kind, stable, 
 
 
 def test_a_decay_branch_stopped_by_sigterm_resumes_by_the_command_it_prints(stable, data_dir, tmp_path):
-    settings = RUN | dict(data_dir=data_dir, init_from=str(stable), decay_branch=True, decay_tokens=40 * 4 * 32,
+    settings = RUN | dict(data_dir=data_dir, init_from=str(stable), decay_tokens=40 * 4 * 32,
                           eval_interval=1, eval_tokens=64)
     process = subprocess.Popen([sys.executable, "train.py", *argv(**settings, out_dir=str(tmp_path), run_name="br")],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -126,24 +126,21 @@ def test_nothing_to_train_is_refused_before_anything_is_written(stable, data_dir
     assert os.listdir(tmp_path) == []  # no run folder left behind
 
 
-def test_overwrite_keeps_the_old_run_until_the_new_one_has_its_first_checkpoint(data_dir, tmp_path, monkeypatch):
-    old = train.train(RUN | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="ow", max_steps=2))
-    files = {name: open(tmp_path / "ow" / name, "rb").read() for name in ("ckpt.pt", "log.jsonl")}
-    fork = RUN | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="ow", overwrite=True,
-                      init_from=old["ckpt_path"], max_steps=4)
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(checkpoint, "save_file", interrupted)  # stopped before its first checkpoint
-        with pytest.raises(rundir.TrainingInterrupted, match="no checkpoint was written yet"):
-            train.train(fork)
-    assert {name: open(tmp_path / "ow" / name, "rb").read() for name in files} == files
-    summary = train.train(fork)
-    log = [json.loads(line) for line in open(summary["log_path"])]
-    assert [r["step"] for r in log] == [4] and summary["step"] == 4  # the old run's lines are gone
-    assert checkpoint.load_checkpoint(summary["ckpt_path"])["state"]["step"] == 4
+def test_decay_tokens_make_a_fork_a_branch_and_a_stable_run_resumes_as_itself(data_dir, tmp_path):
+    """[S] a branch is a fork with decay_tokens (no decay_branch setting): it decays from the step it forked
+    at, on held-back data. A stable run's own decay_tokens only plan its branches: stopped and resumed, it
+    is the same stable run (its state, not its settings, says what it is)."""
+    planned = RUN | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="st", max_steps=4, decay_fraction=0.0,
+                         decay_tokens=4 * 4 * 32, branch_data_fraction=0.3)
+    train.train(planned | dict(stop_at_step=2))
+    resumed = train.train(dict(out_dir=str(tmp_path), run_name="st", init_from="resume"))
+    state = checkpoint.load_checkpoint(resumed["ckpt_path"])["state"]
+    assert resumed["step"] == 4 and state["branch_start_step"] is None and state["data_region"] == "stable"
+    branch = train.train(dict(out_dir=str(tmp_path), run_name="br", init_from=resumed["ckpt_path"],
+                              decay_tokens=4 * 4 * 32, data_dir=data_dir))
+    state = checkpoint.load_checkpoint(branch["ckpt_path"])["state"]
+    assert (state["branch_start_step"], state["decay_start"], branch["step"]) == (4, 4, 8)
+    assert state["data_region"] == "branch"
 
 
 INERT = [
@@ -151,12 +148,11 @@ INERT = [
     (["--grow_untie=True"], "grow_untie=True: does nothing without grow_at"),
     (["--layout=pcc", "--loop_span=1"], "loop_span=1: does nothing in layout 'pcc': it is the span layouts "
                                         "'smelt' and 'layer_loop' loop"),
-    (["--decay_tokens=40000"], "decay_tokens=40000: does nothing without decay_branch=True"),
+    (["--decay_tokens=40000"], "decay_tokens=40000: does nothing without init_from=<a stable checkpoint>"),
     (["--boundary_alpha=0.5"], "boundary_alpha=0.5: does nothing in layout 'smelt': it is of layout 'pcc'"),
     (["--tie_core=False"], "tie_core=False: does nothing in layout 'smelt'"),
     (["--n_expert=0", "--expert_hidden=64"], "expert_hidden=64: does nothing in a dense model"),
     (["--optimizer=adamw", "--muon_momentum_warmup=9"], "muon_momentum_warmup=9: does nothing with optimizer='adamw'"),
-    (["--reshard_after_forward=False"], "reshard_after_forward=False: does nothing with parallel='ddp'"),
 ]
 
 

@@ -84,15 +84,16 @@ def dcp_failure(error):
 
 def disk_error(path, error, rank=None):
     """An OSError naming the checkpoint and the likely cause instead of torch's serializer message; rank:
-    the rank that failed, named (the error every rank raises for it)."""
-    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    the rank that failed, named (the error every rank raises for it): its free space is not this rank's to
+    tell, and this rank's folder may be gone by now (rank 0 removes a run folder the failure left empty)."""
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free if rank is None else None
     code = error.errno if isinstance(error, OSError) else None
     short = code in (errno.ENOSPC, errno.EFBIG) or "unexpected pos" in str(error)  # torch's writer: a short write
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if rank is None else resource.RLIM_INFINITY
     if code == errno.EFBIG or (short and limit != resource.RLIM_INFINITY and free >= 1 << 20):
         why = "the file size limit was reached (ulimit -f" + \
             (f": {limit / 2**20:.0f} MB)" if limit != resource.RLIM_INFINITY else ")")
-    elif short or (free < 1 << 20 and rank is None):
+    elif short or (rank is None and free < 1 << 20):
         why = "the disk is full" + (f" ({free / 2**20:.0f} MB free)" if rank is None else "")  # another rank's: unknown
     else:
         why = f"{type(error).__name__}: {first_line(error)}"

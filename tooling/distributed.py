@@ -18,6 +18,7 @@ rank (exchange, agree), and a failure on one rank ends every rank with one line 
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 import socket
@@ -61,13 +62,33 @@ def cpu_threads():
     return f"cpu: {n} torch thread{'s' if n > 1 else ''} per process ({why})"
 
 
-def setup(device="auto", parallel="ddp", timeout_s=600.0):
+# a collective (or the start-up rendezvous) waiting longer than this for a peer ends the run (peer_failure):
+# torch's own 10 minutes; the environment variable changes it (a cluster's slow start, the tests' frozen peers)
+COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S = "LOOPSTUDY_COLLECTIVE_TIMEOUT_S", 600.0
+
+
+def collective_timeout_s():
+    """The collective timeout in seconds: $LOOPSTUDY_COLLECTIVE_TIMEOUT_S, else 600."""
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    if text is None:
+        return COLLECTIVE_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV}={text!r}: must be a number of seconds >= 1")
+    return value
+
+
+def setup(device="auto", parallel="ddp", timeout_s=None):
     """(rank, world_size, device); initialises the process group under torchrun. The backend maps CPU
     tensors to gloo and CUDA tensors to nccl ("cpu:gloo,cuda:nccl"), so a collective on either device
-    works. parallel="fsdp" in one process runs as one shard in a one-process group. timeout_s: a
-    collective (or the start-up rendezvous) waiting longer than this for a peer raises (peer_failure)."""
+    works. parallel="fsdp" (or "fsdp_grad_op") in one process runs as one shard in a one-process group.
+    timeout_s: a collective waiting longer than this for a peer raises (None: collective_timeout_s())."""
     device = resolve_device(device)
-    if "RANK" not in os.environ and parallel != "fsdp":
+    timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
+    if "RANK" not in os.environ and parallel == "ddp":
         return 0, 1, device
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

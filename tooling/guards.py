@@ -37,7 +37,7 @@ def bad(config, name, why):
 def check_train_config(c):
     """The ranges and combinations of train.py's TrainConfig (called by its __post_init__)."""
     choices = dict(optimizer=("muon", "muon_x", "adamw"), decay_shape=("cosine", "linear"),
-                   dtype=("auto", "float32", "bfloat16"), parallel=("ddp", "fsdp"))
+                   dtype=("auto", "float32", "bfloat16"), parallel=("ddp", "fsdp", "fsdp_grad_op"))
     for name, allowed in choices.items():
         if getattr(c, name) not in allowed:
             bad(c, name, f"must be one of {', '.join(map(repr, allowed))}")
@@ -47,7 +47,7 @@ def check_train_config(c):
     for name in ("out_dir", "data_dir", "init_from"):
         if unsafe_path(getattr(c, name)):
             bad(c, name, "holds a control, invisible or direction-changing character, or bytes that are not UTF-8")
-    for name in ("eval_interval", "log_interval", "eval_tokens", "batch_size", "collective_timeout_s"):
+    for name in ("eval_interval", "log_interval", "eval_tokens", "batch_size"):
         if getattr(c, name) < 1:
             bad(c, name, "must be >= 1")
     if c.max_steps < 1:
@@ -78,10 +78,6 @@ def check_train_config(c):
         bad(c, "save_steps", "needs save_checkpoints=True (save_checkpoints=False writes no checkpoint)")
     if any(not isinstance(k, int) or not 1 <= k <= MAX_PASSES for k in c.n_passes_choices):
         bad(c, "n_passes_choices", f"must be a list of pass counts in [1, {MAX_PASSES}] ({PASSES_WHY})")
-    if c.decay_branch and (not c.init_from or c.decay_tokens <= 0):  # resume: a branch's own checkpoint
-        bad(c, "decay_branch", "needs init_from=<stable checkpoint> and decay_tokens > 0")
-    if c.decay_branch and c.branch_data_fraction == 0.0:
-        bad(c, "decay_branch", "needs branch_data_fraction > 0 (the held-back data it reads)")
     if c.grow_at and c.grow_to < 1:
         bad(c, "grow_at", "needs grow_to >= 1 (passes after growth)")
 
@@ -147,7 +143,7 @@ def check_branch_source(source, path):
 
 # what decides the LR, momentum and passes of every step: a resume that changes one of them changes the run's plan
 SCHEDULE_KEYS = ("max_steps", "warmup_steps", "decay_fraction", "decay_shape",
-                 "decay_branch", "decay_tokens", "grow_at", "grow_to", "grow_untie", "grow_rewarm_steps",
+                 "decay_tokens", "grow_at", "grow_to", "grow_untie", "grow_rewarm_steps",
                  "muon_momentum_warmup", "n_passes_choices")
 
 
@@ -183,8 +179,9 @@ def check_inert(values, given):
     acts = [  # (settings, whether they act here, why not)
         (("grow_to", "grow_untie", "grow_rewarm_steps"), v["grow_at"] > 0,
          "does nothing without grow_at (the step the model grows at)"),
-        (("decay_tokens",), v["decay_branch"] or v["decay_fraction"] == 0, "does nothing without decay_branch=True: it "
-         "is a decay branch's length (a stable phase, decay_fraction=0, may name its branches' for ladder.py --plan)"),
+        (("decay_tokens",), v["decay_branch"] or v["decay_fraction"] == 0, "does nothing without init_from=<a stable "
+         "checkpoint>: it is a decay branch's length (a stable phase, decay_fraction=0, may name its branches' for "
+         "ladder.py --plan)"),
         (("n_passes",), layout != "plain", "does nothing in layout 'plain': every layer runs once (loop with "
          "layout 'smelt', 'layer_loop' or 'pcc')"),
         (("loop_span",), layout in ("smelt", "layer_loop"), f"does nothing in layout {layout!r}: it is the span "
@@ -195,7 +192,6 @@ def check_inert(values, given):
          "does nothing in a dense model: it is an MoE setting (n_expert > 0)"),
         (("muon_momentum_warmup",), optimizer != "adamw",
          "does nothing with optimizer='adamw': it is Muon's"),
-        (("reshard_after_forward",), v["parallel"] == "fsdp", "does nothing with parallel='ddp': it is FSDP's"),
     ]
     for names, active, why in acts:
         for name in names:

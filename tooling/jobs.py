@@ -192,8 +192,7 @@ def run_ladder(specs, out_dir, train_fn, defaults, progress=True, keep_checkpoin
         if master and os.path.isdir(directory):  # an interrupted attempt: start it again
             shutil.rmtree(directory, ignore_errors=True)
         distributed.barrier()
-        settings = dict(spec.settings, out_dir=os.path.join(out_dir, "runs"), run_name=spec.run_id,
-                        overwrite=True)  # a run starts over
+        settings = dict(spec.settings, out_dir=os.path.join(out_dir, "runs"), run_name=spec.run_id)
         if data_dir:
             settings["data_dir"] = data_dir
         if spec.needs:

@@ -19,7 +19,12 @@ WENT = dict(n_loops="n_passes is the loop count of every layout", n_prelude="the
             inject_before_coda="always on, as the [X] code", resume="init_from=resume continues the run",
             muon_variant="optimizer='muon_x' is the [X] code's Muon", attention="FlexAttention on CUDA, SDPA "
             "elsewhere (model.FLEX_DEVICES)", progress="a bar shows on a terminal only",
-            sample="python sample.py --ckpt out/RUN/ckpt.pt")
+            sample="python sample.py --ckpt out/RUN/ckpt.pt",
+            eot_token="a new run takes its data's (meta.json)", n_logits="a new run takes its data's vocabulary "
+            "when vocab_size pads it", decay_branch="init_from=<checkpoint> with decay_tokens > 0 is a decay branch",
+            overwrite="delete the run folder to start a run over", collective_timeout_s="the environment "
+            "variable LOOPSTUDY_COLLECTIVE_TIMEOUT_S (tooling/distributed.py)",
+            reshard_after_forward="parallel='fsdp_grad_op' keeps the gathered weights to the backward")
 
 # ModelConfig fields that are constants now (model.py), at the one value every stored model had
 FIXED = dict(rope_base=10000.0, norm_eps=NORM_EPS, router_renormalize=True, balance_loss_coef=BALANCE_LOSS_COEF,
@@ -54,15 +59,19 @@ def upgraded(ckpt, path):
 
 
 def upgraded_settings(ckpt):
-    """The second fold: muon_variant="x" is optimizer="muon_x"; the model's attention backend is the
-    device's (model.FLEX_DEVICES); resume, progress and sample went from the stored settings."""
+    """The second and third folds: muon_variant="x" is optimizer="muon_x", reshard_after_forward=False is
+    parallel="fsdp_grad_op"; the model's attention backend is the device's (model.FLEX_DEVICES); resume,
+    progress, sample, overwrite, collective_timeout_s and decay_branch (a branch's state says it) went."""
     cfg, train = ckpt.get("model_config"), ckpt.get("train_config")
     if isinstance(cfg, dict) and "attention" in cfg:
         ckpt = dict(ckpt, model_config={k: v for k, v in cfg.items() if k != "attention"})
-    went = ("muon_variant", "resume", "progress", "sample")
+    went = ("muon_variant", "resume", "progress", "sample", "overwrite", "collective_timeout_s", "decay_branch",
+            "reshard_after_forward")
     if isinstance(train, dict) and set(went) & set(train):
         kept = {k: v for k, v in train.items() if k not in went}
         if train.get("muon_variant") == "x" and kept.get("optimizer") == "muon":
             kept["optimizer"] = "muon_x"
+        if train.get("reshard_after_forward") is False and kept.get("parallel") == "fsdp":
+            kept["parallel"] = "fsdp_grad_op"
         ckpt = dict(ckpt, train_config=kept)
     return ckpt

@@ -171,9 +171,9 @@ def memory_plan(cfg, world_size, micro_batch, optimizer="muon", activation_check
                    and every block's fp32 unsharded gradients stay: 4 B/param more) when that fits, else
                    "sharded" (a reduce-scatter per micro-batch: grad_accum times the reduce traffic)
       traffic      FSDP2 bytes per GPU per step: all-gathers (bf16 blocks, every executed block once in
-                   the forward and again in the backward with reshard_after_forward, per micro-batch) and
+                   the forward and again in the backward, per micro-batch) and
                    reduce-scatters (fp32 block gradients), each (world - 1) / world of the full size
-      keep_gathered  FSDP2 with reshard_after_forward=False: every stored block's bf16 copy stays from its
+      keep_gathered  parallel="fsdp_grad_op": every stored block's bf16 copy stays from its
                    forward to its backward (2 B/param more), one all-gather per stored block per
                    micro-batch instead of two per execution; whether that still fits, and its traffic
       fits         total <= (1 - headroom) x gpu_gb; the headroom (10%) is for the CUDA context, NCCL
@@ -242,7 +242,7 @@ def memory_table(plan):
     lines.append(f"  fsdp per step: all-gathers {f['all_gather_gb_per_step']:.1f} GiB, reduce-scatters "
                  f"{f['reduce_scatter_gb_per_step']:.1f} GiB; gradient accumulation {f['accumulation']} "
                  "(unsharded: one reduce-scatter per step, sharded: one per micro-batch)")
-    lines.append(f"  fsdp with --reshard_after_forward=False: {'fits' if f['keep_gathered_fits'] else 'does not fit'}"
+    lines.append(f"  --parallel=fsdp_grad_op: {'fits' if f['keep_gathered_fits'] else 'does not fit'}"
                  f" (all-gathers {f['keep_gathered_all_gather_gb_per_step']:.1f} GiB per step)")
     return "\n".join(lines)
 
@@ -350,8 +350,8 @@ def run_bytes(shape, config, device, use_bf16, world=1):
     mask = 0
     if shape.document_mask and not shape.uses_flex(device.type):
         mask = (1 + (2 if use_bf16 else 4) + 1) * config.batch_size * shape.block_size ** 2
-    states = state_bytes_per_rank(shape, world if config.parallel == "fsdp" else 1, config.optimizer)
-    if config.parallel == "fsdp" and not config.reshard_after_forward:  # every block's gathered bf16 copy
+    states = state_bytes_per_rank(shape, world if config.sharded else 1, config.optimizer)
+    if config.parallel == "fsdp_grad_op":  # every block's gathered bf16 copy
         states += 2 * shape.n_blocks * match.block_shapes(shape)["total"]
     activations = activation_bytes(shape, config.batch_size, mixed_precision=use_bf16,
                                    activation_checkpointing=config.activation_checkpointing,
@@ -391,7 +391,7 @@ def check_memory(shapes, config, device, use_bf16, world=1):
         needs.append(need)
         if available is None:
             continue
-        if config.parallel == "fsdp" and world > 1 and config.grad_accum > 1:  # unsharded fp32 gradients
+        if config.sharded and world > 1 and config.grad_accum > 1:  # unsharded fp32 gradients
             defer = defer and need + 4 * shape.n_blocks * match.block_shapes(shape)["total"] <= available
         if need > available:
             raise distributed.everywhere(ValueError(

@@ -30,9 +30,9 @@ from tooling.common import TEMP_MARK, cli_error, write_atomic
 # per command: never carried over from the checkpoint a run forks (init_from) / continues (resume). Paths
 # are never taken from a checkpoint: a run writes where its command says (out_dir, run_name), and reads
 # the checkpoint's data_dir only when the command gives none and that folder still exists (said in the log).
-NOT_INHERITED_FORK = ("run_name", "out_dir", "data_dir", "init_from", "decay_branch", "decay_tokens",
-                      "overwrite", "stop_at_step", "save_steps")
-NOT_INHERITED_RESUME = ("run_name", "out_dir", "data_dir", "init_from", "overwrite",
+NOT_INHERITED_FORK = ("run_name", "out_dir", "data_dir", "init_from", "decay_tokens", "stop_at_step",
+                      "save_steps")
+NOT_INHERITED_RESUME = ("run_name", "out_dir", "data_dir", "init_from",
                         "stop_at_step")  # a resumed fork or branch starts from its own checkpoint, not its source
 BATCH_KEYS = ("batch_size", "global_batch")
 
@@ -71,21 +71,35 @@ def resolve_run(settings, overrides):
                               not_inherited=NOT_INHERITED_RESUME if resume else NOT_INHERITED_FORK)
     if source is not None:
         values.update(source["model_config"])
+    values["decay_branch"] = is_decay_branch(values, source, resume)  # not a setting: TrainConfig.decay_branch
     guards.check_inert(values, given)
-    if source is not None:
-        if values["decay_branch"] and not resume:
-            guards.check_branch_source(source, source_path)
+    if values["decay_branch"] and not resume:
+        guards.check_branch_source(source, source_path)
+        if values["branch_data_fraction"] == 0.0:
+            raise ValueError(f"decay_tokens={values['decay_tokens']}: a decay branch reads the held-back data, but "
+                             f"{source_path} held none back (branch_data_fraction=0.0)")
     if not values["run_name"]:
         values["run_name"] = (branch_run_name(source["train_config"].get("run_name"), source["state"]["step"])
                               if values["decay_branch"] and not resume else "tiny")
     return values, source, notes
 
 
+def is_decay_branch(values, source, resume):
+    """[S] a decay branch: a fork of a training checkpoint with decay_tokens > 0, or a branch resumed (its
+    state records the step it forked at). A stable run's decay_tokens only plan its branches."""
+    if source is None or source.get("export"):
+        return False
+    if resume:
+        return source["state"].get("branch_start_step") is not None
+    return values["decay_tokens"] > 0
+
+
 def exported_source(path, base, notes):
     """An export folder (python -m tooling.export) as the source of a new run: its model and weights only;
     step 0, a fresh optimizer, the command's data and settings. A decay branch needs a training checkpoint."""
-    if base["decay_branch"]:
-        raise ValueError(f"init_from={path}: an export holds weights only (no step, schedule or data position); "
+    if base["decay_tokens"] > 0:
+        raise ValueError(f"init_from={path} with decay_tokens > 0 (a decay branch): an export holds weights only "
+                         "(no step, schedule or data position); "
                          "a decay branch forks a training checkpoint (ckpt.pt / ckpt_step<N>.pt)")
     model_config, state_dict, info = weights.load_exported_state(path)
     trained = info.get("trained") or {}
@@ -208,12 +222,11 @@ class RunDir:
         self.path, self.sharded, self.master, self.world, self.saving = path, sharded, master, world, saving
         self.saved_step = None  # the step of the last checkpoint this run wrote or resumed from
         self.pending = []  # log lines waiting for the first checkpoint (the log never runs ahead of it)
-        self.replaced = []  # overwrite: the old run's files, deleted once this run has written its own first one
 
     @classmethod
     def of(cls, config, rank, world):
         """The folder of a run with train.py's settings `config`, for this process of world."""
-        return cls(os.path.join(config.out_dir, config.run_name), config.parallel == "fsdp", rank == 0, world,
+        return cls(os.path.join(config.out_dir, config.run_name), config.sharded, rank == 0, world,
                    config.save_checkpoints)
 
     @property
@@ -239,14 +252,13 @@ class RunDir:
                       (n.startswith("ckpt") and (n.endswith((".pt", ".dcp")))))
 
     @contextlib.contextmanager
-    def hold(self, resumed_from=None, overwrite=False):
+    def hold(self, resumed_from=None):
         """The master makes the folder, takes its lock and removes stale temp files; the others wait for it
         (an exchange: a refusal on the master ends them too, with its line). A sharded run's other ranks then
         check that they see the master's lock: every rank writes its shards into this folder. A resumed run
         (resumed_from: its checkpoint) cuts its log back to it; a new run into a folder that holds a run is
-        refused, or with overwrite starts it over: its files are deleted only once this run has written its own
-        first checkpoint (or log line), so a run stopped before that leaves them, the checkpoint it may have
-        started from included. A folder this call made is removed again if the run ends leaving it empty."""
+        refused (a run deleted by hand is started over). A folder this call made is removed again if the run ends
+        leaving it empty."""
         if resumed_from:
             self.saved_step = resumed_from["state"]["step"]
         if not self.master:
@@ -263,25 +275,15 @@ class RunDir:
                 found = self.run_files()
                 if resumed_from:
                     sync_log(self.log_path, resumed_from)
-                elif found and not overwrite:
-                    raise ValueError(f"{self.path} already holds a run ({', '.join(found)}): continue it with "
-                                     "--init_from=resume, start it over with --overwrite=True, or use another "
-                                     "--run_name")
                 elif found:
-                    self.replaced = found
+                    raise ValueError(f"{self.path} already holds a run ({', '.join(found)}): continue it with "
+                                     "--init_from=resume, or use another --run_name (or delete the folder to start "
+                                     "it over)")
                 distributed.exchange("the run folder", lock)
                 yield self
         finally:
             if created and os.path.isdir(self.path) and not os.listdir(self.path):
                 os.rmdir(self.path)
-
-    def drop_replaced(self, keep=None):
-        """overwrite: delete the old run's files (but `keep`, just written), before this run's own first file."""
-        for name in self.replaced:
-            path = os.path.join(self.path, name)
-            if path != keep:
-                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-        self.replaced = []
 
     def save_training(self, model, optimizers, config, state, data, path=None):
         """The training checkpoint of now (weights, optimizer state, settings, state, data provenance)."""
@@ -299,8 +301,6 @@ class RunDir:
                 checkpoint.save_sharded(path, ckpt)
             elif self.master:
                 checkpoint.save_file(path, ckpt)
-            if self.master and self.replaced:
-                self.drop_replaced(keep=path)
         if path == self.resume_path:
             self.saved_step = ckpt["state"]["step"]
 
@@ -311,8 +311,6 @@ class RunDir:
             self.pending.append(record)
             if self.saved_step is not None or not (wait_for_checkpoint and self.saving):
                 text = "".join(json.dumps(r) + "\n" for r in self.pending)
-                if self.replaced:  # a run that writes no checkpoint: its first log line replaces the old run
-                    self.drop_replaced()
                 try:
                     with signals_deferred(), open(self.log_path, "a") as f:
                         f.write(text)

@@ -85,15 +85,18 @@ def described_fields(cls):
 class Settings:
     """The flat settings of several dataclasses (field names must not collide). defaults: values that
     replace the dataclasses' own defaults (train.py's tiny model). groups: {title: [keys]} for --help,
-    in order, every key in exactly one. went: {a setting an earlier release had: what to use instead}."""
+    in order, every key in exactly one. went: {a setting an earlier release had: what to use instead}.
+    not_settings: fields that are no settings (train.py: the data's eot_token); build() passes them on from
+    the values when they hold them (a checkpoint's model), else the dataclass derives its own."""
 
-    def __init__(self, *classes, defaults=None, groups=None, prog="train.py", went=None):
+    def __init__(self, *classes, defaults=None, groups=None, prog="train.py", went=None, not_settings=()):
         self.classes, self.groups, self.prog, self.went = classes, dict(groups or {}), prog, dict(went or {})
-        self.keys = {cls: [f.name for f in fields(cls)] for cls in classes}
+        self.not_settings = {cls: [f.name for f in fields(cls) if f.name in not_settings] for cls in classes}
+        self.keys = {cls: [f.name for f in fields(cls) if f.name not in not_settings] for cls in classes}
         self.defaults = {}  # as declared: a size that __post_init__ derives (0 -> derive) stays 0 here, so it
         for cls in classes:  # is derived again from the sizes a run gives (--n_embd=256: head_dim 64)
             self.defaults.update({f.name: f.default if f.default is not MISSING else f.default_factory()
-                                  for f in fields(cls)})
+                                  for f in fields(cls) if f.name not in not_settings})
         self.declared = dict(self.defaults)  # the dataclasses' own: a setting at it is neutral (n_passes=1)
         unknown = sorted(set(defaults or {}) - set(self.defaults))
         if unknown:
@@ -176,7 +179,8 @@ class Settings:
 
     def build(self, cls, values):
         """An instance of one of the dataclasses from its keys of `values`."""
-        return cls(**{k: values[k] for k in self.keys[cls]})
+        passed_on = {k: values[k] for k in self.not_settings[cls] if k in values}
+        return cls(**{k: values[k] for k in self.keys[cls]}, **passed_on)
 
     def help(self):
         """--help: the groups in order (without groups: each dataclass's keys), each key with its default
