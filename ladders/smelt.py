@@ -443,18 +443,30 @@ def ce_gain_lines(gain, budgets, sparsities, boot, measured_C, out, why=None):
     nowhere = not np.isfinite(gain).any()
     if nowhere:
         lines.append(f"  undefined at every budget and sparsity ({why or 'no finite value'}): no gain and no interval")
+    return lines + budget_grid_lines(gain, boot, "ce_gain", budgets, sparsities, out["ce_gain"], ("+.4f", "+.3f"),
+                              nowhere, noise_marks=True)
+
+
+def budget_grid_lines(values, boot, key, budgets, sparsities, records, digits, undefined=False, prefix="",
+                      noise_marks=False, **tags):
+    """One line per budget x sparsity: the value, its cell-bootstrap interval (boot's `key`; digits: the
+    value's and the interval's formats) and with noise_marks a '~' where the interval holds 0; each cell
+    appended to records (tags first). undefined: every cell recorded as None, no line."""
+    lines = []
     for i, C in enumerate(budgets):
         for j, S in enumerate(sparsities):
-            if nowhere:
-                out["ce_gain"].append(dict(C=C, S=S, value=None, lo=None, hi=None, within_noise=None))
+            noise_field = {"within_noise": None} if noise_marks else {}
+            if undefined:
+                records.append(dict(tags, C=C, S=S, value=None, lo=None, hi=None, **noise_field))
                 continue
-            lo, hi = boot_interval(boot, "ce_gain", i, j, gain[i, j])
-            noise = within_noise(lo, hi, 0.0)
-            ci = f"  [{fmt(lo, '+.3f')}, {fmt(hi, '+.3f')}]{' ~' if noise else ''}" if lo is not None else ""
-            lines.append(f"  C={C:.3g} S={S:.3f}: {fmt(gain[i, j], '+.4f')}{ci}")
-            out["ce_gain"].append(dict(C=C, S=S, value=finite_or_none(gain[i, j]), lo=finite_or_none(lo),
-                                       hi=finite_or_none(hi),
-                                       within_noise=noise))
+            lo, hi = boot_interval(boot, key, i, j, values[i, j])
+            if noise_marks:
+                noise_field["within_noise"] = within_noise(lo, hi, 0.0)
+            mark = " ~" if noise_field.get("within_noise") else ""
+            ci = f"  [{fmt(lo, digits[1])}, {fmt(hi, digits[1])}]{mark}" if lo is not None else ""
+            lines.append(f"  {prefix}C={C:.3g} S={S:.3f}: {fmt(values[i, j], digits[0])}{ci}")
+            records.append(dict(tags, C=C, S=S, value=finite_or_none(values[i, j]), lo=finite_or_none(lo),
+                                hi=finite_or_none(hi), **noise_field))
     return lines
 
 
@@ -467,16 +479,8 @@ def tpp_lines(fits, CC, SS, budgets, sparsities, boot, out):
         values, flat = fit.tpp(fits[arch], CC, SS), degenerate(fits[arch])
         if flat:
             lines.append(f"  {arch:>9}: undefined at every budget and sparsity (its surface is degenerate)")
-        for i, C in enumerate(budgets):
-            for j, S in enumerate(sparsities):
-                if flat:
-                    out["tpp"].append(dict(arch=arch, C=C, S=S, value=None, lo=None, hi=None))
-                    continue
-                lo, hi = boot_interval(boot, f"{role}.tpp", i, j, values[i, j])
-                ci = f"  [{fmt(lo, '.3g')}, {fmt(hi, '.3g')}]" if lo is not None else ""
-                lines.append(f"  {arch:>9} C={C:.3g} S={S:.3f}: {fmt(values[i, j], '.4g')}{ci}")
-                out["tpp"].append(dict(arch=arch, C=C, S=S, value=finite_or_none(values[i, j]), lo=finite_or_none(lo),
-                                       hi=finite_or_none(hi)))
+        lines += budget_grid_lines(values, boot, f"{role}.tpp", budgets, sparsities, out["tpp"], (".4g", ".3g"),
+                                   flat, prefix=f"{arch:>9} ", arch=arch)
     return lines
 
 
