@@ -141,6 +141,11 @@ def test_decay_tokens_make_a_fork_a_branch_and_a_stable_run_resumes_as_itself(da
     state = checkpoint.load_checkpoint(branch["ckpt_path"])["state"]
     assert (state["branch_start_step"], state["decay_start"], branch["step"]) == (4, 4, 8)
     assert state["data_region"] == "branch"
+    none_held = train.train(RUN | dict(data_dir=data_dir, out_dir=str(tmp_path), run_name="all", max_steps=2,
+                                       decay_fraction=0.0, branch_data_fraction=0.0))
+    with pytest.raises(ValueError, match=r"decay_tokens=512: a decay branch reads the held-back data, but .* held "
+                                         r"none back \(branch_data_fraction=0.0\)"):
+        train.train(dict(out_dir=str(tmp_path), run_name="br0", init_from=none_held["ckpt_path"], decay_tokens=512))
 
 
 INERT = [

@@ -4,12 +4,15 @@ reading JSON lines with errors that name the file and line. Standard library onl
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import stat
 import sys
 import tempfile
+import threading
 
 TEMP_MARK = ".tmp-"  # temp files are named .<final name>.tmp-<random> beside the final file
 
@@ -152,3 +155,28 @@ def fmt(v, spec=".2f", missing="n/a"):
     if v is None or not math.isfinite(float(v)):
         return missing
     return format(int(v) if spec.endswith("d") else float(v), spec)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a cluster scheduler ending the job, torchrun stopping its workers), raised where the main
+    thread is, so the run ends like after Ctrl-C: temp files removed, lock released, one line."""
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Inside (a checkpoint or log write, an import of an extension): Ctrl-C and SIGTERM wait until it is
+    done, then are raised; raised inside torch.save's writer they would surface as a failed write, inside a
+    nanobind extension (Triton) they abort the process."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived = []
+    previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if arrived:
+        raise Terminated() if arrived[0] == signal.SIGTERM else KeyboardInterrupt()

@@ -373,7 +373,9 @@ def check_memory(shapes, config, device, use_bf16, world=1):
     Several processes (world > 1): every rank's reading is exchanged and the least one decides, so every
     rank makes the same decision and the same refusal (ranks deferring apart would run different
     collectives: a hang; a refusal on one rank alone would leave the others waiting)."""
-    if device.type == "cpu":  # the first torch.optim optimizer imports torch._dynamo (~140 MiB here): count it now
+    # the first torch.optim optimizer imports torch._dynamo (~140 MiB on a CPU: counted now), and it Triton,
+    # whose nanobind extension aborts the process (C++ terminate) on a Ctrl-C raised inside it: deferred
+    with common.signals_deferred():
         import torch._dynamo  # noqa: F401
     reading = memory_reading(device)
     place = f"{device}{where(reading)}"

@@ -25,7 +25,7 @@ import time
 
 from model import GPT, ModelConfig
 from tooling import checkpoint, distributed, guards, weights
-from tooling.common import TEMP_MARK, cli_error, write_atomic
+from tooling.common import TEMP_MARK, Terminated, cli_error, signals_deferred, write_atomic
 
 # per command: never carried over from the checkpoint a run forks (init_from) / continues (resume). Paths
 # are never taken from a checkpoint: a run writes where its command says (out_dir, run_name), and reads
@@ -140,11 +140,6 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.exit_status = exit_status  # 130 after Ctrl-C, 143 after SIGTERM (128 + the signal), as shells report
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a cluster scheduler ending the job, torchrun stopping its workers), raised where the main
-    thread is, so the run ends like after Ctrl-C: temp files removed, lock released, one line."""
-
-
 PeerFailure = distributed.PeerFailure  # another process of the run failed, died or stopped answering
 
 
@@ -192,25 +187,6 @@ def run_cli(prog, run):
     finally:
         distributed.teardown()
     return 0
-
-
-@contextlib.contextmanager
-def signals_deferred():
-    """Inside (a checkpoint or log write): Ctrl-C and SIGTERM wait until it is done, then are raised; raised
-    inside torch.save's writer they would surface as a failed write."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    arrived = []
-    previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if arrived:
-        raise Terminated() if arrived[0] == signal.SIGTERM else KeyboardInterrupt()
 
 
 class RunDir:
