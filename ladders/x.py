@@ -240,8 +240,8 @@ def multiplier_bootstrap(points, ref, sigma, n_draws=400, seed=0, dof=None, pair
     reference's mean budgets, and each pair's (arch, its reference) interpolated multiplier at that reference's.
     Returns (budgets, {arch: {"measured": (lo, hi), "fitted": (lo, hi)}}, {pair: ((lo, hi), the share of draws in
     which it is defined: inside both ladders' losses)})."""
-    ref_dof = pooled_std([[l for _, l, d in points[ref] if d == depth] for depth in {d for *_, d in points[ref]}])[1]
-    noise = seed_noise(points, sigma, dof or ref_dof)
+    noise = seed_noise(points, sigma, dof or pooled_std(
+        [[l for _, l, d in points[ref] if d == depth] for depth in {d for *_, d in points[ref]}])[1])
     groups = [(a, d) for a, pts in points.items() for d in sorted({d for *_, d in pts})]
     means = [np.mean([l for _, l, dd in points[a] if dd == d]) for a, d in groups]
     ns = [sum(dd == d for *_, dd in points[a]) for a, d in groups]
@@ -347,8 +347,8 @@ def pair_lines(points, pairs, pair_bands, out):
              "[95% seed-bootstrap band]"]
     out["pairs"] = {}
     for arm, base in pairs:
-        C, _ = depth_means(points[base])
-        m = fit.compute_multiplier(*depth_means(points[base]), *depth_means(points[arm]))
+        C, L = depth_means(points[base])
+        m = fit.compute_multiplier(C, L, *depth_means(points[arm]))
         band, defined = pair_bands.get((arm, base)) or (None, None)
         nan = np.full(len(C), np.nan)
         (lo, hi), defined = band or (nan, nan), nan if defined is None else defined
