@@ -91,6 +91,25 @@ def sweep_values(preset):
     return (sweep.key, sweep.values) if sweep else (None, [None])
 
 
+def sweep_point(preset, arch, depth=None):
+    """What one LR sweep tunes (best_lrs' keys): an architecture, its value carried up the ladder, or with
+    lr_sweep.at_every_depth an (architecture, depth) ladder point, each with its own value."""
+    return (arch, depth) if preset.lr_sweep and preset.lr_sweep.at_every_depth else arch
+
+
+def sweep_limits(preset):
+    """(ratio, lo, hi) of a preset's sweep grid (values `ratio` apart): a best value at lo or below, or hi or
+    above, is at the bracketing limit (lr_sweep.extend steps beyond the grid); nothing beyond it runs."""
+    values, extend = preset.lr_sweep.values, preset.lr_sweep.extend
+    ratio = values[1] / values[0] if len(values) > 1 else 1.0  # one value: it is the limit
+    return ratio, values[0] / ratio ** (extend - 0.5), values[-1] * ratio ** (extend - 0.5)
+
+
+def swept_value(spec, key):
+    """A sweep run's value of the swept LR as the grid names it (before [X16] scales it at another depth)."""
+    return spec.meta.get("lr", spec.settings[key])
+
+
 def sources_of(results):
     """The validation sources (val_loss_by_source's keys) of finished runs, in order of appearance."""
     names = []

@@ -10,7 +10,8 @@ from ladders.presets import get_preset
 from ladders.repeat import repeat_grid, repeat_plots, repeat_report, repeat_rows, repeat_seed_specs
 from ladders.smelt import match_table, smelt_cells, smelt_plots, smelt_report, smelt_rows
 from ladders.specs import build, full_plan
-from ladders.sweep import best_lrs, bracketed_sweep, sweep_from_rows, sweep_lines, sweep_rows, sweep_table
+from ladders.sweep import (best_lrs, bracketed_sweep, lrs_record, sweep_from_rows, sweep_lines, sweep_rows,
+                           sweep_table)
 from ladders.x import x_plots, x_report, x_rows
 from tooling import distributed, jobs, plots, tables
 from tooling.common import write_atomic
@@ -88,7 +89,7 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
     else:
         rows = x_rows([r for r in finished if r["role"] in ("run", "sweep")])
     text, report, figures = report_from_rows(preset, rows, cells, sweep, lrs, bootstrap, progress)
-    report.update(runs_finished=len(finished), runs_total=len(specs), lrs=lrs,
+    report.update(runs_finished=len(finished), runs_total=len(specs), lrs=lrs_record(lrs),
                   train_seconds=sum(r.get("seconds") or 0.0 for r in finished))
     if len(finished) < len(specs):
         text += f"\n(partial: {len(finished)}/{len(specs)} runs finished)"
@@ -134,7 +135,8 @@ def rereport(preset_name, runs_csv, bootstrap=None, plot=False, log=print, progr
     sweep_csv = os.path.join(folder, prefix + "lr_sweep.csv")
     sweep, lrs = None, {}
     if os.path.exists(sweep_csv):
-        key, losses, lrs = sweep_from_rows(tables.read_rows_csv(sweep_csv, unique=["arch", "key", "value"]))
+        key, losses, lrs = sweep_from_rows(tables.read_rows_csv(  # depth: a sweep at every depth's
+            sweep_csv, unique=["arch", "depth", "key", "value"]))
         sweep = sweep_lines(key, losses, lrs)
     else:
         log(f"no {sweep_csv}: the report has no LR sweep table")

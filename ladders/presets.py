@@ -50,6 +50,9 @@ class LRSweep:
     seeds: int = 1  # seeds per value (the mean is compared)
     tied: dict = field(default_factory=dict)  # repeat: {LR setting: its ratio to the swept LR} ([X]'s global LR)
     weight_decay: Optional[float] = None  # repeat: the weight decay the sweep runs at
+    # x: every (architecture, depth) runs every value (x [X16]'s factor from the first depth with lr_beta),
+    # bracketed on its own; each ladder point trains at its own best value (nothing carried up)
+    at_every_depth: bool = False
 
 
 @dataclass(kw_only=True)
@@ -119,6 +122,10 @@ class RepeatPreset(DepthPreset):
     weight_decays: list  # the grid (2x apart), bracketed at most wd_extend steps beyond
     wd_extend: int = 2
     seeded_passes: list  # the K that run every seed at their best weight decay
+    # [X] D.1: several data budgets (unique_tokens, epochs) read for the same tokens, fresh data the control;
+    # None: the one budget above. `arm` labels one budget's runs (set per arm by ladders.repeat.repeat_arms).
+    arms: Optional[list] = None
+    arm: str = ""
 
 
 SMELT_GPU_1NODE = SmeltPreset(
@@ -197,6 +204,29 @@ PRESETS = {p.name: p for p in [
         lr_sweep=LRSweep(key="matrix_lr", values=[0.02, 0.04, 0.08], seeds=2), multipliers="interpolated",
         threads=1, workers=2,
         budget="written before the run: 96 runs, 6.3e13 FLOPs, about 30 min on 2 workers, at most 60"),
+    XPreset(
+        name="x-depth-sweep-micro", about="pipeline check in seconds (tests): the LR swept at every depth; the "
+                                          "numbers mean nothing", tokenizer="gpt2-257",
+        model=dict(BYTES, block_size=32), depths=[3, 4], width_per_depth=8, head_dim=8, mlp_multiple=8,
+        archs=("vanilla", "operator-1", "loop-2"), recipes=True,
+        tpp_stored={a: 0.05 + 0.01 * i for i, a in enumerate(X_ARCHS)}, lr_beta=X_LR_BETA, rewarm_fraction=0.05,
+        train=dict(batch_size=4, eval_tokens=512, branch_data_fraction=0.0), seeds=SEEDS[:2], seed_every_arch=True,
+        lr_sweep=LRSweep(key="matrix_lr", values=[0.02, 0.04], extend=1, seeds=1, at_every_depth=True),
+        multipliers="interpolated", threads=1),
+    XPreset(
+        name="x-cpu-mini-tuned", about="x-cpu-mini with the LR tuned at every depth for every architecture: 5 "
+                                       "architectures (no untied-2) x depths 3..6, 3 values x 2 seeds at each",
+        tokenizer="gpt2-257", model=dict(BYTES, block_size=128), depths=[3, 4, 5, 6], width_per_depth=8, head_dim=8,
+        mlp_multiple=8, recipes=True, tpp_stored=X_TPP_STORED, lr_beta=X_LR_BETA, rewarm_fraction=0.02,
+        archs=("vanilla", "operator-1", "loop-2", "loop-grow", "untied-grow"),
+        train=dict(batch_size=16, eval_tokens=1 << 15, branch_data_fraction=0.0), seeds=SEEDS[:2],
+        seed_every_arch=True, multipliers="interpolated", threads=1, workers=2,
+        # x-cpu-mini's sweep at d3 found every architecture best at 0.16 (0.08 and 0.32 worse for all)
+        lr_sweep=LRSweep(key="matrix_lr", values=[0.08, 0.16, 0.32], seeds=2, extend=2, at_every_depth=True),
+        # 50 min: x-cpu-mini's measured seconds per run (docs/ladder/x-cpu-mini-runs.csv) x 6 runs per point
+        # (42 min on 2 workers), plus 20% for bracketing
+        budget="written before the run: 120 runs (plus bracketing), 9.9e13 FLOPs, about 50 min on 2 workers, "
+               "at most 75"),
     XPreset(  # the first design (its run: docs/ladder/x-cpu-mini-v1-*), kept to rebuild that report
         name="x-cpu-mini-v1", about="x-cpu-mini's first design: 6 architectures x depths 3..6 at width 12 x depth, "
                                     "TPP 10 each, 3 Vanilla seeds", tokenizer="gpt2-257",
@@ -215,7 +245,28 @@ PRESETS = {p.name: p for p in [
         lr_scaling_beta=-0.6, weight_decays=[0.1, 0.4], wd_extend=1, seeds=SEEDS[:2], seeded_passes=[1, 2],
         bootstrap=50, threads=1),
     RepeatPreset(
-        name="x-cpu-repeat", about="[X] data-constrained in miniature: the Operator-1 family K 1..4 x depths 3..6, "
+        name="x-repeat-arms-micro", about="pipeline check in seconds (tests): two data budgets; the numbers mean "
+                                          "nothing", tokenizer="gpt2-257",
+        model=dict(BYTES | X_OPERATOR1, block_size=32), depths=[3, 4], width_per_depth=8, head_dim=8, mlp_multiple=8,
+        passes=[1, 2], unique_tokens=4000, epochs=1, arms=[(4000, 1), (1000, 4)],
+        train=dict(X_OPERATOR1_TRAIN, batch_size=4, muon_momentum_warmup=2, eval_tokens=512),
+        lr_sweep=LRSweep(key="matrix_lr", values=[0.02, 0.04], extend=0, seeds=2, tied=X_GLR_TIED, weight_decay=0.2),
+        lr_scaling_beta=-0.6, weight_decays=[0.1, 0.4], wd_extend=1, seeds=SEEDS[:2], seeded_passes=[1, 2],
+        bootstrap=50, threads=1),
+    RepeatPreset(
+        name="x-cpu-repeat", about="[X] data-constrained with its controls ([X] D.1): 0.5M tokens per run from 500k "
+                                   "unique x 1 (fresh), 125k x 4 or 50k x 10; K 1, 2, 4 x depths 3..6, 2 seeds",
+        tokenizer="gpt2-257", model=dict(BYTES | X_OPERATOR1, block_size=128), depths=[3, 4, 5, 6], width_per_depth=8,
+        head_dim=8, mlp_multiple=8, passes=[1, 2, 4], unique_tokens=500_000, epochs=1,
+        arms=[(500_000, 1), (125_000, 4), (50_000, 10)],
+        train=dict(X_OPERATOR1_TRAIN, batch_size=16, muon_momentum_warmup=38, eval_tokens=1 << 15),
+        lr_sweep=LRSweep(key="matrix_lr", values=[0.08, 0.16, 0.32], seeds=2, tied=X_GLR_TIED, weight_decay=0.4),
+        lr_scaling_beta=-0.6, weight_decays=[0.2, 0.4, 0.8], seeds=SEEDS[:2], seeded_passes=[1, 2, 4],
+        bootstrap=400, threads=1, workers=2,
+        budget="written before the run: 156 runs (plus bracketing), 7.6e13 FLOPs, about 40 min on 2 workers, "
+               "at most 75"),
+    RepeatPreset(  # the first design (its run: docs/ladder/x-cpu-repeat-v1-*), kept for its report
+        name="x-cpu-repeat-v1", about="x-cpu-repeat's first design: the Operator-1 family K 1..4 x depths 3..6, "
                                    "100k unique tokens x 10 epochs, a WD grid at every point, 3 seeds at K 1 and 4",
         tokenizer="gpt2-257", model=dict(BYTES | X_OPERATOR1, block_size=128), depths=[3, 4, 5, 6], width_per_depth=12,
         head_dim=12, mlp_multiple=32, passes=[1, 2, 3, 4], unique_tokens=100_000, epochs=10,

@@ -4,6 +4,7 @@ weight decay; which K is best per budget (claimed where the seed bootstrap agree
 decay follows stored parameters, and the claims table."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -15,7 +16,7 @@ import train
 from ladders.common import (carried_lrs, compute_active, fmt, lr_scaling, model_settings, sweep_values,
                             tokens_per_step)
 from fit import wd_regression
-from ladders.stats import (AGREEMENT, agreement, claims_lines, difference, interpolated_optimum, pooled_std,
+from ladders.stats import (AGREEMENT, agreement, claims_lines, contrast, difference, interpolated_optimum, pooled_std,
                            seed_draws, share_verdict, t_interval, t_quantile)
 from ladders.x import x_config
 from model import ModelConfig
@@ -27,6 +28,28 @@ def repeat_config(preset, passes, depth):
     """The Operator-1 family at one stored depth: Operator-1 (K = 1) or Loop-K (its core run K times, tied)."""
     cfg, _ = x_config(preset, "operator-1", depth)
     return ModelConfig.from_dict(dict(model_settings(cfg), n_passes=passes))
+
+
+def repeat_arms(preset):
+    """The preset's data budgets, one RepeatPreset each (its unique_tokens, epochs and label: 250k x 4 ->
+    "250kx4"); a preset without arms is its one budget (its run ids carry no label)."""
+    if not preset.arms:
+        return [preset]
+    return [replace(preset, unique_tokens=u, epochs=e, arms=None,
+                    arm=f"{u // 1000}kx{e:g}" if u % 1000 == 0 else f"{u}x{e:g}") for u, e in preset.arms]
+
+
+def arm_prefix(preset):
+    return f"{preset.arm}-" if preset.arm else ""
+
+
+def lr_key(preset):
+    """The name an arm's swept LR has in the sweep (its K = 1 runs' arch): "k1", or "250kx4-k1"."""
+    return f"{arm_prefix(preset)}k1"
+
+
+def lr_keys(preset):
+    return [lr_key(arm) for arm in repeat_arms(preset)]
 
 
 def repeat_spec(preset, data, passes, depth, wd, lr, seed, role, world=None):
@@ -48,19 +71,25 @@ def repeat_spec(preset, data, passes, depth, wd, lr, seed, role, world=None):
                 executed_layers=acc["executed_layers"], tokens=steps * step_tokens, F=train.flops_per_token(cfg),
                 lr_scaled=lr * lr_scaling(n_s, anchor, preset.lr_scaling_beta),
                 epochs=steps * step_tokens / preset.unique_tokens)
-    run_id = f"k{passes}-d{depth}-wd{wd:g}-{sweep.key}{lr:g}-s{seed}"
-    return RunSpec(run_id, f"k{passes}", f"d{depth}", role, settings, meta)
+    meta.update(unique_tokens=preset.unique_tokens, arm=preset.arm)
+    arm = arm_prefix(preset)
+    run_id = f"{arm}k{passes}-d{depth}-wd{wd:g}-{sweep.key}{lr:g}-s{seed}"
+    return RunSpec(run_id, f"{arm}k{passes}", f"d{depth}", role, settings, meta)
 
 
 def repeat_specs(preset, data, lrs=None, world=None):
-    """Without lrs: the LR sweep (K = 1 at the first depth, the sweep's weight decay, each value); with
-    lrs ({"k1": value}): the grid, every K x depth x weight decay, first seed."""
+    """Without lrs: the LR sweep of every data budget (K = 1 at the first depth, the sweep's weight decay,
+    each value, lr_sweep.seeds seeds); with lrs ({"k1": value}, an arm's "ARM-k1"): the grid, every K x
+    depth x weight decay, first seed."""
+    if preset.arms:
+        return [s for arm in repeat_arms(preset) for s in repeat_specs(arm, data, lrs, world)]
     seed = preset.seeds[0]
     if lrs is None:
         key, values = sweep_values(preset)
-        return [repeat_spec(preset, data, 1, preset.depths[0], preset.lr_sweep.weight_decay, v, seed, "sweep",
-                            world) for v in values]
-    return [repeat_spec(preset, data, k, d, wd, lrs["k1"], seed, "run", world)
+        return [repeat_spec(preset, data, 1, preset.depths[0], preset.lr_sweep.weight_decay, v, s, "sweep", world)
+                for v in values for s in preset.seeds[:preset.lr_sweep.seeds]]
+    lr = lrs[lr_key(preset)]
+    return [repeat_spec(preset, data, k, d, wd, lr, seed, "run", world)
             for k in preset.passes for d in preset.depths for wd in preset.weight_decays]
 
 
@@ -69,6 +98,9 @@ def repeat_grid(preset, data, lrs, results, world=None):
     edge of the values it tried, the next value beyond that edge (the grid's ratio) runs too, at most
     wd_extend (2) steps beyond the grid on either side -> (specs, complete: every run finished and no
     extension pending)."""
+    if preset.arms:
+        grids = [repeat_grid(arm, data, lrs, results, world) for arm in repeat_arms(preset)]
+        return [s for specs, _ in grids for s in specs], all(complete for _, complete in grids)
     specs = repeat_specs(preset, data, lrs, world)
     wds = preset.weight_decays
     ratio, limit = wds[1] / wds[0], preset.wd_extend
@@ -88,8 +120,8 @@ def repeat_grid(preset, data, lrs, results, world=None):
                     value = best * ratio
                 else:
                     continue
-                extra.append(repeat_spec(preset, data, k, d, float(f"{value:.12g}"), lrs["k1"], preset.seeds[0],
-                                         "run", world))
+                extra.append(repeat_spec(preset, data, k, d, float(f"{value:.12g}"), lrs[lr_key(preset)],
+                                         preset.seeds[0], "run", world))
         specs += extra
         if pending or any(results.get(s.run_id) is None for s in extra):
             return specs, False
@@ -101,6 +133,9 @@ def repeat_seed_specs(preset, data, lrs, results, world=None):
     """Every seed but the first, for each K in seeded_passes at every depth, at the weight decay that K's
     first-seed runs found best there (None while those runs or an extension are missing). results=None:
     the plan, at the middle weight decay (a run's budget does not depend on it)."""
+    if preset.arms:
+        arms = [repeat_seed_specs(arm, data, lrs, results, world) for arm in repeat_arms(preset)]
+        return None if None in arms else [s for specs in arms for s in specs]
     if results is None:
         grid = repeat_specs(preset, data, lrs, world)
     else:
@@ -117,7 +152,7 @@ def repeat_seed_specs(preset, data, lrs, results, world=None):
                 return None
             else:
                 wd = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta["wd"]
-            specs += [repeat_spec(preset, data, k, d, wd, lrs["k1"], seed, "seed", world)
+            specs += [repeat_spec(preset, data, k, d, wd, lrs[lr_key(preset)], seed, "seed", world)
                       for seed in preset.seeds[1:]]
     return specs
 
@@ -129,7 +164,8 @@ def repeat_rows(results, roles):
         m = r["meta"]
         rows.append(dict(K=m["passes"], depth=m["depth"], width=m["width"], wd=m["wd"], seed=m["seed"],
                          role=roles.get(r["run_id"], r["role"]), C=r["flops"], D=r["tokens"], F=m["F"], N=m["N"],
-                         N_s=m["N_s"], executed=m["executed_layers"], epochs=m["epochs"], lr=m["lr_scaled"],
+                         N_s=m["N_s"], executed=m["executed_layers"], epochs=m["epochs"],
+                         unique_tokens=m.get("unique_tokens"), lr=m["lr_scaled"],
                          loss=r["val_loss"], train_loss=r.get("final_train_loss"), run_id=r["run_id"],
                          seconds=r["seconds"]))
     return rows
@@ -173,9 +209,13 @@ def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
     """The data-constrained ladder's report -> (text, dict, figure data): the weight-decay grid, each K's
     frontier at its best weight decay per stored size (seed means and spread), the best K per budget and
     whether it grows with compute, the compute at which looping reaches the best WD-tuned K = 1 loss, and
-    whether the best weight decay follows stored parameters or executed depth; bands from a seed bootstrap."""
+    whether the best weight decay follows stored parameters or executed depth; bands from a seed bootstrap.
+    A preset with several data budgets (arms): this report per budget, then arms_lines compares them."""
+    if preset.arms:
+        return arms_report(preset, rows, sweep, n_boot, seed)
     U, epochs = preset.unique_tokens, preset.epochs
-    lines = [f"== {preset.name}: [X] data-constrained: {U:,} unique tokens x {epochs} epochs per run, the "
+    lines = [f"== {preset.name}: [X] data-constrained: {U:,} unique tokens x {epochs} epoch{'s' * (epochs != 1)} per "
+             "run, the "
              f"Operator-1 family (K = passes of a tied core) at width {preset.width_per_depth} x stored depth"]
     out = {"preset": preset.name, "points": rows}
     if sweep:
@@ -315,7 +355,8 @@ def repeat_budget_lines(frontier, pts, noise, n_boot, seed, out):
                best_K_grows=bool(grow_share >= AGREEMENT), best_K_grows_share=grow_share,
                looped_sure_from=float(budgets[sure_loop[0]]) if sure_loop else None,
                k1_sure_to=float(budgets[sure_k1[-1]]) if sure_k1 else None,
-               L_star=l_star, C_star=c_star, loop_reach_C=reach, loop_compute_ratio=ratio, loop_ratio_band=[lo, hi])
+               L_star=l_star, C_star=c_star, loop_reach_C=reach, loop_compute_ratio=ratio, loop_ratio_band=[lo, hi],
+               loop_reach_at_smallest=bool(first_point))
     return lines
 
 
@@ -409,13 +450,17 @@ def repeat_claims(preset, out, pts, best_wd):
                        + welch))
     lo, hi = out["loop_ratio_band"]
     ratio = out["loop_compute_ratio"]
+    bound = out.get("loop_reach_at_smallest")  # looping's smallest size already reaches L*: C*/C is a lower bound
     claims.append(("looping reaches the best K = 1 loss with 1/2.2 of its compute (C*/C = 2.2)",
                    "cannot tell" if not np.isfinite(ratio) or not np.isfinite(hi) else
-                   "reproduces" if lo <= 2.2 <= hi else "does not", f"C*/C = {ratio:.2f} [{fmt(lo, '.2f')}, "
-                   f"{fmt(hi, '.2f')}] (seed bootstrap)"))
-    claims.append(("the looped models' advantage comes from the repeated data", "cannot tell",
-                   f"one data budget ({preset.unique_tokens:,} unique tokens x {preset.epochs:g} epochs), no arm that "
-                   "reads fresh data"))
+                   ("does not" if lo > 2.2 else "cannot tell") if bound else
+                   "does not" if not lo <= 2.2 <= hi else "reproduces" if lo > 1 else "cannot tell",
+                   f"C*/C = {ratio:.2f} [{fmt(lo, '.2f')}, {fmt(hi, '.2f')}] (seed bootstrap)"
+                   + (": a lower bound, looping's smallest size already reaches that loss" if bound else "")))
+    if not preset.arm:  # an arm of a controlled ladder: arms_lines compares the budgets
+        claims.append(("the looped models' advantage comes from the repeated data", "cannot tell",
+                       f"one data budget ({preset.unique_tokens:,} unique tokens x {preset.epochs:g} epochs), no arm "
+                       "that reads fresh data"))
     sweep, first = preset.lr_sweep, min(d for _, d in pts)
     one_seed = sorted({k for (k, _), (_, v) in pts.items() if len(v) == 1})
     lines = claims_lines(claims)
@@ -428,9 +473,123 @@ def repeat_claims(preset, out, pts, best_wd):
     return lines
 
 
+def arms_report(preset, rows, sweep, n_boot, seed):
+    """The report of a ladder with several data budgets ([X] D.1): the LR sweep, each budget's own report
+    (repeat_report on its rows), then the comparison across budgets (arms_lines) and its claims."""
+    arms = repeat_arms(preset)
+    lines = [f"== {preset.name}: [X] data-constrained with its controls ([X] D.1): every run reads the same tokens "
+             "from one of " + ", ".join(f"{a.unique_tokens:,} unique x {a.epochs:g}" for a in arms)
+             + f"; the Operator-1 family at width {preset.width_per_depth} x stored depth"]
+    out = {"preset": preset.name, "arms": {}}
+    if sweep:
+        lines += sweep[0] + [f"  each budget's LR (its k1 row) scales by [X16] with beta {preset.lr_scaling_beta:g} "
+                             f"from d{preset.depths[0]}; embedding / lm head LRs keep [X]'s ratios to it"]
+        out["lr_sweep"] = sweep[1]
+    sections = []
+    for arm in arms:
+        text, arm_out, figures = repeat_report(arm, [r for r in rows if r.get("unique_tokens") == arm.unique_tokens],
+                                               None, n_boot, seed)
+        lines += ["", text.replace(f"== {arm.name}:", f"== {arm.name}, budget {arm.arm}:", 1)]
+        out["arms"][arm.arm] = arm_out
+        if figures:
+            sections.append((arm, figures))
+    if len(sections) < 2:
+        lines.append("\nthe comparison across data budgets needs two of them with K = 1 and a looped K: not yet")
+        return "\n".join(lines), out, {"arms": sections} if sections else None
+    lines += [""] + arms_lines(sections, n_boot, seed, out)
+    return "\n".join(lines), out, {"arms": sections}
+
+
+def arms_lines(sections, n_boot, seed, out):
+    """Does the compute-optimal K rise as unique data shrinks? Every budget's best K per training budget with
+    one joint seed bootstrap (the pooled seed std of all budgets), and the looping gain (K = 1's lowest loss
+    minus the best looped K's) of the most repeated budget against the fresh one -> lines (claims included)."""
+    groups = [v for _, f in sections for _, v in f["pts"].values()]
+    sigma, dof = pooled_std(groups)
+    sigma = sigma or 0.0
+    allC = [c for _, f in sections for p in f["frontier"].values() for c, _ in p]
+    budgets = np.geomspace(min(allC), max(allC), 9)
+    best, draws = {}, {}
+    for i, (arm, f) in enumerate(sections):
+        keys = sorted(f["pts"])
+        best[arm.arm] = repeat_analysis(f["frontier"], budgets)[0]
+        means = seed_draws([np.mean(f["pts"][p][1]) for p in keys], [len(f["pts"][p][1]) for p in keys], sigma,
+                           max(dof, 1), n_boot if dof else 0, seed + 1 + i)
+        per = []
+        for m in means:
+            frontier = {}
+            for (k, d), v in zip(keys, m):
+                frontier.setdefault(k, []).append((f["pts"][k, d][0], float(v)))
+            per.append([np.nan if k is None else k for k in repeat_analysis(frontier, budgets)[0]])
+        draws[arm.arm] = np.array(per, dtype=float).reshape(len(means), len(budgets))
+    lines = [f"== across the data budgets: the best K per training budget (one seed bootstrap of {n_boot} draws on the "
+             f"pooled seed std {sigma:.4f} of every budget, {dof} degrees of freedom; agree = the share of draws with "
+             "the same best K)", "  budget           " + " ".join(f"{b:>8.3g}" for b in budgets)]
+    for arm, _ in sections:
+        est = np.array([np.nan if k is None else k for k in best[arm.arm]], dtype=float)
+        lines.append(f"  {arm.arm:>8} best K  " + " ".join(f"{'-' if np.isnan(k) else int(k):>8}" for k in est))
+        lines.append(f"  {'':>8} agree   " + " ".join(f"{s:>8.3f}" for s in agreement(draws[arm.arm], est)))
+    fresh, repeated = min(sections, key=lambda s: s[0].epochs)[0], max(sections, key=lambda s: s[0].epochs)[0]
+    low = {arm.arm: np.nan_to_num(draws[arm.arm], nan=1.0).max(axis=1) <= 2 for arm, _ in sections}
+    rises = (draws[repeated.arm][:, -1] > draws[fresh.arm][:, -1]) if n_boot and dof else np.array([])
+    gains = {arm.arm: looping_gain(f["pts"]) for arm, f in sections}
+    g, h = gains[repeated.arm], gains[fresh.arm]
+    terms = [(1, g["k1"]), (-1, g["looped"]), (-1, h["k1"]), (1, h["looped"])]
+    effect = contrast([(sign, float(np.mean(v)), len(v)) for sign, v in terms], sigma, dof) if dof else None
+    lines.append("  looping gain (K = 1's lowest loss minus the best looped K's, each at its best stored size): "
+                 + ", ".join(f"{a} {v['gain']:+.4f} (K = {v['K']})" for a, v in gains.items()))
+    if effect:
+        lines.append(f"  the gain with {repeated.arm} minus the gain with {fresh.arm}: {effect['diff']:+.4f} nats [95% "
+                     f"t-interval {effect['lo']:+.4f}, {effect['hi']:+.4f}], p = {effect['p']:.3f} (> 0: repetition "
+                     "makes looping worth more)")
+    out["across"] = dict(budgets=budgets, best_K={a: v for a, v in best.items()}, pooled_std=sigma, dof=dof,
+                         k_at_most_2_share={a: float(v.mean()) if len(v) else None for a, v in low.items()},
+                         rises_share=float(rises.mean()) if len(rises) else None, gains=gains, gain_effect=effect)
+    claims = []
+    for arm, _ in sections:
+        if arm.epochs <= 4 and max(arm.passes) > 2:  # (with no K above 2 tried the claim holds by design)
+            share = out["across"]["k_at_most_2_share"][arm.arm]
+            claims.append((f"with {arm.epochs:g} epoch{'s' if arm.epochs > 1 else ''} ({arm.arm}) the compute-optimal "
+                           "K stays at 1-2 at every budget", "cannot tell" if share is None else share_verdict(share),
+                           f"best K at the largest budget {fmt(best[arm.arm][-1], 'd')}; K <= 2 at every budget in "
+                           f"{fmt(share, '.3f')} of the draws"))
+    share, top = out["across"]["rises_share"], max(fresh.passes)
+    # fresh data's best K already the largest K tried: a rise beyond it is not measured, not absent
+    ceiling = float(np.mean(draws[fresh.arm][:, -1] == top)) if len(rises) else None
+    out["across"]["fresh_at_largest_K_share"] = ceiling
+    claims.append((f"with {repeated.epochs:g} epochs the compute-optimal K rises above fresh data's",
+                   "cannot tell" if share is None or ceiling >= AGREEMENT else share_verdict(share),
+                   f"best K at {budgets[-1]:.3g} FLOPs: {repeated.arm} {fmt(best[repeated.arm][-1], 'd')}, "
+                   f"{fresh.arm} {fmt(best[fresh.arm][-1], 'd')}; larger with {repeated.arm} in {fmt(share, '.3f')} "
+                   "of the draws" + (f"; fresh data's is the largest K tried ({top}) in {ceiling:.3f} of them, so a "
+                                     "rise beyond it is not measured" if ceiling is not None and ceiling >= AGREEMENT
+                                     else "")))
+    claims.append(("the looped models' advantage comes from the repeated data (a larger looping gain with "
+                   f"{repeated.epochs:g} epochs than with fresh data)",
+                   "cannot tell" if effect is None else
+                   "reproduces" if effect["lo"] > 0 else "does not" if effect["hi"] < 0 else "cannot tell",
+                   "no seeds" if effect is None else
+                   f"{effect['diff']:+.4f} nats [{effect['lo']:+.4f}, {effect['hi']:+.4f}], p = {effect['p']:.3f}"))
+    return lines + claims_lines(claims)
+
+
+def looping_gain(pts):
+    """K = 1's lowest seed-mean loss (its best stored size) minus that of the best looped K: the gain, the
+    looped K, and both points' seed losses."""
+    def lowest(ks):
+        return min(((k, d) for k, d in pts if k in ks), key=lambda p: np.mean(pts[p][1]))
+    k1 = lowest({1})
+    looped = lowest({k for k, _ in pts if k > 1})
+    return dict(gain=float(np.mean(pts[k1][1]) - np.mean(pts[looped][1])), K=looped[0], depth_k1=k1[1],
+                depth_looped=looped[1], k1=pts[k1][1], looped=pts[looped][1])
+
+
 def repeat_plots(preset, f, path):
     """A repeat ladder's figures: each K's frontier (loss vs compute at its best weight decay per size) and
-    the weight-decay curves at every stored depth."""
+    the weight-decay curves at every stored depth (a figure pair per data budget, ARM-frontier.png)."""
+    if "arms" in f:
+        return [p for arm, figures in f["arms"]
+                for p in repeat_plots(arm, figures, lambda name, a=arm.arm: path(f"{a}-{name}"))]
     written = []
     if plots.plot_repeat_frontier(f["frontier"], f["pts"], f["l_star"], path("frontier.png"),
                                   title=f"{preset.name}: each K at its best weight decay per stored size"):

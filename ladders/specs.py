@@ -3,9 +3,9 @@ whole plan with its budgets (full_plan, plan_records) and `ladder.py --list` (de
 
 import json
 
-from ladders.common import data_plan, sweep_values, tokens_per_step, world_size
+from ladders.common import data_plan, sweep_point, sweep_values, tokens_per_step, world_size
 from ladders.presets import PRESETS, get_preset
-from ladders.repeat import repeat_seed_specs, repeat_specs
+from ladders.repeat import lr_keys, repeat_seed_specs, repeat_specs
 from ladders.smelt import smelt_cells, smelt_specs
 from ladders.x import x_specs
 from tooling.jobs import json_default
@@ -17,6 +17,8 @@ def build(preset, data=None, lrs=None, world=None):
     data = data or data_plan(preset, prepare=False)
     if preset.lr_sweep is None:
         lrs = {}
+    elif preset.lr_sweep.at_every_depth and preset.kind != "x":
+        raise ValueError(f"preset {preset.name}: lr_sweep.at_every_depth is for [X] ladders (kind x) only")
     if preset.kind == "smelt":
         cells = smelt_cells(preset)
         specs = smelt_specs(preset, cells, data, lrs, world)
@@ -40,8 +42,9 @@ def full_plan(preset, data=None, world=None):
     if preset.lr_sweep is None:
         return sweep, cells
     key, values = sweep_values(preset)
-    archs = preset.archs if preset.kind == "x" else ("baseline", "smelt") if preset.kind == "smelt" else ("k1",)
-    lrs = {a: values[len(values) // 2] for a in archs}
+    archs = preset.archs if preset.kind == "x" else ("baseline", "smelt") if preset.kind == "smelt" else lr_keys(preset)
+    depths = preset.depths if preset.kind == "x" else [None]
+    lrs = {sweep_point(preset, a, d): values[len(values) // 2] for a in archs for d in depths}
     rest, _ = build(preset, data, lrs=lrs, world=world)
     if preset.kind == "repeat":  # the extra seeds at the middle weight decay (their budget does not depend on it)
         rest += repeat_seed_specs(preset, data, lrs, None, world)

@@ -70,7 +70,14 @@ def difference_sigma(sigma, n1=1, n2=1):
 def difference(mean1, n1, mean2, n2, sigma, dof, level=LEVEL):
     """mean1 - mean2 against the pooled seed noise: the difference, its sigma (difference_sigma), the
     difference in those sigmas, its t-interval and two-sided p-value -> dict."""
-    d, s = mean1 - mean2, difference_sigma(sigma, n1, n2)
+    return contrast([(1, mean1, n1), (-1, mean2, n2)], sigma, dof, level)
+
+
+def contrast(terms, sigma, dof, level=LEVEL):
+    """sum sign x mean over terms [(sign +-1, mean of n seeds, n)], e.g. a difference of two differences,
+    against the pooled seed noise sigma sqrt(sum 1/n) -> difference's dict."""
+    d = sum(sign * mean for sign, mean, _ in terms)
+    s = sigma * math.sqrt(sum(1 / n for _, _, n in terms))
     lo, hi = t_interval(d, s, 1, dof, level)
     return dict(diff=d, sigma=s, z=d / s, lo=lo, hi=hi, p=float(2 * scipy_stats.t.sf(abs(d / s), dof)))
 

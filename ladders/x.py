@@ -15,8 +15,8 @@ import fit
 import grow
 import match
 import train
-from ladders.common import (carried_lrs, compute_active, finite_or_none, fmt, model_settings, sources_of, sweep_values,
-                            tokens_per_step)
+from ladders.common import (carried_lrs, compute_active, finite_or_none, fmt, model_settings, sources_of, sweep_limits,
+                            sweep_point, sweep_values, tokens_per_step)
 from ladders.stats import claims_lines, interval_verdict, pooled_std, seed_draws, seed_spread, within_noise
 from ladders.presets import X_RECIPES
 from model import ModelConfig
@@ -134,14 +134,16 @@ def x_flops_per_token(cfg, grow_to, grow_step, steps):
 
 def x_specs(preset, data, lrs=None, world=None):
     """Every architecture at every depth trains tpp x its own N tokens ([X]: each ladder at its own budget,
-    [X10]). Without lrs: only the first depth, once per swept LR (the sweep); with lrs (arch -> value)
-    every depth at that value; the reference runs every seed."""
+    [X10]). Without lrs: only the first depth (with lr_sweep.at_every_depth every depth), once per swept LR
+    (the sweep); with lrs ({arch or (arch, depth): value}, common.sweep_point) every depth at its value; the
+    reference runs every seed. A value at another depth runs x [X16]'s factor from the first (with lr_beta)."""
     step_tokens = tokens_per_step(preset, world)
     key, values = sweep_values(preset)
     sweep_seeds = preset.lr_sweep.seeds if preset.lr_sweep else 1
+    every_depth = bool(preset.lr_sweep and preset.lr_sweep.at_every_depth)
     specs = []
     for depth in preset.depths:
-        if lrs is None and depth != preset.depths[0]:
+        if lrs is None and depth != preset.depths[0] and not every_depth:
             break
         for arch in preset.archs:
             cfg, grows = x_config(preset, arch, depth)
@@ -161,8 +163,9 @@ def x_specs(preset, data, lrs=None, world=None):
                         decay_start_step=decay_start(preset, steps), executed_layers=acc["executed_layers"],
                         stored_blocks=acc["stored_blocks"])
             seeds = preset.seeds if arch == "vanilla" or preset.seed_every_arch else preset.seeds[:1]
-            lr_values = values if lrs is None else [lrs.get(arch) if key else None]
+            lr_values = values if lrs is None else [lrs.get(sweep_point(preset, arch, depth)) if key else None]
             for value in lr_values:
+                lr_meta = {"lr": value} if key else {}  # the grid's value (common.swept_value)
                 run_settings = dict(settings, **x_lr_settings(preset, arch, key, value))
                 if preset.lr_beta:  # [X16] from the first depth's N_s
                     anchor = grow.stored_params(x_config(preset, arch, preset.depths[0])[0])
@@ -170,7 +173,7 @@ def x_specs(preset, data, lrs=None, world=None):
                 for seed in (preset.seeds[:sweep_seeds] if lrs is None else seeds):
                     run_id = f"{arch}-d{depth}" + (f"-{key}{value:g}" if key else "") + f"-s{seed}"
                     specs.append(RunSpec(run_id, arch, f"d{depth}", "run" if lrs is not None else "sweep",
-                                         dict(run_settings, seed=seed), dict(meta, seed=seed)))
+                                         dict(run_settings, seed=seed), dict(meta, seed=seed, **lr_meta)))
     return specs
 
 
@@ -274,7 +277,8 @@ def multiplier_bootstrap(points, ref, sigma, n_draws=400, seed=0, dof=None, pair
 def x_report(preset, rows, sweep=None, ref="vanilla", n_boot=400, lrs=None):
     """LR sweep, final losses at equal depth with the compute each architecture spent there, seed spread,
     shared-E power laws [X5]-[X7] and compute multipliers [X6] with seed-bootstrap bands -> (text, dict,
-    figure data). lrs: {arch: the swept value carried up}, for the line on what carrying it up confounds."""
+    figure data). lrs: {arch: the swept value carried up}, for the line on what carrying it up confounds (with
+    lr_sweep.at_every_depth {(arch, depth): each point's own value}, the sweep one block per depth)."""
     budget = (f"TPP {preset.tpp:g} per compute-active non-embedding parameter for every architecture"
               if not preset.tpp_stored else "each architecture's [X] TPP per stored parameter ("
               + ", ".join(f"{a} {preset.tpp_stored[a]:g}" for a in preset.archs) + ")")
@@ -427,7 +431,9 @@ def x_claims(preset, rows, fits, ref, out, lrs):
                        f"{max(gammas):.3f}, not comparable with [X]'s"))
     lines = claims_lines(claims)
     steps = [r["D"] / tokens_per_step(preset) for r in rows if r["depth"] == preset.depths[0]]
-    if lrs and preset.lr_sweep:
+    if lrs and preset.lr_sweep and preset.lr_sweep.at_every_depth:
+        lines.append(depth_sweep_caveat(preset, lrs))
+    elif lrs and preset.lr_sweep:
         same = len(set(lrs.values())) == 1
         lines.append(f"cannot tell either: every LR comes from one sweep at d{preset.depths[0]} ({min(steps):.0f}-"
                      f"{max(steps):.0f} steps; {preset.lr_sweep.seeds} seeds per value) carried up by [X16]"
@@ -437,11 +443,36 @@ def x_claims(preset, rows, fits, ref, out, lrs):
     return lines
 
 
+def depth_sweep_caveat(preset, lrs):
+    """What a sweep at every depth cannot tell (lrs: {(arch, depth): value}) -> the claims table's last line."""
+    sweep = preset.lr_sweep
+    ratio, lo, hi = sweep_limits(preset)
+    edge = [f"{a} d{d} {v:g}" for (a, d), v in lrs.items() if v <= lo or v >= hi]
+    same = len(set(lrs.values())) == 1
+    seeds = f"{sweep.seeds} seed{'s' if sweep.seeds > 1 else ''}"
+    return (f"cannot tell either: each ladder point's LR is the mean-best of its own sweep ({len(sweep.values)} values "
+            f"{ratio:g}x apart, {seeds} per value, at most {sweep.extend} beyond the grid), known to a factor {ratio:g}"
+            + (f"; {len(edge)} of {len(lrs)} points peaked at the bracketing limit, their optimum may lie beyond "
+               f"({', '.join(edge)})" if edge else "")
+            + (f"; all {len(lrs)} points peaked at the same grid value ({next(iter(lrs.values())):g}), so the "
+               "sweeps do not tell their optima apart" if same else ""))
+
+
 def lr_confound_lines(preset, archs, lrs, ref):
-    """What carrying each architecture's swept LR up the ladder confounds -> report lines."""
+    """What carrying each architecture's swept LR up the ladder confounds (with at_every_depth: that nothing is
+    carried, each point's own value) -> report lines."""
     key = preset.lr_sweep.key if preset.lr_sweep else None
     if not key or not lrs:
         return []
+    if preset.lr_sweep.at_every_depth:
+        first, depths = preset.depths[0], sorted({d for _, d in lrs})
+        grid = (f"the grid x [X16]'s factor (N_s / N_s,d{first})^beta from d{first} with each architecture's [X] "
+                "beta, centred where [X16] predicts the optimum" if preset.lr_beta else "the grid as it is")
+        seeds = preset.lr_sweep.seeds
+        return [f"  no LR is carried up the ladder: each point trains at the mean-best value over {seeds} "
+                f"seed{'s' if seeds > 1 else ''} of its own sweep at its depth ({grid}); the grid value per depth "
+                f"(d{depths[0]}..d{depths[-1]}): " + ", ".join(
+                    f"{a} " + "/".join(f"{lrs[a, d]:g}" if (a, d) in lrs else "-" for d in depths) for a in archs)]
     if preset.lr_beta:
         first = preset.depths[0]
         return [f"  each LR is the mean-best over {preset.lr_sweep.seeds} seeds at d{first}, carried up "

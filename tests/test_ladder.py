@@ -386,7 +386,8 @@ def test_every_preset_builds_with_valid_train_settings(capsys):
     listing = capsys.readouterr().out
     for name in PRESETS:
         assert name in listing and "not buildable" not in listing
-    for name in ("smelt-gpu-1node", "x-gpu-2node", "x-cpu-mini", "x-cpu-mini-v1", "x-cpu-repeat", "smelt-cpu-mini", "smelt-cpu-mini-v1"):
+    for name in ("smelt-gpu-1node", "x-gpu-2node", "x-cpu-mini", "x-cpu-mini-v1", "x-cpu-repeat", "x-cpu-repeat-v1",
+                 "smelt-cpu-mini", "smelt-cpu-mini-v1"):
         preset = get_preset(name)
         specs, _ = full_plan(preset, world=world_size(preset))
         for s in specs:

@@ -15,7 +15,7 @@ import fit
 from ladders.presets import get_preset
 from ladders.repeat import repeat_budget_lines
 from ladders.smelt import f_levels, grid_lines, identifiability_lines, smelt_report, smelt_surfaces
-from ladders.stats import (AGREEMENT, agreement, claims_lines, difference, difference_sigma, interval_verdict,
+from ladders.stats import (AGREEMENT, agreement, claims_lines, contrast, difference, difference_sigma, interval_verdict,
                            pooled_std, profile_bound, profile_interval, seed_draws, share_verdict, t_interval)
 from ladders.x import X_PAPER_MULTIPLIERS, multiplier_claim, rises
 
@@ -47,6 +47,11 @@ def test_a_difference_has_sqrt2_sigma_and_scipys_p():
     assert d["z"] == pytest.approx(student.statistic) and d["p"] == pytest.approx(student.pvalue)
     half = scipy_stats.t.ppf(0.975, 4) * sigma * math.sqrt(2 / 3)
     assert (d["lo"], d["hi"]) == pytest.approx((d["diff"] - half, d["diff"] + half))
+    # a difference of two differences (an interaction): sigma sqrt(sum 1/n) over its four means
+    c = contrast([(1, 2.0, 2), (-1, 1.9, 2), (-1, 1.5, 3), (1, 1.45, 3)], 0.01, 10)
+    s = 0.01 * math.sqrt(1 / 2 + 1 / 2 + 1 / 3 + 1 / 3)
+    assert c["diff"] == pytest.approx(0.05) and c["sigma"] == pytest.approx(s)
+    assert c["p"] == pytest.approx(2 * scipy_stats.t.sf(0.05 / s, 10))
 
 
 def test_seed_bootstrap_gives_t_intervals_deterministically():

@@ -22,7 +22,7 @@ from ladders.common import data_plan, tokens_per_step
 from fit import wd_regression
 from ladders.stats import interpolated_optimum
 from ladders.presets import SEEDS, X_GLR_TIED, X_LR_BETA, X_OPERATOR1, X_OPERATOR1_TRAIN, X_TPP_STORED, get_preset
-from ladders.repeat import envelope, reach_compute, repeat_analysis
+from ladders.repeat import arms_lines, envelope, lr_key, reach_compute, repeat_analysis, repeat_arms
 from ladders.smelt import smelt_cells
 from ladders.specs import build, describe_presets, full_plan
 from ladders.x import depth_means, multiplier_bootstrap, x_config, x_recipe
@@ -104,6 +104,76 @@ def test_repeat_report_rebuilds_from_its_csv(repeat_micro, tmp_path):
     assert (tmp_path / "x-repeat-micro-report.txt").read_text() == open(os.path.join(out, "report.txt")).read()
 
 
+@pytest.fixture(scope="module")
+def arms_micro(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("arms"))
+    report = pipeline.ladder("x-repeat-arms-micro", out_dir=out, progress=False, log=quiet, workers=2, plot=True)
+    return out, report
+
+
+def test_repeat_arms_micro_end_to_end(arms_micro, tmp_path):
+    """Two data budgets ([X] D.1's control): every run reads the same tokens, each budget's runs only its own
+    unique tokens; each budget sweeps its own LR (2 seeds per value) and carries it; every K x depth has 2
+    seeds at its best weight decay; the report compares the budgets and rebuilds from runs.csv byte for byte."""
+    out, report = arms_micro
+    preset = get_preset("x-repeat-arms-micro")
+    rows = tables.read_rows_csv(os.path.join(out, "runs.csv"))
+    assert len({r["D"] for r in rows}) == 1
+    for arm in repeat_arms(preset):
+        mine = [r for r in rows if r["unique_tokens"] == arm.unique_tokens]
+        assert mine and all(r["run_id"].startswith(arm.arm + "-") for r in mine)
+        for r in mine:
+            result = json.load(open(os.path.join(out, "runs", r["run_id"], "result.json")))
+            assert result["data_read"][1] <= arm.unique_tokens
+            assert result["settings"]["unique_tokens"] == arm.unique_tokens
+        assert {r["lr"] for r in mine if r["depth"] == preset.depths[0]} == {report["lrs"][lr_key(arm)]}
+        for k in preset.passes:
+            for d in preset.depths:
+                point = {r["wd"]: r["loss"] for r in mine if r["role"] == "run" and r["K"] == k and r["depth"] == d}
+                best = min(point, key=point.get)
+                assert {r["seed"] for r in mine if (r["K"], r["depth"], r["wd"]) == (k, d, best)} == set(preset.seeds)
+    sweep = tables.read_rows_csv(os.path.join(out, "lr_sweep.csv"))
+    assert {r["arch"] for r in sweep} == {lr_key(a) for a in repeat_arms(preset)}
+    assert set(report["arms"]) == {a.arm for a in repeat_arms(preset)} and report["across"]["dof"] > 0
+    text = open(os.path.join(out, "report.txt")).read()
+    assert "== across the data budgets" in text and "| the looped models' advantage comes from the repeated data (a" \
+        in text and "no arm that reads fresh data" not in text
+    assert sorted(os.path.basename(p) for p in report["plots"]) == sorted(
+        f"{a.arm}-{name}" for a in repeat_arms(preset) for name in ("frontier.png", "weight_decay.png"))
+    for name in ("runs.csv", "lr_sweep.csv"):
+        shutil.copy(os.path.join(out, name), tmp_path / f"x-repeat-arms-micro-{name}")
+    pipeline.rereport("x-repeat-arms-micro", str(tmp_path / "x-repeat-arms-micro-runs.csv"), log=quiet)
+    assert (tmp_path / "x-repeat-arms-micro-report.txt").read_text() == open(os.path.join(out, "report.txt")).read()
+
+
+def test_arms_comparison_recovers_known_answers():
+    """arms_lines on synthetic ladders: fresh data where K = 1 stays best and a repeated budget where K = 1
+    overfits and K = 4 wins at the top -> all three [X] D.1 claims reproduce; the same ladder twice -> the
+    best K does not rise and the looping gain's difference is within its noise."""
+    arms = repeat_arms(get_preset("x-cpu-repeat"))
+    fresh_losses = {1: [2.0, 1.8, 1.6, 1.5], 2: [2.0, 1.82, 1.63, 1.53], 4: [2.05, 1.86, 1.67, 1.57]}
+    repeated_losses = {1: [2.0, 1.9, 1.95, 2.05], 2: [1.98, 1.85, 1.85, 1.9], 4: [1.97, 1.8, 1.75, 1.72]}
+
+    def section(arm, losses):
+        pts = {(k, d): (1e12 * 2 ** d * (1 + 0.5 * (k - 1)), [v - 1e-3, v + 1e-3])
+               for k, ls in losses.items() for d, v in enumerate(ls)}
+        frontier = {k: [(pts[k, d][0], v) for d, v in enumerate(ls)] for k, ls in losses.items()}
+        return arm, dict(pts=pts, frontier=frontier)
+    out = {}
+    text = "\n".join(arms_lines([section(arms[0], fresh_losses), section(arms[-1], repeated_losses)], 200, 0, out))
+    for claim in ("with 1 epoch (500kx1) the compute-optimal K stays at 1-2 at every budget | reproduces",
+                  "with 10 epochs the compute-optimal K rises above fresh data's | reproduces",
+                  "than with fresh data) | reproduces"):
+        assert claim in text
+    gains = out["across"]["gains"]
+    assert gains["500kx1"]["gain"] == pytest.approx(-0.03) and gains["50kx10"]["gain"] == pytest.approx(0.18)
+    assert out["across"]["gain_effect"]["diff"] == pytest.approx(0.21)
+    sigma = math.sqrt(2) * 1e-3  # the std of [v - 1e-3, v + 1e-3]
+    assert out["across"]["gain_effect"]["sigma"] == pytest.approx(sigma * math.sqrt(4 / 2))  # four means of 2 seeds
+    text = "\n".join(arms_lines([section(arms[0], fresh_losses), section(arms[-1], fresh_losses)], 200, 0, {}))
+    assert "rises above fresh data's | does not" in text and "than with fresh data) | cannot tell" in text
+
+
 def test_repeat_analysis_recovers_known_answers():
     # K = 1 improves with size then overfits; K = 2 costs 1.5x compute per size and keeps improving
     C1 = [1e12, 2e12, 4e12, 8e12]
@@ -128,17 +198,48 @@ def test_repeat_analysis_recovers_known_answers():
 
 
 def test_cpu_repeat_design_on_the_plan():
-    """x-cpu-repeat, checked before anything trains: U unique tokens x epochs per run inside the stable
-    region, stored parameters per bit of unique text spanning [X]'s range, three seeds at K = 1 and the
-    largest K at every depth, a weight-decay grid at every point, its plan and budget listed."""
+    """x-cpu-repeat ([X] D.1), checked before anything trains: every run reads the same tokens, from fresh
+    data (the control), 4 or 10 epochs of fewer unique tokens inside the stable region; the most repeated
+    budget's stored parameters per bit of unique text span [X]'s range; K 1, 2, 4 x d3..d6 at every budget,
+    a weight-decay grid at every point, 2 seeds at every point and every swept LR, a sweep per budget."""
     preset = get_preset("x-cpu-repeat")
     data = data_plan(preset)
+    arms = repeat_arms(preset)
+    assert [a.epochs for a in arms] == [1, 4, 10] and max(a.unique_tokens for a in arms) <= data.stable_tokens
+    runs = json.loads(describe_presets(as_json=True))["presets"]["x-cpu-repeat"]["runs"]
+    assert len({r["tokens"] for r in runs}) == 1  # the same tokens per run in every budget
+    for arm in arms:
+        mine = [r for r in runs if r["run_id"].startswith(arm.arm + "-")]
+        assert all(abs(r["epochs"] - arm.epochs) < 0.01 * arm.epochs for r in mine)
+        sweep = [r for r in mine if r["role"] == "sweep"]
+        assert len(sweep) == 2 * len(preset.lr_sweep.values) and {r["arch"] for r in sweep} == {lr_key(arm)}
+        carried = f"-matrix_lr{preset.lr_sweep.values[1]:g}-"  # the plan's placeholder for the swept LR
+        seeds = {}  # (K and depth, weight decay) -> the seeds run there at the carried LR
+        for r in mine:
+            if carried in r["run_id"]:
+                point, rest = r["run_id"].split("-wd")
+                seeds.setdefault((point, rest.split("-")[0]), set()).add(rest.rsplit("-s", 1)[1])
+        points = {p for p, _ in seeds}
+        assert len(points) == len(preset.passes) * len(preset.depths) and len(seeds) >= 3 * len(points)
+        assert all(any(len(seeds[p, w]) >= 2 for pp, w in seeds if pp == p) for p in points)  # 2 seeds at one WD
+    stored = sorted({r["params_stored"] for r in runs})
+    bits = 2.2 * min(a.unique_tokens for a in arms)  # ~2.2 bits per byte token
+    assert 0.25 <= stored[0] / bits < 0.5 and 1.5 < stored[-1] / bits <= 2.9  # [X]: 0.25 .. 2.9
+    assert max(preset.passes) > 2  # "K stays at 1-2" can fail
+
+
+def test_cpu_repeat_v1_design_on_the_plan():
+    """x-cpu-repeat-v1 (the first design, kept for its report): U unique tokens x epochs per run inside the
+    stable region, stored parameters per bit of unique text spanning [X]'s range, three seeds at K = 1 and
+    the largest K at every depth, a weight-decay grid at every point, its plan and budget listed."""
+    preset = get_preset("x-cpu-repeat-v1")
+    data = data_plan(preset)
     assert preset.unique_tokens <= data.stable_tokens
-    listing = json.loads(describe_presets(as_json=True))["presets"]["x-cpu-repeat"]
+    listing = json.loads(describe_presets(as_json=True))["presets"]["x-cpu-repeat-v1"]
     runs = listing["runs"]
     assert listing["flops"] == pytest.approx(sum(r["flops"] for r in runs)) and len(runs) == 82
     presets = json.loads(describe_presets(as_json=True))["presets"]
-    for name in ("x-cpu-repeat", "x-cpu-mini", "smelt-cpu-mini"):  # the budget written before the run
+    for name in ("x-cpu-repeat", "x-cpu-repeat-v1", "x-cpu-mini", "smelt-cpu-mini"):  # written before the run
         budget = presets[name]["budget"]
         assert budget.startswith("written before the run: ") and "min on 2 workers" in budget
     assert all(9.9 < r["epochs"] < 10.1 for r in runs)
@@ -207,17 +308,24 @@ def test_repeat_recipe_is_operator1s():
         {k: training[k] / training["matrix_lr"] for k in ("embedding_lr", "unembedding_lr")})
 
 
-def test_committed_repeat_report_rebuilds_from_its_csv(tmp_path):
-    """docs/ladder/x-cpu-repeat-report.txt is what `ladder.py --from-csv docs/ladder/x-cpu-repeat-runs.csv`
-    writes (bootstrap bands masked: their last digit is the CPU's), and says what the README quotes."""
+def rebuilt_committed(name, tmp_path):
+    """A committed repeat report rebuilt from its CSVs by `ladder.py --from-csv` -> (report, text), checked
+    equal to docs/ladder/NAME-report.txt with the bootstrap bands masked (their last digit is the CPU's)."""
     docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ladder")
-    for name in ("runs.csv", "lr_sweep.csv"):
-        shutil.copy(os.path.join(docs, f"x-cpu-repeat-{name}"), tmp_path / f"x-cpu-repeat-{name}")
-    report = pipeline.rereport("x-cpu-repeat", str(tmp_path / "x-cpu-repeat-runs.csv"), log=quiet)
-    text = (tmp_path / "x-cpu-repeat-report.txt").read_text()
-    bands = r"\[[-+0-9.,e ]*\]|\[95% band [^;]*;|agree .*|K > 1 .*|in [01]\.[0-9]+ of the draws"
+    for part in ("runs.csv", "lr_sweep.csv"):
+        shutil.copy(os.path.join(docs, f"{name}-{part}"), tmp_path / f"{name}-{part}")
+    report = pipeline.rereport(name, str(tmp_path / f"{name}-runs.csv"), log=quiet)
+    text = (tmp_path / f"{name}-report.txt").read_text()
+    bands = r"\[[-+0-9.,e ]*\]|\[95% band [^;]*;|agree .*|K > 1 .*|in [01]\.[0-9]+ of the (draws|them)"
     mask = lambda t: re.sub(bands, "", t)  # noqa: E731
-    assert mask(text) == mask(open(os.path.join(docs, "x-cpu-repeat-report.txt")).read())
+    assert mask(text) == mask(open(os.path.join(docs, f"{name}-report.txt")).read())
+    return report, text
+
+
+def test_committed_repeat_v1_report_rebuilds_from_its_csv(tmp_path):
+    """docs/ladder/x-cpu-repeat-v1-report.txt is what `ladder.py --from-csv docs/ladder/x-cpu-repeat-v1-runs.csv`
+    writes (bootstrap bands masked: their last digit is the CPU's), and says what the README quotes."""
+    report, text = rebuilt_committed("x-cpu-repeat-v1", tmp_path)
     assert report["wd_regression"]["points"] == 16 and report["best_K"][-1] == 4 and report["best_K_grows"]
     # a looped K at the top budget holds; where the best K switches does not (the bootstrap agrees in < 0.9)
     assert report["best_K_looped_share"][-1] >= 0.9 and report["best_K_switch_share"] < 0.9
@@ -227,6 +335,21 @@ def test_committed_repeat_report_rebuilds_from_its_csv(tmp_path):
                 "| the looped models' advantage comes from the repeated data | cannot tell |"):
         assert row in text
     assert report["loop_vs_k1"]["sigma"] == pytest.approx(report["seed_spread"]["pooled_std"] * math.sqrt(2 / 3))
+
+
+def test_committed_repeat_report_rebuilds_from_its_csv(tmp_path):
+    """docs/ladder/x-cpu-repeat-report.txt (three data budgets, [X] D.1) is what `ladder.py --from-csv
+    docs/ladder/x-cpu-repeat-runs.csv` writes (bootstrap bands masked: their last digit is the CPU's), and
+    says what docs/ladder.md and the README quote: looping wins with fresh data too, so nothing here is an
+    effect of repetition."""
+    report, text = rebuilt_committed("x-cpu-repeat", tmp_path)
+    across = report["across"]
+    assert across["best_K"]["500kx1"][-1] == 4 and across["k_at_most_2_share"]["500kx1"] < 0.1
+    assert across["gain_effect"]["lo"] < 0 < across["gain_effect"]["hi"]
+    for row in ("| with 1 epoch (500kx1) the compute-optimal K stays at 1-2 at every budget | does not |",
+                "| with 10 epochs the compute-optimal K rises above fresh data's | cannot tell |",
+                "than with fresh data) | cannot tell |"):
+        assert row in text
 
 
 def test_multipliers_read_seed_means_when_every_architecture_has_seeds():
