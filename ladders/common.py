@@ -97,12 +97,17 @@ def sweep_point(preset, arch, depth=None):
     return (arch, depth) if preset.lr_sweep and preset.lr_sweep.at_every_depth else arch
 
 
-def sweep_limits(preset):
-    """(ratio, lo, hi) of a preset's sweep grid (values `ratio` apart): a best value at lo or below, or hi or
-    above, is at the bracketing limit (lr_sweep.extend steps beyond the grid); nothing beyond it runs."""
-    values, extend = preset.lr_sweep.values, preset.lr_sweep.extend
+def grid_limits(values, extend):
+    """(ratio, lo, hi) of a bracketed grid (values `ratio` apart, an LR or a weight decay): a best value at lo
+    or below, or hi or above, is at the bracketing limit (`extend` steps beyond the grid); nothing beyond it
+    runs."""
     ratio = values[1] / values[0] if len(values) > 1 else 1.0  # one value: it is the limit
     return ratio, values[0] / ratio ** (extend - 0.5), values[-1] * ratio ** (extend - 0.5)
+
+
+def sweep_limits(preset):
+    """grid_limits of a preset's LR sweep."""
+    return grid_limits(preset.lr_sweep.values, preset.lr_sweep.extend)
 
 
 def swept_value(spec, key):

@@ -13,8 +13,8 @@ import fit
 import grow
 import match
 import train
-from ladders.common import (carried_lrs, compute_active, fmt, lr_scaling, model_settings, sweep_values,
-                            tokens_per_step)
+from ladders.common import (carried_lrs, compute_active, fmt, grid_limits, lr_scaling, model_settings,
+                            sweep_values, tokens_per_step)
 from fit import wd_regression
 from ladders.stats import (AGREEMENT, agreement, claims_lines, contrast, difference, interpolated_optimum, pooled_std,
                            seed_draws, share_verdict, t_interval, t_quantile)
@@ -102,8 +102,7 @@ def repeat_grid(preset, data, lrs, results, world=None):
         grids = [repeat_grid(arm, data, lrs, results, world) for arm in repeat_arms(preset)]
         return [s for specs, _ in grids for s in specs], all(complete for _, complete in grids)
     specs = repeat_specs(preset, data, lrs, world)
-    wds = preset.weight_decays
-    ratio, limit = wds[1] / wds[0], preset.wd_extend
+    ratio, lo, hi = grid_limits(preset.weight_decays, preset.wd_extend)
     while True:
         extra, pending = [], False
         for k in preset.passes:
@@ -114,9 +113,9 @@ def repeat_grid(preset, data, lrs, results, world=None):
                     continue
                 tried = sorted(s.meta["wd"] for s in points)
                 best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta["wd"]
-                if best == tried[0] and best > wds[0] / ratio ** (limit - 0.5):
+                if best == tried[0] and best > lo:
                     value = best / ratio
-                elif best == tried[-1] and best < wds[-1] * ratio ** (limit - 0.5):
+                elif best == tried[-1] and best < hi:
                     value = best * ratio
                 else:
                     continue
@@ -289,6 +288,27 @@ def repeat_wd_table(grid, Ks, depths, wds):
     return lines, best_wd, wd_star
 
 
+def drawn_analyses(pts, budgets, sigma, dof, n_boot, seed):
+    """repeat_analysis of every seed-bootstrap draw (stats.seed_draws on each point's seed mean; none without
+    seed dof): pts {(K, depth): (C, [loss per seed])} -> [(best K per budget, L*, C*, reach)]."""
+    keys = sorted(pts)
+    draws = seed_draws([np.mean(pts[p][1]) for p in keys], [len(pts[p][1]) for p in keys], sigma, max(dof, 1),
+                       n_boot if dof else 0, seed)
+    analyses = []
+    for means in draws:
+        frontier = {}
+        for (k, d), mean in zip(keys, means):
+            frontier.setdefault(k, []).append((pts[k, d][0], float(mean)))
+        analyses.append(repeat_analysis(frontier, budgets))
+    return analyses
+
+
+def best_k_array(analyses, budgets):
+    """The draws' best K per budget as an array (draws, budgets), nan where no K is affordable."""
+    return np.array([[np.nan if k is None else k for k in a[0]] for a in analyses],
+                    dtype=float).reshape(len(analyses), len(budgets))
+
+
 def repeat_budget_lines(frontier, pts, noise, n_boot, seed, out):
     """The best K per budget, where a looped K is best, whether the best K grows, the lowest loss of each K,
     and the compute at which K >= 2 reaches K = 1's best loss, with the seed bootstrap (stats.seed_draws:
@@ -297,18 +317,9 @@ def repeat_budget_lines(frontier, pts, noise, n_boot, seed, out):
     allC = [c for p in frontier.values() for c, _ in p]
     budgets = np.geomspace(min(allC), max(allC), 9)
     best, l_star, c_star, reach = repeat_analysis(frontier, budgets)
-    keys = sorted(pts)
-    draws = seed_draws([np.mean(pts[p][1]) for p in keys], [len(pts[p][1]) for p in keys], sigma, max(dof, 1),
-                       n_boot if dof else 0, seed)
-    draws_best, draws_ratio = [], []
-    for means in draws:
-        f = {}
-        for (k, d), mean in zip(keys, means):
-            f.setdefault(k, []).append((pts[k, d][0], float(mean)))
-        b, _, cs, re = repeat_analysis(f, budgets)
-        draws_best.append([np.nan if k is None else k for k in b])
-        draws_ratio.append(cs / re)
-    draws_best = np.array(draws_best, dtype=float).reshape(len(draws), len(budgets))
+    draws = drawn_analyses(pts, budgets, sigma, dof, n_boot, seed)
+    draws_best = best_k_array(draws, budgets)
+    draws_ratio = [cs / re for _, _, cs, re in draws]
     share = agreement(draws_best, np.array([np.nan if k is None else k for k in best], dtype=float))
     looped = (draws_best > 1).mean(axis=0) if len(draws) else np.full(len(budgets), np.nan)
     lines = ["best K per training budget (the lowest loss any size of that K reaches with at most that compute); of "
@@ -511,17 +522,8 @@ def arms_lines(sections, n_boot, seed, out):
     budgets = np.geomspace(min(allC), max(allC), 9)
     best, draws = {}, {}
     for i, (arm, f) in enumerate(sections):
-        keys = sorted(f["pts"])
         best[arm.arm] = repeat_analysis(f["frontier"], budgets)[0]
-        means = seed_draws([np.mean(f["pts"][p][1]) for p in keys], [len(f["pts"][p][1]) for p in keys], sigma,
-                           max(dof, 1), n_boot if dof else 0, seed + 1 + i)
-        per = []
-        for m in means:
-            frontier = {}
-            for (k, d), v in zip(keys, m):
-                frontier.setdefault(k, []).append((f["pts"][k, d][0], float(v)))
-            per.append([np.nan if k is None else k for k in repeat_analysis(frontier, budgets)[0]])
-        draws[arm.arm] = np.array(per, dtype=float).reshape(len(means), len(budgets))
+        draws[arm.arm] = best_k_array(drawn_analyses(f["pts"], budgets, sigma, dof, n_boot, seed + 1 + i), budgets)
     lines = [f"== across the data budgets: the best K per training budget (one seed bootstrap of {n_boot} draws on the "
              f"pooled seed std {sigma:.4f} of every budget, {dof} degrees of freedom; agree = the share of draws with "
              "the same best K)", "  budget           " + " ".join(f"{b:>8.3g}" for b in budgets)]
