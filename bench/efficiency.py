@@ -29,6 +29,7 @@ import train  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from tooling import common  # noqa: E402
 from tooling.common import number  # noqa: E402
+from tooling.distributed import keep_freed_memory  # noqa: E402
 
 SHAPE = dict(vocab_size=4096, eot_token=4095, n_layer=4, n_embd=256, n_head=4)
 MODELS = {
@@ -84,7 +85,10 @@ def main(argv=None):
     ap.add_argument("--batch_size", type=number(int, 1), default=8)
     ap.add_argument("--block_size", type=number(int, 1), default=256)
     ap.add_argument("--only", default="", help="comma-separated model names (default: all)")
+    ap.add_argument("--glibc_default", action="store_true", help="leave glibc's allocator as it is (train.py keeps "
+                                                                 "freed memory on a CPU)")
     args = ap.parse_args(argv)
+    allocator = "glibc default" if args.glibc_default else keep_freed_memory().removeprefix("allocator: ")
     torch.set_num_threads(args.threads)
     names = [n for n in MODELS if not args.only or n in args.only.split(",")]
     steps = {"peak": matmul_peak()}
@@ -113,7 +117,7 @@ def main(argv=None):
                    gflops=round(gflops, 2), fraction_of_peak=round(gflops * 1e9 / peak, 3),
                    vs_plain=round(median[f"plain/{optimizer}"] / median[key] * fn.flops
                                   / steps[f"plain/{optimizer}"].flops, 3) if f"plain/{optimizer}" in median else None,
-                   threads=args.threads, batch=f"{fn.x.size(0)}x{fn.x.size(1)}")
+                   threads=args.threads, batch=f"{fn.x.size(0)}x{fn.x.size(1)}", allocator=allocator)
         rows.append(row)
         print(json.dumps(row), flush=True)
     muon_overhead = median["tiny_default/muon"] / median["tiny_default/adamw"] - 1
@@ -125,7 +129,7 @@ def main(argv=None):
     print(json.dumps(dict(bench="efficiency", measurement="muon_x_overhead_tiny_default",
                           ratio=round(1 + muon_x_overhead, 3), vs_original_muon=round(
                               median["tiny_default/muon_x"] / median["tiny_default/muon"], 3))))
-    print(f"\npractical peak {peak / 1e9:.1f} GFLOP/s ({args.threads} thread(s), 2048^3 fp32 mm); "
+    print(f"\npractical peak {peak / 1e9:.1f} GFLOP/s ({args.threads} thread(s), 2048^3 fp32 mm; {allocator}); "
           f"vs_plain = achieved FLOP/s relative to plain with the same optimizer")
     print(f"{'model':<14} {'optimizer':<9} {'ms/step':>9} {'GFLOP/s':>8} {'of peak':>8} {'vs plain':>9}")
     for row in rows:

@@ -3,10 +3,12 @@ Forward+backward time of the sparse MoE layer against a dense SwiGLU with the sa
 and of a looped model (SMELT r=2) against its unrolled untied twin of the same executed depth.
 Both sides of each ratio run in the same process, interleaved, on the same tokens.
 
-    python bench/moe_dispatch.py [--tokens 4096] [--n_embd 256] [--repeats 5] [--threads 1]
+    python bench/moe_dispatch.py [--tokens 4096] [--n_embd 256] [--repeats 5] [--threads 1] [--glibc_default]
 
 Prints one JSON line per measurement. Targets on the 2-core CPU: moe/dense <= 1.5, looped/unrolled <= 1.05.
-ratio_user leaves out the system time (page faults: see time_fwd_bwd), which the MoE's 32 MiB temporaries pay.
+The process keeps freed memory as train.py does on a CPU (tooling.distributed.keep_freed_memory);
+--glibc_default measures glibc's default, where the MoE's 32 MiB temporaries pay page faults every step
+(ratio_user leaves out that system time: see time_fwd_bwd).
 """
 
 import json
@@ -20,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import GPT, MLP, MoE, ModelConfig  # noqa: E402
 from tooling.common import number, parser  # noqa: E402
+from tooling.distributed import keep_freed_memory  # noqa: E402
 
 
 def time_fwd_bwd(module, x):
@@ -67,7 +70,10 @@ def main():
     ap.add_argument("--repeats", type=number(int, 1), default=5)
     ap.add_argument("--threads", type=number(int, 1), default=1, help="torch threads (1: as bench/efficiency.py; small expert "
                                                              "matmuls gain little from a second core, the dense one does)")
+    ap.add_argument("--glibc_default", action="store_true", help="leave glibc's allocator as it is (train.py keeps "
+                                                                 "freed memory on a CPU)")
     args = ap.parse_args()
+    allocator = "glibc default" if args.glibc_default else keep_freed_memory().removeprefix("allocator: ")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -81,7 +87,7 @@ def main():
     t_moe, t_dense = interleaved(moe, dense, x, x, args.repeats)
     report("moe_vs_dense_fwd_bwd", "moe", "dense", t_moe, t_dense, 1.5, tokens=args.tokens, n_embd=args.n_embd,
            n_expert=args.n_expert, top_k=args.top_k, expert_hidden=args.expert_hidden,
-           dense_hidden=args.top_k * args.expert_hidden, threads=torch.get_num_threads())
+           dense_hidden=args.top_k * args.expert_hidden, threads=torch.get_num_threads(), allocator=allocator)
 
     # looped r=2 (SMELT layout) vs unrolled untied model with the same executed blocks
     common = dict(vocab_size=512, eot_token=511, block_size=512, n_embd=args.n_embd, n_head=4, init="nanogpt",
@@ -100,7 +106,8 @@ def main():
 
     t_loop, t_unrolled = interleaved(Loss(looped), Loss(unrolled), idx.float(), idx.float(), args.repeats)
     report("looped_vs_unrolled_fwd_bwd", "looped", "unrolled", t_loop, t_unrolled, 1.05, tokens=args.tokens,
-           executed_layers=looped.config.executed_layers(), threads=torch.get_num_threads())
+           executed_layers=looped.config.executed_layers(), threads=torch.get_num_threads(),
+           allocator=allocator)
 
 
 if __name__ == "__main__":

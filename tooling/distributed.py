@@ -16,10 +16,12 @@ rank (exchange, agree), and a failure on one rank ends every rank with one line 
 """
 
 import contextlib
+import ctypes
 import datetime
 import json
 import math
 import os
+import platform
 import re
 import socket
 import sys
@@ -39,10 +41,32 @@ def active():
 
 def compute(config, device):
     """(bf16?, the autocast context, a note for the run's header) of train.py's settings: dtype "auto" is bf16
-    autocast on CUDA, fp32 on CPU; on a CPU, torch's thread count is set (cpu_threads)."""
+    autocast on CUDA, fp32 on CPU; on a CPU, torch's thread count is set (cpu_threads) and freed memory is kept
+    for the next step (keep_freed_memory)."""
     use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    return use_bf16, autocast, cpu_threads() if device.type == "cpu" else None
+    return use_bf16, autocast, f"{cpu_threads()}; {keep_freed_memory()}" if device.type == "cpu" else None
+
+
+GLIBC_ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+
+
+def keep_freed_memory():
+    """Have glibc keep the memory a step frees for the next step, as PyTorch's caching allocator keeps a GPU's,
+    and say so. By default glibc hands blocks of 32 MiB and more back to the kernel when they are freed (mmap'd
+    blocks, the heap's top trimmed) and the next step faults them in again, page by page and zeroed: an MoE
+    layer's tokens x top_k x width rows are such blocks (0.02-0.03 s of its 0.16 s forward + backward in
+    bench/moe_dispatch.py; the per-expert loop it replaced paid less, its blocks being small). The cost: the
+    process keeps its high-water mark. Left alone when the environment sets glibc's allocator itself, or the C
+    library is not glibc. Process-wide and idempotent (train.py, the benches)."""
+    if any(os.environ.get(name) for name in GLIBC_ALLOCATOR_ENV):
+        return "allocator: glibc's as the environment sets it"
+    if platform.libc_ver()[0] != "glibc":
+        return "allocator: the C library's own"
+    mallopt, M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = ctypes.CDLL(None).mallopt, -1, -3
+    if not (mallopt(M_MMAP_THRESHOLD, 1 << 30) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1)):
+        return "allocator: glibc's default (it refused to keep freed memory)"
+    return "allocator: glibc keeps freed memory (no page faults on reuse)"
 
 
 def cpu_threads():

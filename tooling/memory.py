@@ -326,9 +326,10 @@ def memory_reading(device):
 
 
 # On a CPU everything lives in the process's resident memory: what the check adds to the live bytes' peak.
-CPU_ALLOCATOR_OVERHEAD = 0.28  # glibc's heap keeps freed blocks of earlier steps: after 20 steps peak RSS was
-#   1.12-1.17 x the live bytes' peak for the tiny MoE, 1.5 x for a dense looped model (bench/memory_table.py
-#   --cpu; runs vary by ~4%); 0.28 keeps the estimate within 15% of both
+CPU_ALLOCATOR_OVERHEAD = 0.5  # glibc's heap keeps the blocks earlier steps freed (train.py asks it to keep them:
+#   distributed.keep_freed_memory): after 20 steps peak RSS was 1.37-1.50 x the live bytes' peak for the tiny
+#   MoE, 1.68 x for a dense looped model (bench/memory_table.py --cpu; runs vary by ~4%); 0.5 keeps the
+#   estimate within 15% of both
 
 
 def process_rss():
