@@ -135,8 +135,8 @@ def rereport(preset_name, runs_csv, bootstrap=None, plot=False, log=print, progr
     sweep_csv = os.path.join(folder, prefix + "lr_sweep.csv")
     sweep, lrs = None, {}
     if os.path.exists(sweep_csv):
-        key, losses, lrs = sweep_from_rows(tables.read_rows_csv(  # depth: a sweep at every depth's
-            sweep_csv, unique=["arch", "depth", "key", "value"]))
+        key, losses, lrs = sweep_from_rows(tables.read_rows_csv(  # depth / scale: a sweep at every depth / scale
+            sweep_csv, unique=["arch", "depth", "scale", "key", "value"]))
         sweep = sweep_lines(key, losses, lrs)
     else:
         log(f"no {sweep_csv}: the report has no LR sweep table")

@@ -51,7 +51,8 @@ class LRSweep:
     tied: dict = field(default_factory=dict)  # repeat: {LR setting: its ratio to the swept LR} ([X]'s global LR)
     weight_decay: Optional[float] = None  # repeat: the weight decay the sweep runs at
     # x: every (architecture, depth) runs every value (x [X16]'s factor from the first depth with lr_beta),
-    # bracketed on its own; each ladder point trains at its own best value (nothing carried up)
+    # bracketed on its own; each ladder point trains at its own best value (nothing carried up).
+    # smelt: every (architecture, scale) sweeps at the scale's first cell; its cells train at its best value
     at_every_depth: bool = False
 
 
@@ -85,6 +86,8 @@ class SmeltPreset(Preset):
     branch_tpp: list  # decay branches at these TPP of the baseline
     decay_share: float  # the share of a branch's tokens that decay
     budgets: Optional[list] = None  # CE Gain budgets (None: two inside the measured range)
+    sweep_tpp: Optional[float] = None  # a sweep run's tokens per parameter, one WSD run (None: the first branch's)
+    seed_every_arch: bool = False  # the twin runs every seed too (else the first)
 
 
 @dataclass(kw_only=True)
@@ -170,6 +173,42 @@ PRESETS = {p.name: p for p in [
         branch_tpp=[3, 6, 12], decay_share=0.2, seeds=SEEDS[:2],
         lr_sweep=LRSweep(key="matrix_lr", values=[1.5e-3, 3e-3, 6e-3]), bootstrap=2000, threads=1, workers=2,
         budget="written before the run: 114 runs, 6.6e13 FLOPs, about 55 min on 2 workers, at most 90"),
+    SmeltPreset(
+        name="smelt-scale-sweep-micro", about="pipeline check in seconds (tests): the LR swept at every scale, two "
+                                              "twin seeds; the numbers mean nothing", tokenizer="gpt2-257",
+        model=dict(BYTES | SMELT_MODEL, head_dim=8, block_size=32),
+        scales={"w32": dict(n_layer=4, n_embd=32, expert_hidden=16),
+                "w56": dict(n_layer=4, n_embd=56, expert_hidden=28)},
+        cells=[("w32", 8), ("w32", 16), ("w56", 16)], recipe="smelt", match_kwargs=SMELT_MATCH,
+        train=dict(optimizer="adamw", batch_size=4, warmup_steps=2, eval_tokens=512, branch_data_fraction=0.2),
+        branch_tpp=[0.1, 0.2], decay_share=0.2, sweep_tpp=0.15, seeds=SEEDS[:2], seed_every_arch=True,
+        lr_sweep=LRSweep(key="matrix_lr", values=[2e-3, 4e-3], extend=1, seeds=2, at_every_depth=True),
+        bootstrap=20, threads=1),
+    SmeltPreset(
+        name="smelt-cpu-surface", about="[S] designed to identify its surface: 5 scales (F 7.7x at 5 levels) x 2 "
+                                        "sparsities, 3 decay branches, 2 seeds of both arms, the LR swept at every "
+                                        "scale for both arms", tokenizer="gpt2-257",
+        model=dict(BYTES | SMELT_MODEL, head_dim=8, block_size=64),
+        # depth 2 -> 8 (even: the twin's 1.5x executed layers then meet the KV cache), F 1.9e5 -> 1.4e6 per token
+        # in steps of 1.4-1.9x (each at least 1.25x above the other sparsity's F of the scale below: 5 levels); the
+        # experts per scale are the ones the matcher finds a twin for (S ~0.75 / ~0.9)
+        scales={"L2w32": dict(n_layer=2, n_embd=32, expert_hidden=16),
+                "L4w32": dict(n_layer=4, n_embd=32, expert_hidden=16),
+                "L4w48": dict(n_layer=4, n_embd=48, expert_hidden=24),
+                "L6w48": dict(n_layer=6, n_embd=48, expert_hidden=24),
+                "L8w64": dict(n_layer=8, n_embd=64, expert_hidden=32)},
+        cells=[("L2w32", 16), ("L2w32", 48), ("L4w32", 16), ("L4w32", 64), ("L4w48", 16), ("L4w48", 48),
+               ("L6w48", 16), ("L6w48", 48), ("L8w64", 16), ("L8w64", 48)],
+        recipe="smelt", match_kwargs=SMELT_MATCH,
+        train=dict(optimizer="adamw", batch_size=16, warmup_steps=10, eval_tokens=1 << 15, branch_data_fraction=0.2),
+        branch_tpp=[2, 4, 8], decay_share=0.2, sweep_tpp=4, seeds=SEEDS[:2], seed_every_arch=True,
+        # each (arch, scale) at its first cell: 3 values x 2 seeds, WSD runs of the middle branch's tokens (4 N)
+        lr_sweep=LRSweep(key="matrix_lr", values=[1.5e-3, 3e-3, 6e-3], seeds=2, extend=2, at_every_depth=True),
+        bootstrap=2000, threads=1, workers=2,
+        # smelt-cpu-mini trained 6.6e13 FLOPs in 6371 worker-seconds (1.04e10 FLOP/s per worker, mostly at its
+        # top scale): 4.5e13 FLOPs here take about 4300 s, plus about 3 s per run for start-up and evals
+        budget="written before the run: 220 runs (plus bracketing), 4.5e13 FLOPs, about 42 min on 2 workers, "
+               "at most 75"),
     SmeltPreset(  # the first design (its run: docs/ladder/smelt-cpu-mini-v1-*), kept for its report
         name="smelt-cpu-mini-v1", about="smelt-cpu-mini's first design: 3 scales x 2 sparsities, 3 decay branches, "
                                         "3 baseline seeds", tokenizer="gpt2-257",

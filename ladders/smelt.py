@@ -13,7 +13,7 @@ import fit
 import match
 import train
 from ladders.common import (compute_active, finite_or_none, fmt, model_settings, sources_of, sources_of_rows,
-                            sweep_values, tokens_per_step)
+                            sweep_point, sweep_values, tokens_per_step)
 from ladders.stats import (claims_lines, difference_sigma, interval_verdict, profile_bound, profile_interval,
                            seed_spread, t_interval, within_noise)
 from ladders.presets import SEEDS
@@ -23,6 +23,7 @@ from tooling.jobs import RunSpec
 
 PROFILE_A = np.geomspace(0.01, 10.0, 31)  # the values of a the identifiability profile refits the surface at
 F_LEVEL = 1.25  # per-token FLOPs less than 25% above the next lower value are one level of F
+IDENTIFYING_F_LEVELS = 4  # more levels of F than the E, A and a of the surface's F term need
 
 
 def smelt_cells(preset):
@@ -59,36 +60,31 @@ def smelt_branch_plan(preset, cfg, data, world=None):
 
 
 def smelt_specs(preset, cells, data, lrs=None, world=None):
-    """Per cell and architecture (the baseline with every seed, the twin with the first): one stable run
-    saving checkpoints at the branch points, then one decay branch per checkpoint. Baseline and twin of a
-    seed share batch and data order: the same token sequence. Without lrs: the LR sweep runs only."""
+    """Per cell and architecture (the baseline with every seed, the twin with the first, or every one with
+    seed_every_arch): one stable run saving checkpoints at the branch points, then one decay branch per
+    checkpoint. Baseline and twin of a seed share batch and data order: the same token sequence. Without lrs:
+    the LR sweep runs only (at the first cell, or with lr_sweep.at_every_depth at each scale's first cell)."""
     key, values = sweep_values(preset)
     common = dict(preset.train, decay_fraction=0.0)
     step_tokens = tokens_per_step(preset, world)
-    specs = []
-    for cell, baseline, twin, _ in cells:
+    specs, swept = [], set()
+    for (cell, baseline, twin, _), (scale, _) in zip(cells, preset.cells):
         attended = match.resolve_attended(baseline)
         plan = smelt_branch_plan(preset, baseline, data, world)
         steps = [s for _, s, _ in plan]
+        sweeps_here = key is not None and scale not in swept and (not swept or preset.lr_sweep.at_every_depth)
+        swept.add(scale)
         for arch, cfg in (("baseline", baseline), ("smelt", twin)):
             F = train.flops_per_token(cfg)
             meta = dict(F=F, S=match.sparsity(cfg, attended, baseline=baseline)["S"], N=compute_active(baseline),
                         N_s=match.accounting(cfg)["params_stored"], n_layer=cfg.n_layer, n_embd=cfg.n_embd,
-                        n_expert=cfg.n_expert, layout=cfg.layout)
-            if lrs is None:  # the sweep: the first branch's budget as one WSD run, at the first cell only
-                if cell != cells[0][0] or key is None:
-                    continue
-                tpp, stable, decay = plan[0]
-                total_steps = stable + decay // step_tokens
-                for value in values:
-                    specs.append(RunSpec(f"sweep-{arch}-{cell}-{key}{value:g}", arch, cell, "sweep",
-                                         dict(common, **model_settings(cfg), seed=SEEDS[0], max_steps=total_steps,
-                                              decay_fraction=preset.decay_share, eval_interval=total_steps,
-                                              **{key: value}),
-                                         dict(meta, tpp=tpp, tokens=total_steps * step_tokens)))
+                        n_expert=cfg.n_expert, layout=cfg.layout, scale=scale)
+            if lrs is None:  # the sweep: one WSD run of sweep_tpp x N tokens (the first branch's) per value
+                if sweeps_here:
+                    specs += smelt_sweep_specs(preset, arch, cell, cfg, meta, plan, step_tokens, common)
                 continue
-            lr = {key: lrs[arch]} if key else {}
-            for seed in preset.seeds if arch == "baseline" else preset.seeds[:1]:
+            lr = {key: lrs[sweep_point(preset, arch, scale)]} if key else {}
+            for seed in preset.seeds if arch == "baseline" or preset.seed_every_arch else preset.seeds[:1]:
                 stable_id = f"{arch}-{cell}-s{seed}-stable"
                 specs.append(RunSpec(stable_id, arch, cell, "stable",
                                      dict(common, **model_settings(cfg), **lr, seed=seed, max_steps=steps[-1],
@@ -106,6 +102,23 @@ def smelt_specs(preset, cells, data, lrs=None, world=None):
                                               tpp=(step * step_tokens + decay) / meta["N"]),
                                          needs=stable_id))
     return specs
+
+
+def smelt_sweep_specs(preset, arch, cell, cfg, meta, plan, step_tokens, common):
+    """One architecture's sweep runs at a cell: every value x lr_sweep.seeds seeds, each one WSD run of
+    sweep_tpp x N tokens (None: the first branch's), its last decay_share decaying."""
+    key, values = sweep_values(preset)
+    if preset.sweep_tpp is None:
+        tpp, stable, decay = plan[0]
+        total_steps = stable + decay // step_tokens
+    else:
+        tpp, total_steps = preset.sweep_tpp, max(2, math.ceil(preset.sweep_tpp * meta["N"] / step_tokens))
+    seeds = SEEDS[:preset.lr_sweep.seeds]
+    return [RunSpec(f"sweep-{arch}-{cell}-{key}{value:g}" + (f"-s{seed}" if len(seeds) > 1 else ""), arch, cell,
+                    "sweep", dict(common, **model_settings(cfg), seed=seed, max_steps=total_steps,
+                                  decay_fraction=preset.decay_share, eval_interval=total_steps, **{key: value}),
+                    dict(meta, seed=seed, tpp=tpp, tokens=total_steps * step_tokens))
+            for value in values for seed in seeds]
 
 
 def smelt_rows(results):
@@ -264,8 +277,8 @@ def f_levels(F):
 
 def grid_lines(rows, runs, out):
     """What the grid can resolve: the span and the levels of each architecture's F (its surface is fitted on its
-    own points), S and D -> report lines; on F spanning less than a decade the six-coefficient surface is not
-    identifiable by design."""
+    own points), S and D -> report lines; on F at fewer than IDENTIFYING_F_LEVELS levels the six-coefficient
+    surface is not identifiable by design (with more, the profile of a decides: identifiability_lines)."""
     S, D = (np.asarray(runs[k], dtype=float) for k in ("S", "D"))
     cells = len(set(runs["cell"].tolist()))
     layers = sorted({r["n_layer"] for r in rows if r.get("n_layer") is not None})
@@ -282,9 +295,11 @@ def grid_lines(rows, runs, out):
             + f"; {F.min():.3g}..{F.max():.3g} FLOPs per token over both) over {cells} cells, S {S.min():.3f}.."
             f"{S.max():.3f}, D {D.min():.3g}..{D.max():.3g} tokens"
             + (f", {layers[0]} layers in every cell" if len(layers) == 1 else ""))
-    if span < 10:
-        line += ("; on F spanning less than a decade the six-coefficient [S2] surface is not identifiable by "
-                 "design: its coefficients, CE Gain and TPP describe these points, not [S]'s law")
+    if min(len(v) for v in levels.values()) < IDENTIFYING_F_LEVELS:
+        line += (f"; on F at fewer than {IDENTIFYING_F_LEVELS} levels the six-coefficient [S2] surface is not "
+                 "identifiable by design: its coefficients, CE Gain and TPP describe these points, not [S]'s law")
+    elif span < 10:
+        line += "; F spans less than a decade: whether its levels pin the surface down is the profile's call (below)"
     moves = {a: max(hi / lo for lo, hi in v) - 1 for a, v in levels.items()}
     return [line, "  F takes " + ", ".join(f"{len(v)} levels ({a}: each moves at most {100 * moves[a]:.0f}%)"
                                          for a, v in levels.items())
@@ -314,7 +329,7 @@ def identifiability_lines(runs, fits, out):
         lo, hi, at_edge = profile_interval(a, objective, bound)
         inside = [f for _, f in profile if f.objective <= objective.min() + bound]
         levels = out["grid"]["F_levels"][arch]
-        ok = levels >= 4 and not at_edge
+        ok = levels >= IDENTIFYING_F_LEVELS and not at_edge
         out["identified"][arch] = ok
         out["profile"][arch] = dict(a=[lo, hi], at_edge=at_edge, bound=bound, F_levels=levels,
                                     E=[min(f.E for f in inside), max(f.E for f in inside)],
@@ -325,7 +340,8 @@ def identifiability_lines(runs, fits, out):
         lines.append(f"  {arch:>9}: a in [{lo:.3g}, {hi:.3g}]{edge}, along it E {p['E'][0]:.2f}..{p['E'][1]:.2f} and c "
                      f"{p['c'][0]:.3f}..{p['c'][1]:.3f} (c {p['c_whole'][0]:.3f}..{p['c_whole'][1]:.3f} over every a "
                      f"tried), the objective within {bound:.2g} of its lowest: "
-                     + ("identified" if ok else "NOT identified" + (f" (F at {levels} levels)" if levels < 4 else "")))
+                     + ("identified" if ok else "NOT identified"
+                        + (f" (F at {levels} levels)" if levels < IDENTIFYING_F_LEVELS else "")))
     return lines
 
 
@@ -400,26 +416,30 @@ def smelt_surfaces(runs, lines, out):
     return fits
 
 
+SURFACE_COEFFICIENTS = ("E", "A", "a", "b", "K", "c")  # [S2] L = E + A (1-S)^b / F^a + K / D^c
+
+
 def surface_lines(fits, boot, out):
-    """The [S2] table of both surfaces, with the cell-bootstrap intervals of a and c (boot: None or
-    surface_bootstrap's result) and a note for a degenerate surface -> report lines."""
+    """The [S2] table of both surfaces, with the cell-bootstrap interval of every coefficient (boot: None or
+    surface_bootstrap's result; an exponent whose interval reaches 0 is marked) and a note for a degenerate
+    surface -> report lines."""
     interval = lambda key: ((float(boot["lo"][key]), float(boot["hi"][key])) if boot and key in boot["lo"]  # noqa
                             else (None, None))
     lines = ["[S2] surfaces L = E + A (1-S)^b / F^a + K / D^c (Huber on log-loss, fit.py)"
-             + (" with 95% cell-bootstrap intervals of a and c" if boot else "")]
+             + (" with the 95% cell-bootstrap interval of every coefficient" if boot else "")]
     lines.append(f"  {'arch':>9} {'E':>8} {'A':>10} {'a':>7} {'b':>7} {'K':>10} {'c':>7} {'gamma':>7} {'rmse':>8} "
                  f"{'pts':>4}")
     for arch, f in fits.items():
         role = "ref" if arch == "baseline" else "target"
         lines.append(f"  {arch:>9} {f.E:8.4f} {f.A:10.4g} {f.a:7.4f} {f.b:7.4f} {f.K:10.4g} {f.c:7.4f} "
                      f"{f.gamma:7.4f} {f.rmse:8.5f} {f.n_points:4d}")
-        for coef in ("a", "c"):
+        for coef in SURFACE_COEFFICIENTS:
             lo, hi = interval(f"{role}.{coef}")
             out["fits"][arch][f"{coef}_interval"] = [finite_or_none(lo), finite_or_none(hi)]
             if lo is not None:
-                excludes = lo > 0
-                lines.append(f"      {coef} = {getattr(f, coef):.4f} [{lo:.4f}, {hi:.4f}]"
-                             + ("" if excludes else "  <- interval reaches 0: this exponent is not resolved"))
+                unresolved = coef in ("a", "b", "c") and lo <= 0
+                lines.append(f"      {coef} = {getattr(f, coef):.4g} [{lo:.4g}, {hi:.4g}]"
+                             + ("  <- interval reaches 0: this exponent is not resolved" if unresolved else ""))
         if degenerate(f):  # [S3]-[S4] need a, c > 0: no compute-optimal frontier otherwise
             which = "F" if f.a < 1e-3 else "D"
             lines.append(f"  note: the {arch} surface is degenerate: on this grid its loss does not fall with "
@@ -545,25 +565,41 @@ def smelt_claims(preset, rows, fits, out, sweep):
 
 
 def sweep_confound_lines(preset, rows, out, sweep):
-    """What the LR sweep and the seeds cannot tell: each architecture's best swept value and its neighbours'
-    excess in sigma_diff (a sweep point is one run), the widths it is carried to, the twin's seeds."""
-    sigma = (out.get("pair_difference") or {}).get("sigma_diff")
-    if not sweep or not sigma:
+    """What the LR sweep and the seeds cannot tell: each architecture's (or, swept at every scale, each
+    (scale, architecture)'s) best swept value and its neighbours' excess in the noise of a difference of two
+    swept values (means of lr_sweep.seeds runs), the widths one value serves, the twin's seeds."""
+    pooled = (out.get("seed_spread") or {}).get("pooled_std")
+    if not sweep or not pooled or not out.get("pair_difference"):
         return []
+    seeds = preset.lr_sweep.seeds
+    sigma = difference_sigma(pooled, seeds, seeds)  # sqrt(2) x pooled for one run per value: sigma_diff
+    per_scale = preset.lr_sweep.at_every_depth
+    blocks = sweep[1].items() if per_scale else [(None, sweep[1])]
     parts, nearest = [], []
-    for arch, by in sweep[1].items():
-        values = sorted((float(v), loss) for v, loss in by.items() if loss is not None)
-        i = min(range(len(values)), key=lambda j: values[j][1])
-        near = [values[j][1] - values[i][1] for j in (i - 1, i + 1) if 0 <= j < len(values)]
-        nearest.append(min(near, default=np.inf) / sigma)
-        parts.append(f"{arch} best at {values[i][0]:g}, its neighbours {', '.join(f'+{d:.3f}' for d in near)} nats "
-                     f"({', '.join(f'{d / sigma:.1f}' for d in near)} sigma_diff)")
+    for scale, table in blocks:
+        for arch, by in table.items():
+            values = sorted((float(v), loss) for v, loss in by.items() if loss is not None)
+            i = min(range(len(values)), key=lambda j: values[j][1])
+            near = [values[j][1] - values[i][1] for j in (i - 1, i + 1) if 0 <= j < len(values)]
+            nearest.append(min(near, default=np.inf) / sigma)
+            parts.append(f"{arch}{'' if scale is None else ' ' + scale} best at {values[i][0]:g}, its neighbours "
+                         f"{', '.join(f'+{d:.3f}' for d in near)} nats ({', '.join(f'{d / sigma:.1f}' for d in near)} "
+                         + ("sigma_diff)" if seeds == 1 else "sigma)"))
     widths = sorted({r["n_embd"] for r in rows if r.get("n_embd") and r["arch"] == "baseline"})
-    resolved = min(nearest) >= 2
-    return [f"cannot tell either: the LR sweep at the first cell ({'; '.join(parts)}): "
-            + ("resolved" if resolved else "the optimum is not resolved (a neighbour within 2 sigma_diff)")
-            + f"; each LR carried unchanged to every cell (baseline widths {widths[0]}..{widths[-1]}); one seed of the "
-            "twin"]
+    resolved = sum(n >= 2 for n in nearest)
+    noise = ("" if seeds == 1 else f"sigma = sqrt(2/{seeds}) x {pooled:.4f} = {sigma:.4f}, the noise of a difference "
+             f"of two {seeds}-seed means; ")
+    if per_scale:
+        verdict = (f"{resolved} of {len(nearest)} optima resolved (both neighbours at least 2 sigma worse), "
+                   f"{len(nearest) - resolved} not")
+        carried = "each scale's value used at both of its sparsities"
+    else:
+        verdict = "resolved" if resolved == len(nearest) else ("the optimum is not resolved (a neighbour within 2 "
+                                                               "sigma_diff)")
+        carried = f"each LR carried unchanged to every cell (baseline widths {widths[0]}..{widths[-1]})"
+    twin = "" if getattr(preset, "seed_every_arch", False) else "; one seed of the twin"
+    where = "at every scale's first cell" if per_scale else "at the first cell"
+    return [f"cannot tell either: the LR sweep {where} ({noise}{'; '.join(parts)}): {verdict}; {carried}{twin}"]
 
 
 def decay_curves(specs, results):

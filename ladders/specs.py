@@ -17,8 +17,9 @@ def build(preset, data=None, lrs=None, world=None):
     data = data or data_plan(preset, prepare=False)
     if preset.lr_sweep is None:
         lrs = {}
-    elif preset.lr_sweep.at_every_depth and preset.kind != "x":
-        raise ValueError(f"preset {preset.name}: lr_sweep.at_every_depth is for [X] ladders (kind x) only")
+    elif preset.lr_sweep.at_every_depth and preset.kind not in ("x", "smelt"):
+        raise ValueError(f"preset {preset.name}: lr_sweep.at_every_depth is for [X] and [S] ladders (every depth, "
+                         "every scale) only")
     if preset.kind == "smelt":
         cells = smelt_cells(preset)
         specs = smelt_specs(preset, cells, data, lrs, world)
@@ -43,7 +44,7 @@ def full_plan(preset, data=None, world=None):
         return sweep, cells
     key, values = sweep_values(preset)
     archs = preset.archs if preset.kind == "x" else ("baseline", "smelt") if preset.kind == "smelt" else lr_keys(preset)
-    depths = preset.depths if preset.kind == "x" else [None]
+    depths = preset.depths if preset.kind == "x" else list(preset.scales) if preset.kind == "smelt" else [None]
     lrs = {sweep_point(preset, a, d): values[len(values) // 2] for a in archs for d in depths}
     rest, _ = build(preset, data, lrs=lrs, world=world)
     if preset.kind == "repeat":  # the extra seeds at the middle weight decay (their budget does not depend on it)

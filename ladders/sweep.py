@@ -1,8 +1,8 @@
 """The LR sweep: at the first ladder point every architecture tries each value of one learning rate; the
 sweep brackets its optimum (while the best is at an edge, the next value beyond it runs too), and the best
-value (the mean over its seeds) is carried up the ladder. With lr_sweep.at_every_depth ([X] ladders) each
-(architecture, depth) point sweeps and brackets on its own (common.sweep_point: the key of what one sweep
-tunes) and trains at its own best value."""
+value (the mean over its seeds) is carried up the ladder. With lr_sweep.at_every_depth each [X] (architecture,
+depth) point, or [S] (architecture, scale), sweeps and brackets on its own (common.sweep_point: the key of what
+one sweep tunes) and trains at its own best value."""
 
 from dataclasses import replace
 
@@ -13,7 +13,7 @@ from ladders.specs import build
 
 
 def point_of(preset, spec):
-    return sweep_point(preset, spec.arch, spec.meta.get("depth"))
+    return sweep_point(preset, spec.arch, spec.meta.get("depth", spec.meta.get("scale")))  # [X] depth, [S] scale
 
 
 def sweep_losses(preset, results, sweep_specs, missing=False):
@@ -98,12 +98,21 @@ def sweep_lines(key, losses, chosen):
                  f"- = not tried: a value beyond the grid runs only while the best is at its edge)"]
         block, table = sweep_block("", losses, chosen)
         return lines + block, table
-    lines = [f"LR sweep ({key}) at every depth: every architecture runs each value at each depth, full-length "
-             "ladder runs (the ladder point's tokens); validation loss, the mean over its seeds (* = the ladder "
-             "point's value; - = not tried: a value beyond the grid runs only while the best is at its edge)"]
+    where = list(dict.fromkeys(d for _, d in losses))  # [S] scales in the grid's order, [X] depths sorted
+    if all(isinstance(d, int) for d in where):
+        where, label = sorted(where), "d{}".format
+        lines = [f"LR sweep ({key}) at every depth: every architecture runs each value at each depth, full-length "
+                 "ladder runs (the ladder point's tokens); validation loss, the mean over its seeds (* = the ladder "
+                 "point's value; - = not tried: a value beyond the grid runs only while the best is at its edge)"]
+    else:
+        label = str
+        lines = [f"LR sweep ({key}) at every scale: every architecture runs each value at the scale's first cell "
+                 "(one WSD run per seed, its length below); validation loss, the mean over its seeds (* = the value "
+                 "the scale's cells train at; - = not tried: a value beyond the grid runs only while the best is at "
+                 "its edge)"]
     table = {}
-    for d in sorted({d for _, d in losses}):
-        block, table[d] = sweep_block(f"d{d}", {a: by for (a, dd), by in losses.items() if dd == d},
+    for d in where:
+        block, table[d] = sweep_block(label(d), {a: by for (a, dd), by in losses.items() if dd == d},
                                       {a: v for (a, dd), v in chosen.items() if dd == d})
         lines += block
     return lines, table
@@ -126,23 +135,26 @@ def sweep_block(label, losses, chosen):
 
 def sweep_rows(key, table, chosen):
     """lr_sweep.csv's rows (arch, key, value, val_loss, carried) of a sweep table (sweep_lines); a per-depth
-    table's (at_every_depth) have a depth column after arch, and carried marks each point's value."""
-    per_depth = table and all(isinstance(d, int) for d in table)
-    blocks = table.items() if per_depth else [(None, table)]
-    return [dict(arch=a, **({"depth": d} if per_depth else {}), key=key, value=float(v), val_loss=loss,
+    or per-scale table's (at_every_depth) have a depth or scale column after arch, and carried marks each
+    point's value."""
+    per_point = any(isinstance(p, tuple) for p in chosen) or (table and all(isinstance(d, int) for d in table))
+    blocks = table.items() if per_point else [(None, table)]
+    column = "depth" if all(isinstance(d, int) for d in table) else "scale"
+    return [dict(arch=a, **({column: d} if per_point else {}), key=key, value=float(v), val_loss=loss,
                  carried=chosen.get(a if d is None else (a, d)) == float(v))
             for d, block in blocks for a, by in block.items() for v, loss in by.items() if loss is not None]
 
 
 def sweep_from_rows(rows):
     """(key, {point: {value: loss}}, {point: carried value}) back from lr_sweep.csv's rows; point: the arch, or
-    (arch, depth) where the file has a depth column (a sweep at every depth)."""
+    (arch, depth) / (arch, scale) where the file has a depth / scale column (a sweep at every depth / scale)."""
     keys = {r["key"] for r in rows}
     if len(keys) != 1:
         raise ValueError(f"lr_sweep.csv: expected one swept key, found {sorted(keys)}")
     losses, chosen = {}, {}
     for r in rows:
-        point = r["arch"] if r.get("depth") is None else (r["arch"], int(r["depth"]))
+        point = ((r["arch"], int(r["depth"])) if r.get("depth") is not None else
+                 (r["arch"], str(r["scale"])) if r.get("scale") is not None else r["arch"])
         losses.setdefault(point, {})[float(r["value"])] = r["val_loss"]
         if r["carried"]:
             chosen[point] = float(r["value"])
@@ -150,5 +162,7 @@ def sweep_from_rows(rows):
 
 
 def lrs_record(lrs):
-    """best_lrs for report.json: an (arch, depth) point as "arch-dDEPTH" (its run ids' prefix)."""
-    return {f"{p[0]}-d{p[1]}" if isinstance(p, tuple) else p: v for p, v in lrs.items()}
+    """best_lrs for report.json: an (arch, depth) point as "arch-dDEPTH" (its run ids' prefix), an (arch,
+    scale) point as "arch-SCALE"."""
+    return {(f"{p[0]}-d{p[1]}" if isinstance(p[1], int) else f"{p[0]}-{p[1]}") if isinstance(p, tuple) else p: v
+            for p, v in lrs.items()}

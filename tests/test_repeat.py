@@ -388,6 +388,6 @@ def test_committed_smelt_report_says_what_the_readme_quotes(tmp_path):
     assert report["profile"]["smelt"]["at_edge"] and report["profile"]["baseline"]["E"][1] - \
         report["profile"]["baseline"]["E"][0] > 0.9  # E moves by 1 nat along the baseline's profile of a
     # the rest is the committed report, but for the cell bootstrap's intervals (20 draws here, 2000 there)
-    interval = re.compile(r"^      [ac] = |reaches 0: this exponent|\| the data exponent c")
+    interval = re.compile(r"^      [EAabKc] = |reaches 0: this exponent|\| the data exponent c")
     drop = lambda t: [line for line in t.splitlines() if not interval.search(line)]  # noqa: E731
     assert drop(text) == drop(committed)
