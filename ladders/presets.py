@@ -197,7 +197,8 @@ PRESETS = {p.name: p for p in [
                 "L4w48": dict(n_layer=4, n_embd=48, expert_hidden=24),
                 "L6w48": dict(n_layer=6, n_embd=48, expert_hidden=24),
                 "L8w64": dict(n_layer=8, n_embd=64, expert_hidden=32)},
-        cells=[("L2w32", 16), ("L2w32", 48), ("L4w32", 16), ("L4w32", 64), ("L4w48", 16), ("L4w48", 48),
+        # L4w32: 80 experts (48 has no twin; 64's is 8 wide with 1,005 experts, which a first launch showed)
+        cells=[("L2w32", 16), ("L2w32", 48), ("L4w32", 16), ("L4w32", 80), ("L4w48", 16), ("L4w48", 48),
                ("L6w48", 16), ("L6w48", 48), ("L8w64", 16), ("L8w64", 48)],
         recipe="smelt", match_kwargs=SMELT_MATCH,
         train=dict(optimizer="adamw", batch_size=16, warmup_steps=10, eval_tokens=1 << 15, branch_data_fraction=0.2),

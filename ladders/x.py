@@ -36,9 +36,12 @@ RECIPE_FRACTIONS = ("warmup_steps", "muon_momentum_warmup", "grow_rewarm_steps")
 X_PAPER_MULTIPLIERS = {("operator-1", "vanilla"): (1.16, 1.25), ("loop-2", "vanilla"): (1.13, 1.26),
                        ("untied-2", "vanilla"): (1.24, 1.34), ("loop-grow", "vanilla"): (1.18, 1.36),
                        ("untied-grow", "vanilla"): (1.36, 1.55), ("loop-grow", "loop-2"): (1.04, 1.08),
-                       ("untied-grow", "untied-2"): (1.08, 1.17), ("untied-2", "loop-2"): (1.09, 1.07)}
-# the pairs a claim compares directly (growth vs its twin, untied vs tied), each at its reference's budgets
-X_PAIRS = (("loop-grow", "loop-2"), ("untied-grow", "untied-2"), ("untied-2", "loop-2"))
+                       ("untied-grow", "untied-2"): (1.08, 1.17), ("untied-2", "loop-2"): (1.09, 1.07),
+                       ("untied-grow", "loop-grow"): (1.14, 1.13)}
+# the pairs a claim compares directly (growth vs its twin, untied vs tied: grown or not), each at its reference's
+# budgets
+X_PAIRS = (("loop-grow", "loop-2"), ("untied-grow", "untied-2"), ("untied-2", "loop-2"),
+           ("untied-grow", "loop-grow"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -420,7 +423,7 @@ def x_claims(preset, rows, fits, ref, out, lrs):
                        *multiplier_claim(records["operator-1"], X_PAPER_MULTIPLIERS["operator-1", ref])))
     for key, rec in out.get("pairs", {}).items():
         arm, base = key.split("/")
-        grows = arm.endswith("-grow")
+        grows = arm.endswith("-grow") and not base.endswith("-grow")  # growth vs its twin; else untied vs tied
         claims.append((f"growing beats not growing ({arm} vs {base}), more so with budget" if grows else
                        f"untied beats tied ({arm} vs {base}) by a constant factor",
                        *multiplier_claim(rec, X_PAPER_MULTIPLIERS[arm, base], rising=grows)))

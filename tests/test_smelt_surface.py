@@ -18,13 +18,10 @@ from ladders.common import world_size
 from ladders.presets import SEEDS, get_preset
 from ladders.smelt import SURFACE_COEFFICIENTS, f_levels, grid_lines, smelt_cells, surface_lines
 from ladders.specs import describe_presets, full_plan
+from test_depth_sweep import quiet, result
 from tooling import tables
 
 MICRO = "smelt-scale-sweep-micro"
-
-
-def quiet(*args, **kwargs):
-    pass
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +29,6 @@ def micro(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("scale-sweep"))
     report = pipeline.ladder(MICRO, out_dir=out, progress=False, log=quiet, workers=2)
     return out, report
-
-
-def result(out, run_id):
-    with open(os.path.join(out, "runs", run_id, "result.json")) as f:
-        return json.load(f)
 
 
 def test_every_scale_sweeps_both_arms_and_its_cells_train_at_its_best_value(micro):
@@ -126,6 +118,8 @@ def test_smelt_cpu_surface_design_on_the_plan():
     assert len(preset.scales) >= 5 and preset.seed_every_arch and preset.seeds == SEEDS[:2]
     cells = smelt_cells(preset)
     assert len(cells) == 2 * len(preset.scales)
+    for name, baseline, twin, _ in cells:  # a twin [S] would train: narrowed, not 8 wide with 1,005 experts
+        assert 0.7 <= twin.n_embd / baseline.n_embd <= 1 and twin.n_expert <= 2.5 * baseline.n_expert, name
     specs, _ = full_plan(preset, world=world_size(preset))
     stable = [s for s in specs if s.role == "stable"]
     for arch in ("baseline", "smelt"):
