@@ -24,6 +24,7 @@ from tooling.jobs import RunSpec
 PROFILE_A = np.geomspace(0.01, 10.0, 31)  # the values of a the identifiability profile refits the surface at
 F_LEVEL = 1.25  # per-token FLOPs less than 25% above the next lower value are one level of F
 IDENTIFYING_F_LEVELS = 4  # more levels of F than the E, A and a of the surface's F term need
+E_RESOLVED = 1e-3  # nats: a floor E below this along the profile of a is the fit's bound (E >= 0), not a measurement
 
 
 def smelt_cells(preset):
@@ -316,8 +317,10 @@ def surface_profile(runs, arch, values=PROFILE_A):
 
 def identifiability_lines(runs, fits, out):
     """Is each [S2] surface identified? Its F must take at least 4 levels (more than the E, A and a of its F
-    term) and its profile interval of a (stats.profile_interval, the likelihood-ratio bound) must stay inside
-    the values tried -> report lines; out["identified"][arch] and out["profile"][arch]."""
+    term), its profile interval of a (stats.profile_interval, the likelihood-ratio bound) must stay inside the
+    values tried, and the floor E of the fits inside that interval must not reach 0 (E >= 0 is the fit's
+    bound: a floor anywhere from 0 up is not measured, and every CE Gain and TPP depends on it) -> report
+    lines; out["identified"][arch] and out["profile"][arch]."""
     out["identified"], out["profile"] = {}, {}
     lines = [f"[S2] identifiability: the surface refitted with a held at each of {len(PROFILE_A)} values "
              f"{PROFILE_A[0]:g}..{PROFILE_A[-1]:g}; the 95% profile interval of a: the objective within chi2(1)/2 x "
@@ -329,9 +332,10 @@ def identifiability_lines(runs, fits, out):
         lo, hi, at_edge = profile_interval(a, objective, bound)
         inside = [f for _, f in profile if f.objective <= objective.min() + bound]
         levels = out["grid"]["F_levels"][arch]
-        ok = levels >= IDENTIFYING_F_LEVELS and not at_edge
+        floorless = min(f.E for f in inside) < E_RESOLVED
+        ok = levels >= IDENTIFYING_F_LEVELS and not at_edge and not floorless
         out["identified"][arch] = ok
-        out["profile"][arch] = dict(a=[lo, hi], at_edge=at_edge, bound=bound, F_levels=levels,
+        out["profile"][arch] = dict(a=[lo, hi], at_edge=at_edge, E_reaches_0=floorless, bound=bound, F_levels=levels,
                                     E=[min(f.E for f in inside), max(f.E for f in inside)],
                                     c=[min(f.c for f in inside), max(f.c for f in inside)],
                                     c_whole=[min(f.c for _, f in profile), max(f.c for _, f in profile)])
@@ -340,8 +344,9 @@ def identifiability_lines(runs, fits, out):
         lines.append(f"  {arch:>9}: a in [{lo:.3g}, {hi:.3g}]{edge}, along it E {p['E'][0]:.2f}..{p['E'][1]:.2f} and c "
                      f"{p['c'][0]:.3f}..{p['c'][1]:.3f} (c {p['c_whole'][0]:.3f}..{p['c_whole'][1]:.3f} over every a "
                      f"tried), the objective within {bound:.2g} of its lowest: "
-                     + ("identified" if ok else "NOT identified"
-                        + (f" (F at {levels} levels)" if levels < IDENTIFYING_F_LEVELS else "")))
+                     + ("identified" if ok else "NOT identified" + "".join(f" ({'; '.join(why)})" for why in [
+                         ([f"F at {levels} levels"] if levels < IDENTIFYING_F_LEVELS else [])
+                         + (["E reaches 0 along it: the floor is not resolved"] if floorless else [])] if why)))
     return lines
 
 

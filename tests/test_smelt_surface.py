@@ -144,3 +144,26 @@ def test_smelt_cpu_surface_design_on_the_plan():
     assert f"{len(specs)} runs (plus bracketing), {flops} FLOPs" in preset.budget and len(plan["runs"]) == len(specs)
     minutes = int(re.search(r"about (\d+) min on 2 workers", preset.budget).group(1))
     assert minutes == pytest.approx((plan["flops"] / 1.04e10 + 3 * len(specs)) / 2 / 60, abs=3) and minutes <= 75
+
+
+def test_committed_surface_report_rebuilds_from_its_csvs_and_says_what_the_docs_quote(tmp_path):
+    """docs/ladder/smelt-cpu-surface-report.txt is what `ladder.py --from-csv` writes from its CSVs (bootstrap
+    intervals masked: their last digits are the CPU's); the run's surfaces reach E = 0 along the profile of a, so
+    they are not identified and no CE Gain or TPP is printed, whatever the F levels."""
+    from test_ladder import committed, mask_bands
+    name = "smelt-cpu-surface"
+    for part in ("runs.csv", "lr_sweep.csv"):
+        shutil.copy(committed(f"{name}-{part}"), tmp_path / f"{name}-{part}")
+    report = pipeline.rereport(name, str(tmp_path / f"{name}-runs.csv"), log=quiet, progress=False)
+    text = (tmp_path / f"{name}-report.txt").read_text()
+    assert mask_bands(text) == mask_bands(open(committed(f"{name}-report.txt")).read())
+    assert report["grid"]["F_levels"] == {"baseline": 5, "smelt": 5} and report["grid"]["cells"] == 10
+    assert report["identified"] == {"baseline": False, "smelt": False} and report["ce_gain"] == report["tpp"] == []
+    assert all(p["E_reaches_0"] and not p["at_edge"] for p in report["profile"].values())
+    assert "NOT identified (E reaches 0 along it: the floor is not resolved)" in text
+    for row in ("per-pair wins (SMELT loss < baseline loss at the same cell, branch and seed): 2/60",
+                "| SMELT reaches a lower loss than its compute-matched baseline in every pair ([S]: 96/96) | does not | "
+                "2/60 pairs; SMELT - baseline +0.0552 [+0.0325, +0.0779]",
+                "| CE Gain [S5] 6.8-18% at 1e20-1e21 FLOPs, and the compute-optimal TPP [S3] | cannot tell | not reported",
+                "6 of 10 optima resolved", "pooled 0.0103"):
+        assert row in text
