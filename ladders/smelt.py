@@ -333,7 +333,9 @@ def identifiability_lines(runs, fits, out):
         inside = [f for _, f in profile if f.objective <= objective.min() + bound]
         levels = out["grid"]["F_levels"][arch]
         floorless = min(f.E for f in inside) < E_RESOLVED
-        ok = levels >= IDENTIFYING_F_LEVELS and not at_edge and not floorless
+        why = ([f"F at {levels} levels"] if levels < IDENTIFYING_F_LEVELS else []) + (
+            ["E reaches 0 along it: the floor is not resolved"] if floorless else [])
+        ok = not at_edge and not why
         out["identified"][arch] = ok
         out["profile"][arch] = dict(a=[lo, hi], at_edge=at_edge, E_reaches_0=floorless, bound=bound, F_levels=levels,
                                     E=[min(f.E for f in inside), max(f.E for f in inside)],
@@ -344,9 +346,7 @@ def identifiability_lines(runs, fits, out):
         lines.append(f"  {arch:>9}: a in [{lo:.3g}, {hi:.3g}]{edge}, along it E {p['E'][0]:.2f}..{p['E'][1]:.2f} and c "
                      f"{p['c'][0]:.3f}..{p['c'][1]:.3f} (c {p['c_whole'][0]:.3f}..{p['c_whole'][1]:.3f} over every a "
                      f"tried), the objective within {bound:.2g} of its lowest: "
-                     + ("identified" if ok else "NOT identified" + "".join(f" ({'; '.join(why)})" for why in [
-                         ([f"F at {levels} levels"] if levels < IDENTIFYING_F_LEVELS else [])
-                         + (["E reaches 0 along it: the floor is not resolved"] if floorless else [])] if why)))
+                     + ("identified" if ok else "NOT identified" + (f" ({'; '.join(why)})" if why else "")))
     return lines
 
 
@@ -602,7 +602,7 @@ def sweep_confound_lines(preset, rows, out, sweep):
         verdict = "resolved" if resolved == len(nearest) else ("the optimum is not resolved (a neighbour within 2 "
                                                                "sigma_diff)")
         carried = f"each LR carried unchanged to every cell (baseline widths {widths[0]}..{widths[-1]})"
-    twin = "" if getattr(preset, "seed_every_arch", False) else "; one seed of the twin"
+    twin = "" if preset.seed_every_arch else "; one seed of the twin"
     where = "at every scale's first cell" if per_scale else "at the first cell"
     return [f"cannot tell either: the LR sweep {where} ({noise}{'; '.join(parts)}): {verdict}; {carried}{twin}"]
 
