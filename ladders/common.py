@@ -12,6 +12,8 @@ import match
 from tooling import common
 import train
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: config/, docs/ladder/
+
 
 @dataclass
 class DataPlan:

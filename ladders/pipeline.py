@@ -5,9 +5,10 @@ import glob
 import os
 
 import train
-from ladders.common import data_plan
+from ladders.common import REPO, data_plan
 from ladders.presets import get_preset
-from ladders.repeat import repeat_grid, repeat_plots, repeat_report, repeat_rows, repeat_seed_specs
+from ladders.repeat import (imported_results, repeat_plots, repeat_report, repeat_rows, repeat_seed_specs,
+                            repeat_tuned)
 from ladders.smelt import match_table, smelt_cells, smelt_plots, smelt_report, smelt_rows
 from ladders.specs import build, full_plan
 from ladders.sweep import (best_lrs, bracketed_sweep, lrs_record, sweep_from_rows, sweep_lines, sweep_rows,
@@ -16,7 +17,6 @@ from ladders.x import x_plots, x_report, x_rows
 from tooling import distributed, jobs, plots, tables
 from tooling.common import write_atomic
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def check_fit_only(preset_name, out_dir, plot):
@@ -64,10 +64,13 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
         specs = sweep_specs
     else:
         specs, _ = build(preset, data, lrs)
+        if preset.kind == "repeat" and preset.builds_on:  # a finished ladder's runs: not trained again
+            for run_id, result in imported_results(preset, data).items():
+                results[run_id] = results.get(run_id) or result
         results.update(run([s for s in specs if s.run_id not in results or results[s.run_id] is None]))
-        if preset.kind == "repeat":  # the weight-decay extensions, then the extra seeds at each best one
+        if preset.kind == "repeat":  # the weight-decay extensions (and searches), then the extra seeds at each best
             while True:
-                specs, complete = repeat_grid(preset, data, lrs, results)
+                specs, complete = repeat_tuned(preset, data, lrs, results)
                 todo = [s for s in specs if results.get(s.run_id) is None]
                 if complete or not todo:
                     break
@@ -75,7 +78,7 @@ def ladder(preset_name, out_dir=None, bootstrap=None, train_fn=None, progress=Tr
                 if any(results.get(s.run_id) is None for s in todo):  # --fit-only: not trained
                     break
             seeds = repeat_seed_specs(preset, data, lrs, results) or []
-            results.update(run(seeds))
+            results.update(run([s for s in seeds if results.get(s.run_id) is None]))
             specs += seeds
         if preset.lr_sweep:
             sweep = sweep_table(preset, results, sweep_specs, lrs)

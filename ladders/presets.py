@@ -129,6 +129,11 @@ class RepeatPreset(DepthPreset):
     # None: the one budget above. `arm` labels one budget's runs (set per arm by ladders.repeat.repeat_arms).
     arms: Optional[list] = None
     arm: str = ""
+    # every (K, depth) searches its first seed's LR and weight decay together, from the carried LR
+    # (ladders.repeat.repeat_tuned); the other seeds run at the best pair
+    tune_every_point: bool = False
+    # a runs.csv (repo-relative) of a finished ladder with these settings: its runs are imported, not retrained
+    builds_on: Optional[str] = None
 
 
 SMELT_GPU_1NODE = SmeltPreset(
@@ -146,6 +151,20 @@ SMELT_GPU_1NODE = SmeltPreset(
 
 X_GPU = dict(model=dict(dict(vocab_size=50304) | X_MODEL, block_size=2048), width_per_depth=128,
              head_dim=128, mlp_multiple=256, tpp=10, rewarm_fraction=0.02, seeds=SEEDS[:1])
+
+X_CPU_REPEAT = RepeatPreset(
+    name="x-cpu-repeat", about="[X] data-constrained with its controls ([X] D.1): 0.5M tokens per run from 500k "
+                               "unique x 1 (fresh), 125k x 4 or 50k x 10; K 1, 2, 4 x depths 3..6, 2 seeds",
+    tokenizer="gpt2-257", model=dict(BYTES | X_OPERATOR1, block_size=128), depths=[3, 4, 5, 6], width_per_depth=8,
+    head_dim=8, mlp_multiple=8, passes=[1, 2, 4], unique_tokens=500_000, epochs=1,
+    arms=[(500_000, 1), (125_000, 4), (50_000, 10)],
+    train=dict(X_OPERATOR1_TRAIN, batch_size=16, muon_momentum_warmup=38, eval_tokens=1 << 15),
+    lr_sweep=LRSweep(key="matrix_lr", values=[0.08, 0.16, 0.32], seeds=2, tied=X_GLR_TIED, weight_decay=0.4),
+    lr_scaling_beta=-0.6, weight_decays=[0.2, 0.4, 0.8], seeds=SEEDS[:2], seeded_passes=[1, 2, 4],
+    bootstrap=400, threads=1, workers=2,
+    budget="written before the run: 156 runs (plus bracketing), 7.6e13 FLOPs, about 40 min on 2 workers, "
+           "at most 75")
+
 
 PRESETS = {p.name: p for p in [
     # ---- [S] SMELT
@@ -285,6 +304,15 @@ PRESETS = {p.name: p for p in [
         lr_scaling_beta=-0.6, weight_decays=[0.1, 0.4], wd_extend=1, seeds=SEEDS[:2], seeded_passes=[1, 2],
         bootstrap=50, threads=1),
     RepeatPreset(
+        name="x-repeat-tuned-micro", about="pipeline check in seconds (tests): the LR and weight decay searched at "
+                                           "every point; the numbers mean nothing", tokenizer="gpt2-257",
+        model=dict(BYTES | X_OPERATOR1, block_size=32), depths=[3, 4], width_per_depth=8, head_dim=8, mlp_multiple=8,
+        passes=[1, 2], unique_tokens=2000, epochs=2, tune_every_point=True,
+        train=dict(X_OPERATOR1_TRAIN, batch_size=4, muon_momentum_warmup=2, eval_tokens=512),
+        lr_sweep=LRSweep(key="matrix_lr", values=[0.02, 0.04], extend=1, tied=X_GLR_TIED, weight_decay=0.2),
+        lr_scaling_beta=-0.6, weight_decays=[0.1, 0.4], wd_extend=1, seeds=SEEDS[:2], seeded_passes=[1, 2],
+        bootstrap=50, threads=1),
+    RepeatPreset(
         name="x-repeat-arms-micro", about="pipeline check in seconds (tests): two data budgets; the numbers mean "
                                           "nothing", tokenizer="gpt2-257",
         model=dict(BYTES | X_OPERATOR1, block_size=32), depths=[3, 4], width_per_depth=8, head_dim=8, mlp_multiple=8,
@@ -293,17 +321,16 @@ PRESETS = {p.name: p for p in [
         lr_sweep=LRSweep(key="matrix_lr", values=[0.02, 0.04], extend=0, seeds=2, tied=X_GLR_TIED, weight_decay=0.2),
         lr_scaling_beta=-0.6, weight_decays=[0.1, 0.4], wd_extend=1, seeds=SEEDS[:2], seeded_passes=[1, 2],
         bootstrap=50, threads=1),
-    RepeatPreset(
-        name="x-cpu-repeat", about="[X] data-constrained with its controls ([X] D.1): 0.5M tokens per run from 500k "
-                                   "unique x 1 (fresh), 125k x 4 or 50k x 10; K 1, 2, 4 x depths 3..6, 2 seeds",
-        tokenizer="gpt2-257", model=dict(BYTES | X_OPERATOR1, block_size=128), depths=[3, 4, 5, 6], width_per_depth=8,
-        head_dim=8, mlp_multiple=8, passes=[1, 2, 4], unique_tokens=500_000, epochs=1,
-        arms=[(500_000, 1), (125_000, 4), (50_000, 10)],
-        train=dict(X_OPERATOR1_TRAIN, batch_size=16, muon_momentum_warmup=38, eval_tokens=1 << 15),
-        lr_sweep=LRSweep(key="matrix_lr", values=[0.08, 0.16, 0.32], seeds=2, tied=X_GLR_TIED, weight_decay=0.4),
-        lr_scaling_beta=-0.6, weight_decays=[0.2, 0.4, 0.8], seeds=SEEDS[:2], seeded_passes=[1, 2, 4],
-        bootstrap=400, threads=1, workers=2,
-        budget="written before the run: 156 runs (plus bracketing), 7.6e13 FLOPs, about 40 min on 2 workers, "
+    X_CPU_REPEAT,
+    replace(
+        X_CPU_REPEAT, name="x-cpu-repeat-tuned",
+        about="x-cpu-repeat with the LR tuned where it is used: at every (budget, K, depth) the LR and weight decay "
+              "searched together from the carried LR; x-cpu-repeat's finished runs imported",
+        tune_every_point=True, builds_on="docs/ladder/x-cpu-repeat-runs.csv",
+        budget="written before the run: x-cpu-repeat's 175 finished runs imported from its runs.csv (not "
+               "retrained); its 24-run LR sweep retrained (checks that this checkout reproduces its losses); at each "
+               "of the 36 points the LR x1/2 and x2 at its best weight decay (72 runs, 3,070 s of training at "
+               "x-cpu-repeat's measured speed), then the neighbours the search asks for; about 30 min on 2 workers, "
                "at most 75"),
     RepeatPreset(  # the first design (its run: docs/ladder/x-cpu-repeat-v1-*), kept for its report
         name="x-cpu-repeat-v1", about="x-cpu-repeat's first design: the Operator-1 family K 1..4 x depths 3..6, "

@@ -4,6 +4,8 @@ weight decay; which K is best per budget (claimed where the seed bootstrap agree
 decay follows stored parameters, and the claims table."""
 
 import math
+import os
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -13,14 +15,14 @@ import fit
 import grow
 import match
 import train
-from ladders.common import (carried_lrs, compute_active, fmt, grid_limits, lr_scaling, model_settings,
-                            sweep_values, tokens_per_step)
+from ladders.common import (REPO, carried_lrs, compute_active, fmt, grid_limits, lr_scaling, model_settings,
+                            sweep_limits, sweep_values, tokens_per_step)
 from fit import wd_regression
 from ladders.stats import (AGREEMENT, agreement, claims_lines, contrast, difference, interpolated_optimum, pooled_std,
                            seed_draws, share_verdict, t_interval, t_quantile)
 from ladders.x import x_config
 from model import ModelConfig
-from tooling import plots
+from tooling import plots, tables
 from tooling.jobs import RunSpec
 
 
@@ -128,17 +130,53 @@ def repeat_grid(preset, data, lrs, results, world=None):
             return specs, True
 
 
+def repeat_tuned(preset, data, lrs, results, world=None):
+    """The grid (repeat_grid), then with tune_every_point the first seed's LR and weight decay searched together
+    at every (K, depth): while the best run so far lacks a neighbour on the two grids (the LR x / 2 and x 2 at
+    its weight decay, the weight decay / and x the grid's ratio at its LR; an LR inside the sweep's limits, a
+    weight decay inside the grid's), the missing neighbours run -> (specs, complete)."""
+    if preset.arms:
+        tuned = [repeat_tuned(arm, data, lrs, results, world) for arm in repeat_arms(preset)]
+        return [s for specs, _ in tuned for s in specs], all(complete for _, complete in tuned)
+    specs, complete = repeat_grid(preset, data, lrs, results, world)
+    if not complete or not preset.tune_every_point:
+        return specs, complete
+    lr_ratio, lr_lo, lr_hi = sweep_limits(preset)
+    wd_ratio, wd_lo, wd_hi = grid_limits(preset.weight_decays, preset.wd_extend)
+    while True:
+        extra, pending = [], False
+        for k in preset.passes:
+            for d in preset.depths:
+                points = [s for s in specs if s.meta["passes"] == k and s.meta["depth"] == d]
+                if any(results.get(s.run_id) is None for s in points):
+                    pending = True
+                    continue
+                best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta
+                lr, wd, tried = best["lr"], best["wd"], {(s.meta["lr"], s.meta["wd"]) for s in points}
+                steps = [(lr / lr_ratio, wd)] * (lr > lr_lo) + [(lr * lr_ratio, wd)] * (lr < lr_hi) + \
+                    [(lr, wd / wd_ratio)] * (wd > wd_lo) + [(lr, wd * wd_ratio)] * (wd < wd_hi)
+                for v, w in steps:
+                    v, w = float(f"{v:.12g}"), float(f"{w:.12g}")  # 0.04, not 0.04000000000000001
+                    if (v, w) not in tried:
+                        extra.append(repeat_spec(preset, data, k, d, w, v, preset.seeds[0], "tune", world))
+        specs += extra
+        if pending or any(results.get(s.run_id) is None for s in extra):
+            return specs, False
+        if not extra:
+            return specs, True
+
+
 def repeat_seed_specs(preset, data, lrs, results, world=None):
-    """Every seed but the first, for each K in seeded_passes at every depth, at the weight decay that K's
-    first-seed runs found best there (None while those runs or an extension are missing). results=None:
-    the plan, at the middle weight decay (a run's budget does not depend on it)."""
+    """Every seed but the first, for each K in seeded_passes at every depth, at the (LR, weight decay) that
+    K's first-seed runs found best there (None while those runs or a search step are missing). results=None:
+    the plan, at the carried LR and the middle weight decay (a run's budget depends on neither)."""
     if preset.arms:
         arms = [repeat_seed_specs(arm, data, lrs, results, world) for arm in repeat_arms(preset)]
         return None if None in arms else [s for specs in arms for s in specs]
     if results is None:
         grid = repeat_specs(preset, data, lrs, world)
     else:
-        grid, complete = repeat_grid(preset, data, lrs, results, world)
+        grid, complete = repeat_tuned(preset, data, lrs, results, world)
         if not complete:
             return None
     specs = []
@@ -146,18 +184,59 @@ def repeat_seed_specs(preset, data, lrs, results, world=None):
         for d in preset.depths:
             points = [s for s in grid if s.meta["passes"] == k and s.meta["depth"] == d]
             if results is None:
-                wd = preset.weight_decays[len(preset.weight_decays) // 2]
+                lr, wd = lrs[lr_key(preset)], preset.weight_decays[len(preset.weight_decays) // 2]
             elif any(results.get(s.run_id) is None for s in points):
                 return None
             else:
-                wd = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta["wd"]
-            specs += [repeat_spec(preset, data, k, d, wd, lrs[lr_key(preset)], seed, "seed", world)
-                      for seed in preset.seeds[1:]]
+                best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta
+                lr, wd = best["lr"], best["wd"]
+            specs += [repeat_spec(preset, data, k, d, wd, lr, seed, "seed", world) for seed in preset.seeds[1:]]
     return specs
 
 
+def repeat_tune_plan(preset, data, lrs, world=None):
+    """The plan's share of the search (tune_every_point): the LR / 2 and x 2 at every (K, depth), at the
+    middle weight decay (the search's first step where the carried LR and that weight decay are best)."""
+    if not preset.tune_every_point:
+        return []
+    if preset.arms:
+        return [s for arm in repeat_arms(preset) for s in repeat_tune_plan(arm, data, lrs, world)]
+    ratio, lr = sweep_limits(preset)[0], lrs[lr_key(preset)]
+    wd = preset.weight_decays[len(preset.weight_decays) // 2]
+    return [repeat_spec(preset, data, k, d, wd, float(f"{v:.12g}"), preset.seeds[0], "tune", world)
+            for k in preset.passes for d in preset.depths for v in (lr / ratio, lr * ratio)]
+
+
+def imported_results(preset, data):
+    """builds_on: the runs of a finished ladder's runs.csv (relative to the checkout) as results keyed by run id,
+    so that this ladder does not train them again. Every row must be a run of this preset: the run it names
+    (budget, K, depth, weight decay, LR, seed) has this preset's settings, and the row's tokens and stored
+    parameters are that run's; else one line naming the file and the row."""
+    path = preset.builds_on
+    full = os.path.join(REPO, path)
+    if not os.path.exists(full):
+        raise ValueError(f"preset {preset.name}: builds_on {path}: no such file (the finished ladder it continues)")
+    arms = {a.unique_tokens: a for a in repeat_arms(preset)}
+    pattern = re.compile(rf"-{re.escape(preset.lr_sweep.key)}([0-9.e+-]+)-s[0-9]+$")
+    imported = {}
+    for line, row in enumerate(tables.read_rows_csv(full, unique=["run_id"]), start=2):
+        arm, lr = arms.get(row.get("unique_tokens")), pattern.search(str(row.get("run_id")))
+        spec = arm and lr and repeat_spec(arm, data, int(row["K"]), int(row["depth"]), float(row["wd"]),
+                                          float(lr.group(1)), int(row["seed"]), row["role"])
+        if not spec or spec.run_id != row["run_id"] or spec.meta["tokens"] != row["D"] \
+                or spec.meta["N_s"] != row["N_s"]:
+            raise ValueError(f"{path} line {line}: run {row.get('run_id')} is not a run of preset {preset.name} "
+                             "(its budget, K, depth, weight decay, LR, seed, tokens or stored parameters differ)")
+        imported[spec.run_id] = dict(run_id=spec.run_id, arch=spec.arch, cell=spec.cell, role=spec.role,
+                                     settings=spec.settings, meta=spec.meta, needs=None, val_loss=row["loss"],
+                                     flops=row["C"], tokens=row["D"], final_train_loss=row["train_loss"],
+                                     seconds=row["seconds"], imported=path)
+    return imported
+
+
 def repeat_rows(results, roles):
-    """runs.csv rows of a repeat ladder (roles: {run_id: the role the ladder gives it})."""
+    """runs.csv rows of a repeat ladder (roles: {run_id: the role the ladder gives it}; imported: the run comes
+    from the runs.csv the preset builds on)."""
     rows = []
     for r in results:
         m = r["meta"]
@@ -166,7 +245,7 @@ def repeat_rows(results, roles):
                          N_s=m["N_s"], executed=m["executed_layers"], epochs=m["epochs"],
                          unique_tokens=m.get("unique_tokens"), lr=m["lr_scaled"],
                          loss=r["val_loss"], train_loss=r.get("final_train_loss"), run_id=r["run_id"],
-                         seconds=r["seconds"]))
+                         seconds=r["seconds"], imported=bool(r.get("imported"))))
     return rows
 
 
@@ -222,21 +301,30 @@ def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
         out["lr_sweep"] = sweep[1]
         lines.append(f"  the carried LR scales by [X16] with beta {preset.lr_scaling_beta:g} (the [X] code's "
                      f"Operator-1 ladder) from d{preset.depths[0]}; embedding / lm head LRs keep [X]'s ratios to it")
+    if preset.builds_on and not preset.arm:
+        lines += builds_on_lines(preset, rows, sweep)
     first = [r for r in rows if r["role"] != "seed" and r["seed"] == preset.seeds[0]]
     if not first:
         lines.append("no finished runs yet")
         return "\n".join(lines), out, None
     Ks, depths = sorted({r["K"] for r in first}), sorted({r["depth"] for r in first})
-    wds = sorted({r["wd"] for r in first})
     C = [r["C"] for r in rows]
     lines.append(f"epochs read {min(r['epochs'] for r in rows):.2f}..{max(r['epochs'] for r in rows):.2f}; tokens per "
                  f"run {rows[0]['D']:,}; training FLOPs {min(C):.3g}..{max(C):.3g}")
-    grid = {(r["K"], r["depth"], r["wd"]): r for r in first}
-    table, best_wd, wd_star = repeat_wd_table(grid, Ks, depths, wds)
+    best_lr = {}  # each (K, depth)'s LR: the one its best first-seed run has (the carried LR unless tuned)
+    for r in sorted(first, key=lambda r: r["loss"], reverse=True):
+        best_lr[r["K"], r["depth"]] = r["lr"]
+    grid = {(r["K"], r["depth"], r["wd"]): r for r in first if r["lr"] == best_lr[r["K"], r["depth"]]}
+    table, best_wd, wd_star = repeat_wd_table(grid, Ks, depths, sorted({w for _, _, w in grid}))
     lines += table
-    pts = {}  # each K's frontier: its best weight decay at every stored size, every seed of that point
+    tuned = {}
+    if any(r["role"] == "tune" for r in first):
+        table, tuned = repeat_lr_table(first, best_wd, Ks, depths)
+        lines += table
+        out["lr_search"] = {f"K{k}-d{d}": v for (k, d), v in tuned.items()}
+    pts = {}  # each K's frontier: its best (LR,) weight decay at every stored size, every seed of that point
     for (k, d), w in best_wd.items():
-        reps = [r for r in rows if r["K"] == k and r["depth"] == d and r["wd"] == w]
+        reps = [r for r in rows if r["K"] == k and r["depth"] == d and r["wd"] == w and r["lr"] == best_lr[k, d]]
         pts[k, d] = (float(np.mean([r["C"] for r in reps])), [r["loss"] for r in reps])
     sigma, dof = pooled_std([v for _, v in pts.values()])
     sigma = sigma or 0.0
@@ -256,8 +344,9 @@ def repeat_report(preset, rows, sweep=None, n_boot=400, seed=0):
         return "\n".join(lines), out, None
     lines += repeat_budget_lines(frontier, pts, (sigma, dof), n_boot, seed, out)
     lines += repeat_wd_lines(grid, best_wd, wd_star, Ks, depths, out)
-    lines += repeat_claims(preset, out, pts, best_wd)
-    figures = dict(frontier=frontier, pts=pts, l_star=out["L_star"], grid=grid, Ks=Ks, depths=depths, wds=wds)
+    lines += repeat_claims(preset, out, pts, best_wd, tuned)
+    figures = dict(frontier=frontier, pts=pts, l_star=out["L_star"], grid=grid, Ks=Ks, depths=depths,
+                   wds=sorted({w for _, _, w in grid}))
     return "\n".join(lines), out, figures
 
 
@@ -286,6 +375,53 @@ def repeat_wd_table(grid, Ks, depths, wds):
     lines.append("  train = the mean training loss of the run's last tenth (on the repeated data), gap = val - train "
                  "(> 0: the run fits its unique tokens better than fresh text)")
     return lines, best_wd, wd_star
+
+
+def builds_on_lines(preset, rows, sweep):
+    """A ladder that builds on another's runs: how many of its runs it imported, and whether this checkout
+    reproduces them: its LR sweep, retrained here, against the lr_sweep.csv beside the imported runs.csv."""
+    from ladders.sweep import sweep_from_rows  # (ladders.sweep imports this module through ladders.specs)
+    lines = [f"builds on {preset.builds_on}: {sum(bool(r.get('imported')) for r in rows)} of these {len(rows)} runs "
+             "are its runs, imported (not retrained)"]
+    theirs = os.path.join(REPO, preset.builds_on[:-len("runs.csv")] + "lr_sweep.csv")
+    if sweep and os.path.exists(theirs):
+        _, losses, _ = sweep_from_rows(tables.read_rows_csv(theirs, unique=["arch", "key", "value"]))
+        pairs = [(loss, sweep[1].get(arch, {}).get(str(value))) for arch, by in losses.items()
+                 for value, loss in by.items()]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        if pairs:
+            lines.append(f"  its LR sweep, retrained here: {len(pairs)} values, the largest difference from its "
+                         f"lr_sweep.csv {max(abs(a - b) for a, b in pairs):.2g} nats (0: this checkout trains its runs "
+                         "to the same bits)")
+    return lines
+
+
+def repeat_lr_table(first, best_wd, Ks, depths):
+    """With tune_every_point: each (K, depth)'s LR search at its best weight decay (first seed), in multiples
+    of the LR the grid carried there -> (lines, {(K, depth): dict(best: the best multiple, star: LR* as a
+    multiple, edge: -1 / +1 where the best is the lowest / highest LR tried, 0 inside)})."""
+    carried = {(r["K"], r["depth"]): r["lr"] for r in first if r["role"] == "run"}
+    step = lambda r: round(math.log2(r["lr"] / carried[r["K"], r["depth"]]))  # noqa: E731  (LR x 2^step)
+    steps = sorted({step(r) for r in first})
+    name = lambda j: f"x{2 ** j:g}" if j >= 0 else f"x1/{2 ** -j:g}"  # noqa: E731
+    lines = ["LR searched with the weight decay at every (K, stored depth), first seed: validation loss by LR (x the "
+             "LR carried there) at the point's best weight decay (* = the best; LR* = the parabola's minimum in log "
+             "LR, '<' / '>' = at the edge of what it tried; - = not tried: a neighbour runs only next to the best)",
+             f"  {'K':>2} {'depth':>5} {'wd':>6} " + " ".join(f"{name(j):>9}" for j in steps) + f" {'LR*':>7}"]
+    search = {}
+    for k in Ks:
+        for d in depths:
+            if (k, d) not in best_wd:
+                continue
+            at = {step(r): r["loss"] for r in first if r["K"] == k and r["depth"] == d and r["wd"] == best_wd[k, d]}
+            best = min(at, key=at.get)
+            x, edge = interpolated_optimum([2.0 ** j for j in at], list(at.values()))
+            search[k, d] = dict(best=2.0 ** best, star=x, edge=edge)
+            lines.append(f"  {k:>2} {d:>5} {best_wd[k, d]:>6g} "
+                         + " ".join(f"{at[j]:8.4f}{'*' if j == best else ' '}" if j in at else f"{'-':>9}"
+                                    for j in steps)
+                         + f" {('<' if edge < 0 else '>' if edge > 0 else '') + format(x, '.3g'):>7}")
+    return lines, search
 
 
 def drawn_analyses(pts, budgets, sigma, dof, n_boot, seed):
@@ -428,8 +564,9 @@ def repeat_wd_lines(grid, best_wd, wd_star, Ks, depths, out):
     return lines
 
 
-def repeat_claims(preset, out, pts, best_wd):
-    """The claims table of a data-constrained ladder ([X] Section 5) and what its design cannot tell."""
+def repeat_claims(preset, out, pts, best_wd, tuned=None):
+    """The claims table of a data-constrained ladder ([X] Section 5) and what its design cannot tell (tuned:
+    repeat_lr_table's search, where the LR was searched at every point)."""
     claims = []
     reg = out.get("wd_regression")
     if reg:
@@ -475,7 +612,17 @@ def repeat_claims(preset, out, pts, best_wd):
     sweep, first = preset.lr_sweep, min(d for _, d in pts)
     one_seed = sorted({k for (k, _), (_, v) in pts.items() if len(v) == 1})
     lines = claims_lines(claims)
-    if sweep:
+    if tuned:
+        moved = {k: v for k, v in tuned.items() if v["best"] != 1}
+        limit = sorted(k for k, v in tuned.items() if v["edge"])
+        lines.append(f"the LR was searched with the weight decay at every (K, depth): the carried LR stayed best at "
+                     f"{len(tuned) - len(moved)} of {len(tuned)} points"
+                     + ("; it moved at " + ", ".join(f"K={k} d{d} (x{v['best']:g})" for (k, d), v in sorted(moved.items()))
+                        if moved else "")
+                     + ("; at the search's limit (not bracketed): " + ", ".join(f"K={k} d{d}" for k, d in limit)
+                        if limit else "; every best LR bracketed by both neighbours")
+                     + (f"; K = {', '.join(map(str, one_seed))} have one seed each" if one_seed else ""))
+    elif sweep:
         lines.append(f"cannot tell either: the LR was swept once, at K = 1, d{first}, weight decay "
                      f"{sweep.weight_decay:g}, " + ("one seed" if sweep.seeds == 1 else f"{sweep.seeds} seeds")
                      + f" (d{first}'s best weight decay at K = 1 is "
@@ -496,6 +643,8 @@ def arms_report(preset, rows, sweep, n_boot, seed):
         lines += sweep[0] + [f"  each budget's LR (its k1 row) scales by [X16] with beta {preset.lr_scaling_beta:g} "
                              f"from d{preset.depths[0]}; embedding / lm head LRs keep [X]'s ratios to it"]
         out["lr_sweep"] = sweep[1]
+    if preset.builds_on:
+        lines += builds_on_lines(preset, rows, sweep)
     sections = []
     for arm in arms:
         text, arm_out, figures = repeat_report(arm, [r for r in rows if r.get("unique_tokens") == arm.unique_tokens],

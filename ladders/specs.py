@@ -5,7 +5,7 @@ import json
 
 from ladders.common import data_plan, sweep_point, sweep_values, tokens_per_step, world_size
 from ladders.presets import PRESETS, get_preset
-from ladders.repeat import lr_keys, repeat_seed_specs, repeat_specs
+from ladders.repeat import lr_keys, repeat_seed_specs, repeat_specs, repeat_tune_plan
 from ladders.smelt import smelt_cells, smelt_specs
 from ladders.x import x_specs
 from tooling.jobs import json_default
@@ -48,7 +48,7 @@ def full_plan(preset, data=None, world=None):
     lrs = {sweep_point(preset, a, d): values[len(values) // 2] for a in archs for d in depths}
     rest, _ = build(preset, data, lrs=lrs, world=world)
     if preset.kind == "repeat":  # the extra seeds at the middle weight decay (their budget does not depend on it)
-        rest += repeat_seed_specs(preset, data, lrs, None, world)
+        rest += repeat_seed_specs(preset, data, lrs, None, world) + repeat_tune_plan(preset, data, lrs, world)
     ids = {s.run_id for s in sweep}
     return sweep + [s for s in rest if s.run_id not in ids], cells
 

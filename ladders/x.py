@@ -15,15 +15,14 @@ import fit
 import grow
 import match
 import train
-from ladders.common import (carried_lrs, compute_active, finite_or_none, fmt, model_settings, sources_of, sweep_limits,
-                            sweep_point, sweep_values, tokens_per_step)
+from ladders.common import (REPO, carried_lrs, compute_active, finite_or_none, fmt, model_settings, sources_of,
+                            sweep_limits, sweep_point, sweep_values, tokens_per_step)
 from ladders.stats import claims_lines, interval_verdict, pooled_std, seed_draws, seed_spread, within_noise
 from ladders.presets import X_RECIPES
 from model import ModelConfig
 from tooling import plots
 from tooling.jobs import RunSpec
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what a ladder point sets itself (sizes, data, the batch, the run's length and evals, the growth step); the
 # recipe's other step counts become fractions of the run (RECIPE_FRACTIONS)
 RECIPE_OWN = {"vocab_size", "block_size", "n_layer", "n_embd", "n_head", "head_dim",
