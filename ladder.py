@@ -12,7 +12,7 @@ Both papers' experiments in miniature, end to end: grid -> match -> LR sweep -> 
     torchrun --standalone --nproc_per_node=8 ladder.py --preset x-gpu-1node
 
 The command line of the ladders/ package: the presets (ladders/presets.py), one file per protocol
-(ladders/smelt.py [S], ladders/x.py [X], ladders/repeat.py [X] data-constrained), the LR sweep
+(ladders/smelt.py [S], ladders/x.py [X], ladders/repeat.py [X] data-constrained and its repeat_report.py), the LR sweep
 (ladders/sweep.py), a preset end to end (ladders/pipeline.py) and the --plan planner (ladders/recipe.py);
 the job runner is tooling/jobs.py. The designs, protocols and their reports: docs/ladder.md.
 """

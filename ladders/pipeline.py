@@ -7,8 +7,8 @@ import os
 import train
 from ladders.common import REPO, data_plan
 from ladders.presets import get_preset
-from ladders.repeat import (imported_results, repeat_plots, repeat_report, repeat_rows, repeat_seed_specs,
-                            repeat_tuned)
+from ladders.repeat import imported_results, repeat_rows, repeat_seed_specs, repeat_tuned
+from ladders.repeat_report import repeat_plots, repeat_report
 from ladders.smelt import match_table, smelt_cells, smelt_plots, smelt_report, smelt_rows
 from ladders.specs import build, full_plan
 from ladders.sweep import (best_lrs, bracketed_sweep, lrs_record, sweep_from_rows, sweep_lines, sweep_rows,

@@ -3,6 +3,8 @@
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,3 +113,18 @@ def within(seconds):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def rebuilt_committed(name, tmp_path):
+    """A committed repeat report rebuilt from its CSVs by `ladder.py --from-csv` -> (report, text), checked
+    equal to docs/ladder/NAME-report.txt with the bootstrap bands masked (their last digit is the CPU's)."""
+    from ladders import pipeline
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ladder")
+    for part in ("runs.csv", "lr_sweep.csv"):
+        shutil.copy(os.path.join(docs, f"{name}-{part}"), tmp_path / f"{name}-{part}")
+    report = pipeline.rereport(name, str(tmp_path / f"{name}-runs.csv"), log=lambda *a, **k: None)
+    text = (tmp_path / f"{name}-report.txt").read_text()
+    bands = r"\[[-+0-9.,e ]*\]|\[95% band [^;]*;|agree .*|K > 1 .*|in [01]\.[0-9]+ of the (draws|them)"
+    mask = lambda t: re.sub(bands, "", t)  # noqa: E731
+    assert mask(text) == mask(open(os.path.join(docs, f"{name}-report.txt")).read())
+    return report, text

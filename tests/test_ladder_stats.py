@@ -13,7 +13,7 @@ from scipy import stats as scipy_stats
 
 import fit
 from ladders.presets import get_preset
-from ladders.repeat import repeat_budget_lines
+from ladders.repeat_report import repeat_budget_lines
 from ladders.smelt import f_levels, grid_lines, identifiability_lines, smelt_report, smelt_surfaces
 from ladders.stats import (AGREEMENT, agreement, claims_lines, contrast, difference, difference_sigma, interval_verdict,
                            pooled_std, profile_bound, profile_interval, seed_draws, share_verdict, t_interval)

@@ -16,13 +16,14 @@ import pytest
 import fit
 import grow
 import train
-from conftest import one_line_error
+from conftest import one_line_error, rebuilt_committed
 from ladders import pipeline
 from ladders.common import data_plan, tokens_per_step
 from fit import wd_regression
 from ladders.stats import interpolated_optimum
 from ladders.presets import SEEDS, X_GLR_TIED, X_LR_BETA, X_OPERATOR1, X_OPERATOR1_TRAIN, X_TPP_STORED, get_preset
-from ladders.repeat import arms_lines, envelope, lr_key, reach_compute, repeat_analysis, repeat_arms
+from ladders.repeat import lr_key, repeat_arms
+from ladders.repeat_report import arms_lines, envelope, reach_compute, repeat_analysis
 from ladders.smelt import smelt_cells
 from ladders.specs import build, describe_presets, full_plan
 from ladders.x import depth_means, multiplier_bootstrap, x_config, x_recipe
@@ -306,20 +307,6 @@ def test_repeat_recipe_is_operator1s():
         assert list(training[key]) == value if isinstance(value, list) else training[key] == value, key
     assert fractions["warmup_steps"] == 0 and X_GLR_TIED == pytest.approx(
         {k: training[k] / training["matrix_lr"] for k in ("embedding_lr", "unembedding_lr")})
-
-
-def rebuilt_committed(name, tmp_path):
-    """A committed repeat report rebuilt from its CSVs by `ladder.py --from-csv` -> (report, text), checked
-    equal to docs/ladder/NAME-report.txt with the bootstrap bands masked (their last digit is the CPU's)."""
-    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ladder")
-    for part in ("runs.csv", "lr_sweep.csv"):
-        shutil.copy(os.path.join(docs, f"{name}-{part}"), tmp_path / f"{name}-{part}")
-    report = pipeline.rereport(name, str(tmp_path / f"{name}-runs.csv"), log=quiet)
-    text = (tmp_path / f"{name}-report.txt").read_text()
-    bands = r"\[[-+0-9.,e ]*\]|\[95% band [^;]*;|agree .*|K > 1 .*|in [01]\.[0-9]+ of the (draws|them)"
-    mask = lambda t: re.sub(bands, "", t)  # noqa: E731
-    assert mask(text) == mask(open(os.path.join(docs, f"{name}-report.txt")).read())
-    return report, text
 
 
 def test_committed_repeat_v1_report_rebuilds_from_its_csv(tmp_path):
