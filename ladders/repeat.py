@@ -96,8 +96,25 @@ def repeat_grid(preset, data, lrs, results, world=None):
     if preset.arms:
         grids = [repeat_grid(arm, data, lrs, results, world) for arm in repeat_arms(preset)]
         return [s for specs, _ in grids for s in specs], all(complete for _, complete in grids)
-    specs = repeat_specs(preset, data, lrs, world)
     ratio, lo, hi = grid_limits(preset.weight_decays, preset.wd_extend)
+
+    def beyond_edge(k, d, points):
+        tried = sorted(s.meta["wd"] for s in points)
+        best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta["wd"]
+        if best == tried[0] and best > lo:
+            value = best / ratio
+        elif best == tried[-1] and best < hi:
+            value = best * ratio
+        else:
+            return []
+        return [repeat_spec(preset, data, k, d, float(f"{value:.12g}"), lrs[lr_key(preset)], preset.seeds[0], "run",
+                            world)]
+    return search_rounds(preset, repeat_specs(preset, data, lrs, world), results, beyond_edge)
+
+
+def search_rounds(preset, specs, results, next_runs):
+    """A search at every (K, depth), in rounds: once a point's runs have all finished, next_runs(K, depth, its
+    runs) names the runs it asks for next -> (specs with them, complete: every run finished and none asked for)."""
     while True:
         extra, pending = [], False
         for k in preset.passes:
@@ -106,17 +123,8 @@ def repeat_grid(preset, data, lrs, results, world=None):
                 if any(results.get(s.run_id) is None for s in points):
                     pending = True
                     continue
-                tried = sorted(s.meta["wd"] for s in points)
-                best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta["wd"]
-                if best == tried[0] and best > lo:
-                    value = best / ratio
-                elif best == tried[-1] and best < hi:
-                    value = best * ratio
-                else:
-                    continue
-                extra.append(repeat_spec(preset, data, k, d, float(f"{value:.12g}"), lrs[lr_key(preset)],
-                                         preset.seeds[0], "run", world))
-        specs += extra
+                extra += next_runs(k, d, points)
+        specs = specs + extra
         if pending or any(results.get(s.run_id) is None for s in extra):
             return specs, False
         if not extra:
@@ -136,27 +144,16 @@ def repeat_tuned(preset, data, lrs, results, world=None):
         return specs, complete
     lr_ratio, lr_lo, lr_hi = sweep_limits(preset)
     wd_ratio, wd_lo, wd_hi = grid_limits(preset.weight_decays, preset.wd_extend)
-    while True:
-        extra, pending = [], False
-        for k in preset.passes:
-            for d in preset.depths:
-                points = [s for s in specs if s.meta["passes"] == k and s.meta["depth"] == d]
-                if any(results.get(s.run_id) is None for s in points):
-                    pending = True
-                    continue
-                best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta
-                lr, wd, tried = best["lr"], best["wd"], {(s.meta["lr"], s.meta["wd"]) for s in points}
-                steps = [(lr / lr_ratio, wd)] * (lr > lr_lo) + [(lr * lr_ratio, wd)] * (lr < lr_hi) + \
-                    [(lr, wd / wd_ratio)] * (wd > wd_lo) + [(lr, wd * wd_ratio)] * (wd < wd_hi)
-                for v, w in steps:
-                    v, w = float(f"{v:.12g}"), float(f"{w:.12g}")  # 0.04, not 0.04000000000000001
-                    if (v, w) not in tried:
-                        extra.append(repeat_spec(preset, data, k, d, w, v, preset.seeds[0], "tune", world))
-        specs += extra
-        if pending or any(results.get(s.run_id) is None for s in extra):
-            return specs, False
-        if not extra:
-            return specs, True
+
+    def missing_neighbours(k, d, points):
+        best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta
+        lr, wd, tried = best["lr"], best["wd"], {(s.meta["lr"], s.meta["wd"]) for s in points}
+        steps = [(lr / lr_ratio, wd)] * (lr > lr_lo) + [(lr * lr_ratio, wd)] * (lr < lr_hi) + \
+            [(lr, wd / wd_ratio)] * (wd > wd_lo) + [(lr, wd * wd_ratio)] * (wd < wd_hi)
+        steps = [(float(f"{v:.12g}"), float(f"{w:.12g}")) for v, w in steps]  # 0.04, not 0.04000000000000001
+        return [repeat_spec(preset, data, k, d, w, v, preset.seeds[0], "tune", world) for v, w in steps
+                if (v, w) not in tried]
+    return search_rounds(preset, specs, results, missing_neighbours)
 
 
 def repeat_seed_specs(preset, data, lrs, results, world=None):
