@@ -236,7 +236,7 @@ moe = MoE(ModelConfig(n_embd=256, n_head=4, n_expert=64, top_k=8, expert_hidden=
 for p in moe.parameters():
     torch.nn.init.normal_(p, std=0.02)
 x = torch.randn(4096, 256)  # its rows: 4,096 tokens x top 8 x 256 fp32 = 32 MiB blocks
-for step in range(8):
+for step in range(14):
     if step == 2:  # after two steps of warm-up
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     moe(x.requires_grad_())[0].square().mean().backward()
@@ -260,8 +260,9 @@ def test_a_cpu_run_keeps_freed_memory_so_a_step_faults_no_pages_back_in():
         return int(count), note.strip()
     default, _ = faults("default")
     kept, note = faults("keep")
-    # 6 steps: glibc's default faults several 32 MiB blocks (8,192 pages each) in every step (~40,000 pages);
-    # kept, a step now and then finds no free block of its size (one block, 0-8,192 pages a step)
-    assert default > 6 * 3 * 8192 and kept < default / 5, (default, kept)
+    # 12 steps: glibc's default faults several 32 MiB blocks (8,192 pages each) in every step (~40,000 pages);
+    # kept, a step now and then finds no free block of its size (0-2 blocks in a few of the steps, 6k-36k pages
+    # in all, measured; over 6 steps that was up to a fifth of the default's count, and the test flaked)
+    assert default > 12 * 3 * 8192 and kept < default / 5, (default, kept)
     assert note == "allocator: glibc keeps freed memory (no page faults on reuse)"
     assert faults("keep", MALLOC_TRIM_THRESHOLD_="131072")[1] == "allocator: glibc's as the environment sets it"
