@@ -1,28 +1,20 @@
 """
-The one fitting protocol fit.py's laws share ([S2], Chinchilla Approach 3, [X]'s `--protocol huber-log`):
-the law L = E + A e^(b u - a x) + K e^(-c y) on centred coordinates (u = log(1-S), x = log F or log N or
-log C/C0, y = log D), fitted by summed Huber(delta = 1e-3) on log-loss with L-BFGS-B and analytic gradients,
-in the log-sum-exp parametrisation theta = [log E, log A, a, b, log K, c]. A law fixes some of the six (the
-power law has no K, Chinchilla no b) through `free`. numpy, scipy, threadpoolctl (tooling.jobs).
-
-How the six-coefficient fits are made reliable (the one deviation from "L-BFGS-B from a grid"): for fixed
-exponents the law is linear in its coefficients (E, A, K), so every point of a large exponent grid gets its
-best nonnegative coefficients from a tiny least squares problem (variable projection). All grid points are
-scored with the real Huber objective in one vectorised pass and only the best few go on to full L-BFGS-B.
-fit.py centres the logs of F, D, N and 1-S on the data before fitting (A and a decorrelate), which is a
-reparametrisation, not a different model: reported coefficients are in the usual uncentred form.
+The one fitting protocol of fit.py's laws ([S2], Chinchilla Approach 3, [X]'s huber-log): the law
+L = E + A e^(b u - a x) + K e^(-c y) (u = log(1-S), x = log F, N or C/C0, y = log D, centred) by summed Huber
+(delta 1e-3) on log-loss, L-BFGS-B with analytic gradients on theta = [log E, log A, a, b, log K, c] (`free`
+fixes what a law lacks), from the best points of an exponent grid, each scored with its exact nonnegative
+(E, A, K) (the law is linear in them: variable projection).
 """
 import itertools
 import math
 
 import numpy as np
 from scipy.optimize import minimize
-
-from tooling import jobs
+from threadpoolctl import ThreadpoolController
 
 HUBER_DELTA = 1e-3  # [S2] / Chinchilla: Huber on log-loss with delta = 1e-3
 
-PARAM_NAMES = ("logE", "logA", "a", "b", "logK", "c")
+_BLAS = ThreadpoolController()  # tiny matrices: one BLAS thread is fastest (and safe in pool workers)
 
 
 def huber(r, delta=HUBER_DELTA):
@@ -34,10 +26,7 @@ def huber(r, delta=HUBER_DELTA):
 def _log_law(theta, u, x, y):
     """log L-hat and the softmax weights of its three terms (log-sum-exp, stable)."""
     logE, logA, a, b, logK, c = theta
-    terms = np.empty((3, len(x)))
-    terms[0] = logE
-    terms[1] = logA + b * u - a * x
-    terms[2] = logK - c * y
+    terms = np.stack(np.broadcast_arrays(logE, logA + b * u - a * x, logK - c * y))
     m = terms.max(axis=0)
     ex = np.exp(terms - m)
     s = ex[0] + ex[1] + ex[2]
@@ -97,35 +86,26 @@ def _varpro_starts(u, x, y, loss, weights, exp_grid, delta, n_keep, use_K=True):
         score = np.sum(weights * huber(np.log(np.maximum(pred, 1e-300)) - log_loss, delta), axis=1)
     score[~np.isfinite(score)] = np.inf
     order = np.argsort(score)[:n_keep]
-    floor = 1e-6 * float(np.min(loss))  # a coefficient NNLS sets to zero starts tiny but positive
-    starts = []
-    for p in order:
-        E, A = max(beta[p, 0], floor), max(beta[p, 1], floor)
-        K = max(beta[p, 2], floor) if use_K else 1e-300
-        starts.append(np.array([math.log(E), math.log(A), exp_grid[p, 0], exp_grid[p, 1], math.log(K), exp_grid[p, 2]]))
-    return starts
+    coef = np.log(np.maximum(beta[order], 1e-6 * float(np.min(loss))))  # a zero coefficient starts tiny
+    logK = coef[:, 2] if use_K else np.full(len(order), math.log(1e-300))
+    return list(np.column_stack([coef[:, 0], coef[:, 1], exp_grid[order, 0], exp_grid[order, 1], logK,
+                                 exp_grid[order, 2]]))
 
 
-_BOUNDS = {"logE": (-40.0, 40.0), "logA": (-200.0, 200.0), "a": (0.0, 10.0), "b": (-10.0, 10.0),
-           "logK": (-200.0, 200.0), "c": (0.0, 10.0)}
+BOUNDS = [(-40.0, 40.0), (-200.0, 200.0), (0.0, 10.0), (-10.0, 10.0), (-200.0, 200.0), (0.0, 10.0)]  # theta's
 
 
 def _lbfgsb(theta0, u, x, y, loss, weights, delta, free, reduce="sum", tol="tight", maxiter=2000):
-    """One L-BFGS-B run from theta0 (full 6-vector); returns (theta, summed objective).
-
-    reduce="sum" (the protocol) or "mean"; tol="tight" (ours: the objective divided by delta, tiny
-    gtol/ftol) or "scipy" (L-BFGS-B defaults on the raw objective, the naive protocol, which stops
-    early on this flat, small-valued objective)."""
+    """One L-BFGS-B run from theta0 -> (theta, summed objective). reduce "sum" (the protocol) or "mean";
+    tol "tight" (the objective / delta, tiny gtol, ftol) or "scipy" (its defaults: the naive protocol,
+    which stops early on this flat, small-valued objective)."""
     log_loss = np.log(loss)
     free_idx = np.flatnonzero(free)
     scale = 1.0 if reduce == "sum" else 1.0 / float(np.sum(weights))
-    if tol == "tight":
-        scale /= delta  # a constant factor: same optimum, gradients O(1) instead of O(delta)
-        options = dict(maxiter=maxiter, gtol=1e-10, ftol=1e-13, maxcor=20)
-    else:
-        options = dict(maxiter=maxiter)
+    options = dict(maxiter=maxiter, **(dict(gtol=1e-10, ftol=1e-13, maxcor=20) if tol == "tight" else {}))
+    scale /= delta if tol == "tight" else 1.0  # a constant factor: same optimum, gradients O(1), not O(delta)
     args = (u, x, y, log_loss, weights, delta, free_idx, np.array(theta0, dtype=float), scale)
-    bounds = [_BOUNDS[PARAM_NAMES[i]] for i in free_idx]
+    bounds = [BOUNDS[i] for i in free_idx]
     res = minimize(_objective, np.asarray(theta0, dtype=float)[free_idx], args=args, jac=True,
                    method="L-BFGS-B", bounds=bounds, options=options)
     theta = np.array(theta0, dtype=float)
@@ -134,9 +114,10 @@ def _lbfgsb(theta0, u, x, y, loss, weights, delta, free, reduce="sum", tol="tigh
     return theta, value
 
 
-def fit_core(u, x, y, loss, weights, delta, free, exp_grid, n_keep, inits=(), reduce="sum", use_K=True, tol="tight"):
+def fit_core(u, x, y, loss, weights, delta, free, exp_grid, n_keep, inits=(), reduce="sum", use_K=True,
+             tol="tight"):
     """Best of L-BFGS-B runs from the n_keep best grid points (variable projection) plus `inits`."""
-    with jobs.single_blas_thread():
+    with _BLAS.limit(limits=1, user_api="blas"):
         starts = list(inits)
         if exp_grid is not None and len(exp_grid):
             starts += _varpro_starts(u, x, y, loss, weights, exp_grid, delta, n_keep, use_K)

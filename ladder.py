@@ -1,107 +1,142 @@
 """
-Both papers' experiments in miniature, end to end: grid -> match -> LR sweep -> train -> fit -> report.
+Both papers' experiments in miniature, end to end: grid -> match -> train -> fit -> report (docs/ladder.md).
 
-    python ladder.py --list [--json]                 # every preset: its runs, tokens, FLOPs, TPP, epochs
-    python ladder.py --preset smelt-cpu-mini [--out out/ladder-smelt-cpu-mini] [--plot]
-    python ladder.py --preset x-cpu-mini [--plot]
-    python ladder.py --preset smelt-micro            # seconds: the whole pipeline, numbers meaningless
-    python ladder.py --preset x-cpu-mini --fit-only --plot   # refit / re-report / re-plot finished runs
-    python ladder.py --preset x-cpu-mini --from-csv docs/ladder/x-cpu-mini-runs.csv --plot   # from runs.csv alone
-    python ladder.py --plan config/smelt_200m_s95.py [--gpus 8] [--json]   # a config's recipe: runs, tokens, FLOPs
-    # GPU presets (documented, not run here); every rank runs the same ladder, rank 0 writes results
-    torchrun --standalone --nproc_per_node=8 ladder.py --preset x-gpu-1node
+    python ladder.py --list                          # every preset: its runs, FLOPs, TPP, budget
+    python ladder.py --preset smelt-micro            # the whole [S] pipeline on tiny models, minutes
+    python ladder.py --preset x-cpu-mini --plot      # train (or continue): out/ladder-x-cpu-mini/report.txt
+    python ladder.py --preset x-cpu-mini --report_only --plot   # docs/ladder/x-cpu-mini-report.txt from CSVs
 
-The command line of the ladders/ package: the presets (ladders/presets.py), one file per protocol
-(ladders/smelt.py [S], ladders/x.py [X], ladders/repeat.py [X] data-constrained and its repeat_report.py), the LR sweep
-(ladders/sweep.py), a preset end to end (ladders/pipeline.py) and the --plan planner (ladders/recipe.py);
-the job runner is tooling/jobs.py. The designs, protocols and their reports: docs/ladder.md.
+A preset (ladders/presets.py) is run by its protocol: ladders/smelt.py [S], ladders/x.py [X] and
+ladders/repeat.py [X] data-constrained. After Ctrl-C rerun the same command: finished runs are kept.
 """
 
 import argparse
-import json
+import math
+import os
 import signal
 import sys
 
-from ladders import pipeline, presets, recipe, specs
-from tooling import common, distributed, rundir
-from tooling.checkpoint import NonFiniteLoss
-from tooling.common import cli_error
+from tqdm import tqdm
 
-# what each mode reads of the command line: a flag it would ignore is refused, not dropped in silence
-MODE_FLAGS = {"list": {"json"}, "plan": {"json", "gpus"}, "from_csv": {"preset", "bootstrap", "plot", "no_progress"},
-              "train": {"preset", "out", "bootstrap", "fit_only", "keep_checkpoints", "plot", "no_progress", "workers",
-                        "threads"}}
-INTERRUPTED = "rerun the same ladder.py command to continue (finished runs are kept)"
+import fit
+from data.loader import read_meta
+from ladders import repeat, smelt, x
+from ladders.presets import PRESETS
+from ladders.runs import data_dir, load_results, train_runs, write_csv
+
+PROTOCOLS = {"smelt": smelt, "x": x, "repeat": repeat}
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "ladder")
+
+
+def train_tokens(folder):
+    """The train split's size of a prepared folder, or None (not prepared here)."""
+    meta = read_meta(folder)
+    return meta and meta["train_tokens"]
+
+
+def resolve(preset, train, tokens=None):
+    """Plan, train what the plan needs now, plan again, until nothing is missing: a protocol's plan is a
+    function of the results so far (a sweep's bracketing, a search's next step). train(specs) -> their
+    results -> (specs, lr_sweep.csv's rows, results)."""
+    results = {}
+    while True:
+        specs, sweep = PROTOCOLS[preset["kind"]].plan(preset, results, tokens)
+        specs = list({s.run_id: s for s in specs}.values())  # a sweep's run may be a ladder run too
+        todo = [s for s in specs if s.run_id not in results and (not s.needs or s.needs[0] in results)]
+        if not todo:
+            return specs, sweep, results
+        results.update(train(todo))
+
+
+def run(preset, out, train_fn=None, workers=None, plot=False):
+    """Train (or continue) a preset in OUT, then OUT/runs.csv, lr_sweep.csv, report.txt (and figures)."""
+    import train
+    data = {None: data_dir(preset)} | {u: data_dir(preset, u) for u, _ in preset.get("arms", [])}
+    bar = tqdm(total=0, unit="run", desc=preset["name"], disable=None)
+
+    def train_or_load(todo):
+        done = load_results(out, todo)
+        bar.total += len(todo)
+        bar.update(len(done))
+        rest = [s for s in todo if s.run_id not in done]
+        return done | train_runs(rest, out, train_fn or train.train, data, workers or preset["workers"], bar)
+    specs, sweep, results = resolve(preset, train_or_load, train_tokens(data[None]))
+    bar.close()
+    write_csv(os.path.join(out, "runs.csv"), PROTOCOLS[preset["kind"]].rows(specs, results))
+    if sweep:
+        write_csv(os.path.join(out, "lr_sweep.csv"), sweep)
+    return report(preset, os.path.join(out, ""), plot, out)
+
+
+def report(preset, prefix, plot=False, out=None):
+    """PREFIX report.txt (with plot the figures) from PREFIX runs.csv and lr_sweep.csv -> its text."""
+    protocol = PROTOCOLS[preset["kind"]]
+    rows = fit.read_runs(prefix + "runs.csv")
+    sweep = fit.read_runs(prefix + "lr_sweep.csv") if os.path.exists(prefix + "lr_sweep.csv") else None
+    text = "\n".join(protocol.report(preset, rows, sweep)) + "\n"
+    with open(prefix + "report.txt", "w") as f:
+        f.write(text)
+    written = protocol.figures(preset, rows, lambda name: prefix + name, out) if plot else []
+    print(text + "".join(f"wrote {p}\n" for p in [prefix + "report.txt"] + written), end="")
+    return text
+
+
+def listing():
+    """Every preset's plan, the grid's middle LR and weight decay taken as best (so no bracketing run)."""
+    lines = []
+    for name, p in PRESETS.items():
+        values, wds = p["lr"]["values"], p.get("weight_decays", [1.0])
+        lr, wd = values[len(values) // 2], wds[len(wds) // 2]
+
+        def fake(specs):  # a loss lowest at the middle values
+            return {s.run_id: dict(val_loss=abs(math.log(s.meta["grid_lr"] / lr)) + abs(math.log(
+                s.settings.get("weight_decay", wd) / wd))) for s in specs}
+        preset = dict(p, name=name)
+        prepared = None if p["train"].get("data_dir") else train_tokens(data_dir(preset))
+        specs, _, _ = resolve(preset, fake, prepared)
+        step = (p["train"].get("global_batch") or p["train"]["batch_size"]) * p["model"]["block_size"]
+        tokens = [(s, s.settings["decay_tokens"] if s.needs else s.settings["max_steps"] * step)
+                  for s in specs]
+        tpp = [t / s.meta["N"] for s, t in tokens if not s.needs]
+        lines.append(f"{name:>18}  {len(specs)} runs, {sum(s.meta['F'] * t for s, t in tokens):.2e} FLOPs, "
+                     f"TPP {min(tpp):.3g}..{max(tpp):.3g}" + (f" ({p['budget']})" if p.get("budget") else "")
+                     + f": {p['about']}")
+    return "\n".join(lines)
 
 
 def main(argv=None):
-    description, epilog = __doc__.split("\n\n", 1)  # the first paragraph once, above the flags; the rest below
-    p = common.parser("ladder.py", description=description, allow_abbrev=False,
-                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
-    p.add_argument("--preset", help=f"one of {', '.join(presets.PRESETS)}")
-    p.add_argument("--out", help="output folder (default out/ladder-<preset>)")
-    p.add_argument("--bootstrap", type=common.number(int, 0), help="bootstrap draws, >= 0 (SMELT cell bootstrap; "
-                                                                  "preset default)")
-    p.add_argument("--fit-only", action="store_true", help="train nothing; fit and report the finished runs")
-    p.add_argument("--from-csv", metavar="RUNS.csv",
-                   help="train nothing, read no run folders: rebuild the report (and with --plot the figures "
-                        "that do not need the runs' logs) from a finished ladder's runs.csv and the lr_sweep.csv "
-                        "beside it, written beside it with its prefix (e.g. docs/ladder/x-cpu-mini-runs.csv -> "
-                        "docs/ladder/x-cpu-mini-report.txt)")
-    p.add_argument("--keep-checkpoints", action="store_true", help="keep the decay branches' final ckpt.pt")
-    p.add_argument("--plot", action="store_true", help="write the preset's figures into OUT (needs matplotlib: "
-                                                       "pip install -r requirements-plot.txt)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    p.add_argument("--workers", type=common.number(int, 1),
-                   help="runs trained at once in separate processes, >= 1 (preset default)")
-    p.add_argument("--threads", type=common.number(int, 1),
-                   help="torch CPU threads per run, >= 1 (preset default; CPU presets use 1)")
-    p.add_argument("--list", action="store_true", help="list the presets with their size")
-    p.add_argument("--plan", metavar="CONFIG", help="print every run of a config file's recipe (config/*.py): its "
-                                                    "train.py commands, steps, tokens and FLOPs, and the train tokens "
-                                                    "the data must hold; trains nothing")
-    p.add_argument("--gpus", type=common.number(int, 1), help="with --plan: processes the commands start (default 8, "
-                                                             "one node; 1: python train.py)")
-    p.add_argument("--json", action="store_true", help="with --list: every run's budget as JSON; with --plan: the "
-                                                       "plan as JSON")
-    args = p.parse_args(argv)
-    given = {k for k, v in vars(args).items() if v is not None and v is not False}  # (--bootstrap 0 is given)
-    mode = next((m for m in ("list", "plan", "from_csv") if m in given), "train")
-    ignored = sorted(given - {mode} - MODE_FLAGS[mode])
-    if ignored:
-        flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
-        p.error(f"{flag(ignored[0])}: not used {f'with {flag(mode)}' if mode != 'train' else 'when training a ladder'}")
-    try:
-        with rundir.sigterm_as_interrupt():  # SIGTERM (a scheduler) ends the ladder like Ctrl-C, workers included
-            run(args)
-    except (ValueError, OSError, NonFiniteLoss) as e:
-        return cli_error("ladder.py", e)
-    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, train.py's TrainingInterrupted (its advice is for one run)
-        sigterm = isinstance(e, rundir.Terminated) or getattr(e, "exit_status", 130) == 128 + signal.SIGTERM
-        print(f"{'' if args.no_progress else chr(10)}ladder.py: {'terminated' if sigterm else 'interrupted'}: "
-              f"{INTERRUPTED}", file=sys.stderr)  # (a newline first: off a tqdm bar)
-        return 128 + (signal.SIGTERM if sigterm else signal.SIGINT)  # 143 / 130, as shells report them
-    finally:
-        distributed.teardown()
-    return 0
-
-
-def run(args):
-    """The mode the command line chose (main has checked its flags)."""
+    description, epilog = __doc__.strip().split("\n\n", 1)
+    parser = argparse.ArgumentParser(prog="ladder.py", usage=argparse.SUPPRESS, description=description,
+                                     epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--list", action="store_true", help="list the presets with their size")
+    parser.add_argument("--preset", choices=PRESETS, metavar="NAME", help=f"one of {', '.join(PRESETS)}")
+    parser.add_argument("--out", help="the ladder's folder (default out/ladder-NAME); with --report_only the "
+                                      "folder holding its runs.csv (default: docs/ladder/NAME-runs.csv)")
+    parser.add_argument("--workers", type=int, help="runs trained at once (default: the preset's)")
+    parser.add_argument("--plot", action="store_true", help="the figures too (needs matplotlib)")
+    parser.add_argument("--report_only", action="store_true", help="train nothing: the report from the CSVs")
+    args = parser.parse_args(argv)
     if args.list:
-        print(specs.describe_presets(as_json=args.json))
-    elif args.plan:
-        plan = recipe.recipe_plan(args.plan, gpus=args.gpus or 8)
-        print(json.dumps(plan) if args.json else recipe.plan_text(plan))
-    elif not args.preset:
-        raise ValueError("give --preset (or --list, or --plan CONFIG)")
-    elif args.from_csv:
-        pipeline.rereport(args.preset, args.from_csv, bootstrap=args.bootstrap, plot=args.plot,
-                          progress=not args.no_progress)
-    else:
-        pipeline.ladder(args.preset, out_dir=args.out, bootstrap=args.bootstrap, progress=not args.no_progress,
-                        fit_only=args.fit_only, keep_checkpoints=args.keep_checkpoints, plot=args.plot,
-                        threads=args.threads, workers=args.workers)
+        print(listing())
+        return 0
+    if not args.preset:
+        parser.error("give --preset NAME (or --list)")
+    preset = dict(PRESETS[args.preset], name=args.preset)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a scheduler's SIGTERM: as Ctrl-C
+    try:
+        if args.report_only:
+            prefix = os.path.join(args.out, "") if args.out else os.path.join(DOCS, args.preset + "-")
+            report(preset, prefix, args.plot)
+        else:
+            out = args.out or os.path.join("out", f"ladder-{args.preset}")
+            run(preset, out, None, args.workers, args.plot)
+    except (ValueError, OSError) as e:  # a missing file, a run trained with other settings
+        parser.error(str(e))
+    except KeyboardInterrupt:
+        print("\nladder.py: interrupted: rerun the same command to continue (finished runs are kept)",
+              file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":

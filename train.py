@@ -1,511 +1,595 @@
 """
-Train one model: Muon + AdamW (or AdamW alone), a warmup-stable-decay (WSD) schedule with decay
-branches [S], growth of the number of passes mid-training [X], DDP or FSDP2, exact resume. nanoGPT
-style: the defaults train the tiny looped MoE on the embedded Shakespeare corpus on a CPU.
+Train one model: Muon + AdamW, a warmup-stable-decay (WSD) schedule with decay branches [S], growth of the
+passes mid-training [X], DDP or FSDP2, exact resume. nanoGPT's shape: settings, model and optimizers,
+data, then the loop. With no arguments it trains the tiny looped MoE on the embedded corpus on a CPU.
 
-    python train.py                                     # the tiny default on a CPU, a minute or two
-    python train.py config/x_d8_loop2.py --max_steps=5  # a config file, then --key=value overrides
-    python train.py --help                              # the settings a learner changes first
+    python train.py                                     # the tiny default, a minute or two on a CPU
+    python train.py config/x_d8_loop2.py --max_steps=5  # a config file, then --key=value
+    python train.py --out_dir=out/tiny --init_from=resume                  # continue a run
+    python train.py --init_from=out/tiny/ckpt_step100.pt --decay_tokens=40000   # a decay branch [S]
     torchrun --standalone --nproc_per_node=8 train.py config/x_d8_vanilla.py    # one node (DDP)
-    # two nodes: on each, --node_rank 0 or 1 and the first node's address (docs/training.md)
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=10.0.0.1 train.py
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=10.0.0.1 train.py config/NAME.py
 
-Each run writes out/<run_name>/ckpt.pt and log.jsonl (a JSON line per eval: step, tokens, FLOPs with
-every block execution counted, lr, train and val loss, ...), the checkpoint before its log line.
-Operational code (settings, distributed, checkpoints, the run folder, memory) is in tooling/.
-In-process: `train.train({"max_steps": 100})`.
+A run writes out_dir/ckpt.pt (FSDP: ckpt.dcp/, and ckpt.pt at the end) and log.jsonl, a JSON line per
+eval. Trusted inputs: config files (they run as code) and a run's own ckpt.dcp/ (its resume state).
+In-process: `train.train({"max_steps": 100})` returns the run's summary.
 """
 
 import contextlib
+import ctypes
+import json
 import math
+import os
+import platform
+import shutil
+import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
-from statistics import fmean
-from typing import Optional
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
+import configurator
 import grow
-import kernels
 import match
-from data.loader import open_data
+from data.loader import BRANCH_FRACTION, load_data
 from loss_eval import evaluate
-from model import GPT, MLP, BoundaryOperator, ModelConfig, MoE, RMSNorm
+from model import GPT, MLP, BoundaryOperator, ModelConfig, MoE, RMSNorm, execution_plan, load_checkpoint
 from muon import Muon
-from tooling import checkpoint, distributed, guards, legacy, memory, rundir
-from tooling.rundir import RunDir
-from tooling.settings import Settings
 
 # --------------------------------------------------------------------------------------------------
-# Settings: these, every ModelConfig field (model.py), the tiny default model on top. The comment
-# beside each default is its --help text.
+# Settings: these, the model's (MODEL_SETTINGS of ModelConfig, model.py), and the tiny default on top
 
 
 @dataclass
 class TrainConfig:
-    # run
-    out_dir: str = "out"  # the run lives in out_dir/run_name/
-    run_name: str = ""  # "" -> the config file's name, "tiny" without one, "<source>_decay<step>"
-    eval_interval: int = 50  # eval + checkpoint + log line every this many steps (and at the end)
-    log_interval: int = 10  # read the loss to the host (bar, non-finite check) every this many
-    eval_tokens: int = 8192  # validation tokens per eval (the same windows, spread over the split)
-    final_eval_tokens: int = 0  # > 0: validation tokens of the last eval (the papers': [X] 10M)
-    save_steps: list = field(default_factory=list)  # extra checkpoints ckpt_step<N>.pt at these
-    save_checkpoints: bool = True  # False: write no checkpoint at all, only the log (benchmarks)
-    # data
-    data_dir: str = ""  # a data/prepare.py folder; "" -> the embedded corpus (prepared at first)
-    branch_data_fraction: float = 0.1  # tail of the train split held back for decay branches
-    unique_tokens: int = 0  # > 0: the split's first this many tokens, reread as often as needed
-    #   ([X] data-constrained: 100M unique tokens x 10 epochs); 0 -> all of it
+    out_dir: str = "out/tiny"  # the run's folder: ckpt.pt, log.jsonl
+    data_dir: str = ""  # a data/prepare.py folder; "" -> the embedded corpus
     seed: int = 1337  # model init, data order, random passes
-    # batch: a step reads global_batch sequences of block_size tokens, batch_size at a time
-    batch_size: int = 16  # sequences per micro-batch per process
-    global_batch: int = 0  # sequences per step over all processes; 0 -> batch_size x processes
     max_steps: int = 200  # optimizer steps of the whole run
-    stop_at_step: int = 0  # > 0: save and stop after this step, the schedule unchanged (preemption)
-    # optimizer
-    optimizer: str = "muon"  # "muon": Muon on the hidden matrices, AdamW on the rest; "muon_x": the
-    #   [X] code's Muon there (muon.py); "adamw": AdamW on all
+    batch_size: int = 16  # sequences per micro-batch per process
+    global_batch: int = 0  # sequences per step on all processes; 0 -> batch_size x processes
+    eval_interval: int = 50  # eval, checkpoint and a log line every this many steps (and at the end)
+    eval_tokens: int = 8192  # validation tokens per eval (the same windows each time)
+    save_steps: list = ()  # extra checkpoints ckpt_step<N>.pt at these steps (decay branches fork there)
+    optimizer: str = "muon"  # muon: Muon on hidden matrices, AdamW on the rest; muon_x: the [X] code's
+    #   recipe (its Muon, momentum warmup, linear warm-down, no clipping); adamw: AdamW on all
     matrix_lr: float = 0.0  # LR of the hidden matrices; 0 -> 0.02 with Muon, 3e-3 with AdamW
     embedding_lr: float = 0.1  # AdamW LR of the token embedding
     unembedding_lr: float = 0.004  # AdamW LR of the lm head
     weight_decay: float = 0.0  # decoupled decay of the matrices, embedding and lm head ([X] code)
-    adam_betas: tuple = (0.8, 0.95)  # AdamW (beta1, beta2)
-    adam_eps: float = 1e-10  # AdamW epsilon
-    muon_momentum_warmup: int = 0  # steps of Muon's momentum rising from 0.85 ([X] code: 300)
-    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 -> off
-    # WSD schedule [S]
     warmup_steps: int = 20  # linear LR warmup from 0
     decay_fraction: float = 0.3  # the last fraction of max_steps decays; 0 -> stable (branch later)
-    decay_shape: str = "cosine"  # "cosine" or "linear"
-    # forks, decay branches, resume
-    init_from: str = ""  # "resume": continue out_dir/run_name/ckpt.pt; a checkpoint: a new run from
-    #   it (weights, optimizer, step, tokens); an export folder (tooling.export): weights, step 0
-    decay_tokens: int = 0  # > 0 with init_from=<checkpoint>: a decay branch [S] of this many
-    #   tokens, on held-back data; a stable run's config: the branches it plans (ladders/recipe.py)
-    # number of passes
-    n_passes_choices: list = field(default_factory=list)  # e.g. [1, 2, 3]: each step's K (or r),
-    #   drawn uniformly, seeded by (seed, step)
-    grow_at: float = 0.0  # growth step (>= 1) or fraction of max_steps (< 1); 0 -> no growth
-    grow_to: int = 0  # passes after growth (K for pcc, r for smelt / layer_loop)
-    grow_untie: bool = False  # untie the core at growth: C1 C2 -> C1 C2 C1 C2 (grow.py)
-    grow_rewarm_steps: int = 0  # LR re-warm after growth, from 0 at the growth step ([X] code: 40)
-    avg_doc_len: int = 0  # mean document length of the logged attention FLOPs; 0 -> block_size
-    # system
-    device: str = "auto"  # "auto": cuda if available else cpu; or "cpu", "cuda", "cuda:1"
-    dtype: str = "auto"  # "auto": bf16 autocast on CUDA, fp32 on CPU; "float32" or "bfloat16"
+    init_from: str = ""  # resume: continue out_dir; a ckpt.pt / ckpt_step<N>: a new run from it
+    decay_tokens: int = 0  # > 0 with init_from=<checkpoint>: a decay branch [S] of so many tokens
+    n_passes_choices: list = ()  # e.g. [1, 2, 3]: each step's K (or r), drawn seeded by the step
+    grow_at: float = 0.0  # [X] growth to twice the passes at this step (>= 1) or fraction (< 1)
+    parallel: str = "ddp"  # under torchrun: ddp; fsdp (FSDP2, activations checkpointed); fsdp_grad_op (each
+    #   block kept gathered from its forward to its backward: fewer all-gathers, more memory)
     compile: bool = False  # torch.compile the model
-    triton: bool = False  # Triton kernels in the model and Muon (opt-in until bench/gpu_check.sh)
-    parallel: str = "ddp"  # torchrun: "ddp" (replicas), "fsdp" (FSDP2: all state sharded, a
-    #   block's weights gathered at each visit) or "fsdp_grad_op" (kept gathered from a block's
-    #   forward to its backward: fewer all-gathers, more memory; FSDP1's SHARD_GRAD_OP)
-    activation_checkpointing: bool = False  # keep each executed block's input, recompute the rest
-
-    grad_accum = 1  # not a setting: a step's micro-batches, from global_batch (derive_grad_accum)
-    decay_branch = False  # not a setting: a fork with decay_tokens, or a branch resumed (its state)
-
-    @property
-    def resume(self):  # init_from="resume": the run continues its own checkpoint
-        return self.init_from == "resume"
-
-    @property
-    def sharded(self):  # FSDP2: every rank holds its shards of the weights and optimizer state
-        return self.parallel != "ddp"
-
-    def __post_init__(self):
-        guards.check_train_config(self)
+    triton: bool = False  # the Triton kernels in the model and Muon (kernels/, opt-in)
+    wandb_log: bool = False  # log the evals to Weights & Biases
+    wandb_project: str = "loopstudy"
+    wandb_run_name: str = ""  # "" -> out_dir
 
 
-# the tiny default: a SMELT-looped MoE [S] (the middle 2 of 4 layers run twice, updates scaled 1/2)
-TINY_MODEL = dict(vocab_size=4096, block_size=128, n_layer=4, n_embd=128, n_head=4, n_expert=8,
-                  top_k=2, layout="smelt", n_passes=2)
-HELP_GROUPS = {title: keys.split() for title, keys in {  # --help shows every setting, in this order
-    "the settings a learner changes": "n_layer n_embd n_head n_expert top_k layout n_passes "
-    "tie_core boundary boundary_alpha block_size optimizer matrix_lr embedding_lr unembedding_lr "
-    "weight_decay warmup_steps decay_fraction max_steps batch_size global_batch data_dir out_dir "
-    "run_name seed",
-    "model: vocabulary, attention, feed-forward, loop span": "vocab_size n_kv_head head_dim "
-    "qk_norm norm_gain embed_norm tie_embeddings document_mask mlp_hidden expert_hidden loop_span",
-    "model: [X]'s first pass, multipliers, init": "zero_initial_state residual_multiplier "
-    "output_multiplier init embed_init_std uniform_init_scale",
-    "optimizers and the decay": "adam_betas adam_eps muon_momentum_warmup grad_clip "
-    "decay_shape",
-    "growth, random passes, decay branches": "grow_at grow_to grow_untie grow_rewarm_steps "
-    "n_passes_choices init_from decay_tokens branch_data_fraction unique_tokens",
-    "evals, logs, checkpoints": "eval_interval log_interval eval_tokens final_eval_tokens "
-    "avg_doc_len save_steps save_checkpoints",
-    "distributed and precision": "device dtype parallel activation_checkpointing",
-    "kernels and compilation": "triton compile",
-    "reliability": "stop_at_step"}.items()}
-FROM_DATA = ("eot_token", "n_logits")  # ModelConfig fields a new run takes from its data's meta
-SETTINGS = Settings(TrainConfig, ModelConfig, defaults=TINY_MODEL, groups=HELP_GROUPS,
-                    prog="train.py", went=legacy.WENT, not_settings=FROM_DATA)
-DEFAULTS = SETTINGS.defaults
+MODEL_SETTINGS = ("block_size n_layer n_embd n_head n_kv_head head_dim n_expert top_k expert_hidden layout "
+                  "n_passes boundary boundary_alpha norms residual_multiplier output_multiplier init "
+                  "embed_init_std uniform_init_scale").split()
+TINY = dict(block_size=128, n_layer=4, n_embd=128, n_head=4, n_expert=8, top_k=2, expert_hidden=256,
+            layout="smelt", n_passes=2)
+DEFAULTS = {**{k: ModelConfig.__dataclass_fields__[k].default for k in MODEL_SETTINGS},
+            **{f.name: f.default for f in fields(TrainConfig)}, **TINY}
+DEFAULTS.update(save_steps=[], n_passes_choices=[])
 
-
-# --------------------------------------------------------------------------------------------------
-# Optimizers: Muon (muon.py) for hidden matrices, AdamW for the rest
-
+ADAM_BETAS, ADAM_EPS = (0.8, 0.95), 1e-10
 MATRIX_LR = {"muon": 0.02, "muon_x": 0.02, "adamw": 3e-3}  # matrix_lr=0: the optimizer's own
-MUON_VARIANTS = {"muon": "original", "muon_x": "x"}  # Keller Jordan's; the [X] code's (muon.py)
-ROUTER_LR = 3e-3  # AdamW LR of the MoE routers (always AdamW: see param_groups)
-SCALAR_LR = 0.01  # AdamW LR of norm gains and other vectors
-MUON_MOMENTUM = 0.95  # Nesterov, 5 Newton-Schulz steps, the "x" variant's beta2 0.95: muon.py
+ROUTER_LR, SCALAR_LR = 3e-3, 0.01  # AdamW LRs of the MoE routers and of norm gains and other vectors
+MUON_MOMENTUM = 0.95
+X_MOMENTUM_WARMUP = 300 / 2355  # [X] code: momentum 0.85 -> 0.95 over the first 300 of d8's 2,355 steps
+X_REWARM = 40 / 2563  # [X] code: the LR re-warms from 0 over 40 steps after growth (d8 Loop-Grow: 2,563)
+LOG_INTERVAL = 10  # read the losses to the host every so many steps (the bar, the non-finite check)
 
 
 def matrix_lr(optimizer, lr):
-    """The hidden matrices' LR: lr, or for 0 the optimizer's own (MATRIX_LR)."""
     return lr or MATRIX_LR[optimizer]
 
 
+# --------------------------------------------------------------------------------------------------
+# Optimizers: Muon for the hidden matrices, AdamW for the rest
+
+
 def param_groups(model, config):
-    """Every parameter in exactly one named group: (name, optimizer kind, lr, weight decay, [(name,
-    p)]). Muon takes the hidden matrices (2-D, and 3-D stacked experts). AdamW takes the token
-    embedding, the lm head (their rows are per-token vectors, not operators between hidden states),
-    norm gains and other vectors, and the MoE routers: a router's few rows set the routing logits'
-    scale, which Muon's fixed spectral-norm steps would push around; AdamW keeps them small and
-    adaptive."""
-    groups = {
-        "matrix": (config.optimizer, matrix_lr(config.optimizer, config.matrix_lr),
-                   config.weight_decay),
-        "embedding": ("adamw", config.embedding_lr, config.weight_decay),
-        "unembedding": ("adamw", config.unembedding_lr, config.weight_decay),
-        "router": ("adamw", ROUTER_LR, 0.0),
-        "scalar": ("adamw", SCALAR_LR, 0.0),
-    }
+    """Every parameter in one group: (name, optimizer, lr, weight decay, [(name, p)]). AdamW takes the
+    embedding and lm head (rows are per-token vectors), norm gains, and the routers (Muon's fixed-norm
+    steps would push the routing logits' scale around)."""
+    lr = matrix_lr(config.optimizer, config.matrix_lr)
+    groups = {"matrix": (config.optimizer, lr, config.weight_decay),
+              "embedding": ("adamw", config.embedding_lr, config.weight_decay),
+              "unembedding": ("adamw", config.unembedding_lr, config.weight_decay),
+              "router": ("adamw", ROUTER_LR, 0.0), "scalar": ("adamw", SCALAR_LR, 0.0)}
     members = {name: [] for name in groups}
-    for name, p in model.named_parameters():  # named_parameters() lists a tied weight once
-        if not p.requires_grad:
-            continue
-        group = ("embedding" if name.startswith("wte.") else
-                 "unembedding" if name.startswith("lm_head.") else
-                 "router" if ".router." in name else "matrix" if p.dim() >= 2 else "scalar")
+    for name, p in model.named_parameters():
+        group = ("embedding" if name.startswith("wte.") else "unembedding" if name.startswith("lm_head.")
+                 else "router" if ".router." in name else "matrix" if p.dim() >= 2 else "scalar")
         members[group].append((name, p))
     return [(name, *groups[name], members[name]) for name in groups if members[name]]
 
 
-def build_optimizers(model, config, ns_dtype=None):
-    """[AdamW, Muon (if any)]; each group remembers base_lr and its parameters' names. ns_dtype:
-    Muon's Newton-Schulz dtype (None: bf16 on CUDA, fp32 on CPU; see muon.orthogonalize)."""
+def build_optimizers(model, config, bf16):
+    """[AdamW, Muon (if any)]; each group keeps its base_lr and its parameters' names."""
     adamw, muon = [], []
     for name, kind, lr, wd, named in param_groups(model, config):
-        group = dict(params=[p for _, p in named], param_names=[n for n, _ in named], name=name,
-                     lr=lr, base_lr=lr, weight_decay=wd)
-        (muon if kind in MUON_VARIANTS else adamw).append(group)
-    optimizers = [torch.optim.AdamW(adamw, betas=tuple(config.adam_betas), eps=config.adam_eps,
-                                    fused=False)]
+        group = dict(params=[p for _, p in named], param_names=[n for n, _ in named], name=name, lr=lr,
+                     base_lr=lr, weight_decay=wd)
+        (adamw if kind == "adamw" else muon).append(group)
+    optimizers = [torch.optim.AdamW(adamw, betas=ADAM_BETAS, eps=ADAM_EPS, fused=False)]
     if muon:
-        optimizers.append(Muon(muon, momentum=MUON_MOMENTUM, ns_dtype=ns_dtype,
-                               variant=MUON_VARIANTS[config.optimizer]))
+        variant = "x" if config.optimizer == "muon_x" else "original"
+        ns_dtype = torch.bfloat16 if bf16 else torch.float32  # Newton-Schulz's
+        optimizers.append(Muon(muon, momentum=MUON_MOMENTUM, ns_dtype=ns_dtype, variant=variant))
+    if config.triton:  # opt-in until bench/gpu_check.sh has passed on a GPU
+        import kernels
+        kernels.apply(model, {RMSNorm: kernels.RMSNormKernel, MLP: kernels.MLPKernel, MoE: kernels.MoEKernel,
+                              BoundaryOperator: kernels.BoundaryOperatorKernel}, optimizers)
     return optimizers
 
 
-def set_schedule(optimizers, multiplier, muon_momentum):
-    """Every group's LR = its base LR x multiplier; Muon's momentum. Returns the hidden matrices' LR
-    (logged)."""
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["base_lr"] * multiplier
-            if isinstance(opt, Muon):
-                group["momentum"] = muon_momentum
-    return optimizers[-1].param_groups[0]["lr"]
-
-
 # --------------------------------------------------------------------------------------------------
-# Schedule and accounting
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint carries for an exact resume, besides weights, optimizer state, settings."""
-    step: int = 0
-    tokens_seen: int = 0
-    flops_seen: float = 0.0
-    flops_by_passes: dict = field(default_factory=dict)  # {passes: training FLOPs run at so many}
-    data_region: str = "stable"  # "stable" or "branch" (the held-back tail)
-    data_position: int = 0  # windows of the region consumed so far
-    branch_start_step: Optional[int] = None
-    grown: bool = False
-    last_eval: Optional[dict] = None  # the log record of the last eval
-    seqs_per_step: int = 0  # the global batch: a resume on any number of processes keeps it
-    decay_start: Optional[int] = None  # the step the LR starts to decay: a branch forks before it
-    data_fingerprint: Optional[str] = None  # meta.json's, of the corpus data_position counts in
-
-    def advance(self, tokens, windows, flops, passes):
-        self.step, self.tokens_seen = self.step + 1, self.tokens_seen + tokens
-        self.data_position, self.seqs_per_step = self.data_position + windows, windows
-        self.flops_seen += flops
-        self.flops_by_passes[passes] = self.flops_by_passes.get(passes, 0.0) + flops
-
-    def record(self, **values):
-        """A log line: where the run is, then the values."""
-        by_passes = {str(k): v for k, v in sorted(self.flops_by_passes.items())}
-        return dict(step=self.step, tokens=self.tokens_seen, flops=self.flops_seen,
-                    flops_by_passes=by_passes, **values)
+# The schedule
 
 
 def wsd_multiplier(step, warmup_steps, decay_start, decay_end, shape="cosine"):
-    """Warmup-stable-decay [S]: linear warmup to 1, constant, then a decay reaching 0 exactly at the
-    last step (decay_end - 1): cosine from its first step on, or linear as the [X] code's warm-down
-    (1 at decay_start, 0 after decay_end - decay_start - 1 more steps)."""
+    """Warmup-stable-decay [S]: linear warmup, constant, then a decay reaching 0 at the last step: a cosine,
+    or linear from 1 at decay_start as the [X] code's warm-down."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if step < decay_start or decay_end <= decay_start:
         return 1.0
     if shape == "cosine":
-        progress = min(1.0, (step - decay_start + 1) / (decay_end - decay_start))
-        return 0.5 * (1 + math.cos(math.pi * progress))
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - decay_start + 1) / (decay_end - decay_start))))
     steps = decay_end - decay_start
     return 1 - (1.0 if steps == 1 else min(1.0, (step - decay_start) / (steps - 1)))
 
 
-@dataclass
-class Schedule:
-    """The step numbers of a run and the LR multiplier of every step."""
-    max_steps: int
-    decay_start: int
-    grow_step: Optional[int]  # None: no growth
-    config: TrainConfig
-
-    def lr_multiplier(self, step):
-        """WSD x the re-warm after growth ([X] code: 0 at the growth step, then
-        linear to 1)."""
-        c = self.config
-        multiplier = wsd_multiplier(step, c.warmup_steps, self.decay_start, self.max_steps,
-                                    c.decay_shape)
-        if self.grow_step is None:
-            return multiplier
-        return multiplier * grow.rewarm_multiplier(step, self.grow_step, c.grow_rewarm_steps)
-
-    def muon_momentum(self, step):
-        """Muon's momentum, rising linearly from 0.85 over muon_momentum_warmup steps ([X]: 300)."""
-        warmup, m = self.config.muon_momentum_warmup, MUON_MOMENTUM
-        return m if warmup <= 0 else 0.85 + (m - 0.85) * min(1.0, step / warmup)
+def plan_schedule(config, tokens_per_step, branch_start=None):
+    """(max_steps, decay_start, grow_step): a branch decays over decay_tokens from the step it forked at."""
+    if branch_start is not None:
+        max_steps = branch_start + math.ceil(config.decay_tokens / tokens_per_step)
+        return max_steps, branch_start, None
+    decay_start = max(config.warmup_steps, config.max_steps - round(config.decay_fraction * config.max_steps))
+    grow_step = grow.growth_step(config.max_steps, config.grow_at) if config.grow_at else None
+    return config.max_steps, decay_start, grow_step
 
 
-def plan_schedule(config, state, tokens_per_step):
-    """The run's Schedule; records in the state where its LR starts to decay (a branch forks
-    before)."""
-    if config.decay_branch:  # a branch decays over decay_tokens from the step it forked at
-        max_steps = state.branch_start_step + math.ceil(config.decay_tokens / tokens_per_step)
-        decay_start = state.branch_start_step
-    else:
-        max_steps = config.max_steps
-        decay_start = max(config.warmup_steps, max_steps - round(config.decay_fraction * max_steps))
-    grows = config.grow_at and not config.decay_branch
-    grow_step = grow.growth_step(max_steps, config.grow_at) if grows else None
-    state.decay_start = decay_start
-    return Schedule(max_steps, decay_start, grow_step, config)
+def lr_multiplier(config, step, max_steps, decay_start, grow_step):
+    """WSD [S] x the re-warm after growth ([X] code: from 0 at the growth step, linear to 1)."""
+    shape = "linear" if config.optimizer == "muon_x" else "cosine"
+    m = wsd_multiplier(step, config.warmup_steps, decay_start, max_steps, shape)
+    if grow_step is not None and step >= grow_step:
+        m *= min(1.0, (step - grow_step) / max(1, round(X_REWARM * max_steps)))
+    return m
+
+
+def muon_momentum(config, step, max_steps):
+    """[X] code: 0.85 -> 0.95 over its warmup (muon_x); else 0.95."""
+    warmup = round(X_MOMENTUM_WARMUP * max_steps) if config.optimizer == "muon_x" else 0
+    return MUON_MOMENTUM if warmup <= 0 else 0.85 + (MUON_MOMENTUM - 0.85) * min(1.0, step / warmup)
 
 
 def passes_of_step(config, step):
-    """None (the model's own passes), or K drawn uniformly from n_passes_choices, seeded by
-    (seed, step)."""
+    """None (the model's own K or r), or one of n_passes_choices drawn seeded by (seed, step)."""
     if not config.n_passes_choices:
         return None
     return int(np.random.default_rng([config.seed, step, 1]).choice(config.n_passes_choices))
 
 
-def flops_per_token(cfg, n_passes=None, avg_doc_len=0):
-    """Training FLOPs per token of the executed plan (match.py); avg_doc_len 0: documents of
-    block_size."""
-    return float(match.flops_per_token(cfg, n_passes=n_passes, avg_doc_len=avg_doc_len or None))
+def flops_per_token(cfg, n_passes=None, avg_doc_len=None):
+    """Training FLOPs per token, every block execution counted (match.py)."""
+    return float(match.flops_per_token(cfg, n_passes=n_passes, avg_doc_len=avg_doc_len))
 
 
 # --------------------------------------------------------------------------------------------------
-# The model: built (or loaded), sharded, its optimizers; growth mid-run
+# Checkpoints: model + optimizers (torch.distributed.checkpoint's state dicts, keyed by parameter name) +
+# settings + the run's state; written to a temporary name, then renamed
 
 
-def shard_and_build_optimizers(model, config, device, world, use_bf16):
-    """Shard the model (FSDP), build its optimizers, swap in the Triton kernels when asked."""
-    model.activation_checkpointing = config.activation_checkpointing
-    if config.sharded:  # bf16 gathered copies of the blocks' fp32 weights on CUDA
-        bf16 = torch.bfloat16 if use_bf16 and device.type == "cuda" else None
-        distributed.shard(model, device, world, bf16, config.parallel == "fsdp")
-    ns_dtype = torch.bfloat16 if use_bf16 else torch.float32
-    optimizers = build_optimizers(model, config, ns_dtype=ns_dtype)
-    if config.triton:  # by type, not class name: a class renamed in model.py fails here
-        swaps = {RMSNorm: kernels.RMSNormKernel, MLP: kernels.MLPKernel, MoE: kernels.MoEKernel,
-                 BoundaryOperator: kernels.BoundaryOperatorKernel}
-        kernels.apply(model, swaps, optimizers)
-    return optimizers
+def save_checkpoint(path, model, optimizers, settings, state, tokenizer, sharded):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    meta = dict(model_config=model.config.to_dict(), config=settings, state=state, tokenizer=tokenizer,
+                rng=torch.get_rng_state())
+    master, tmp = not dist.is_initialized() or dist.get_rank() == 0, path + ".tmp"
+    if sharded:  # every rank writes its shards (DCP); rank 0 the rest and the rename
+        import torch.distributed.checkpoint as dcp
+        if master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        dcp.save({"model": model_sd, "optimizers": optim_sd}, checkpoint_id=tmp)
+        if master:
+            torch.save(meta, os.path.join(tmp, "meta.pt"))
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        dist.barrier()
+    elif master:
+        torch.save(dict(meta, model=model_sd, optimizers=optim_sd), tmp)
+        os.replace(tmp, path)
 
 
-def build_model(config, model_config, source, device, world, region, use_bf16):
-    """The model, its optimizers and the training state: fresh, or from the source checkpoint (a
-    ckpt.pt file: whole tensors, sharded as they load; a ckpt.dcp/ directory: shard by shard; an
-    export folder: its weights, in a new run)."""
-    torch.manual_seed(config.seed)
-    model = GPT(model_config).to(device)
-    if source is not None and not source.get("sharded"):
-        model.load_state_dict(source["model"])
-    optimizers = shard_and_build_optimizers(model, config, device, world, use_bf16)
-    if source is None or source.get("export"):
-        return model, optimizers, TrainState(data_region=region)
-    checkpoint.load_into(source, model, optimizers)
-    try:
-        state = TrainState(**source["state"])
-    except TypeError as e:  # a checkpoint whose state has other fields
-        raise ValueError(f"{source['path']}: its state is not a train.py TrainState ({e})") from e
-    if state.data_region != region:  # a fork that reads another region starts at its beginning
-        state.data_region, state.data_position = region, 0
-    if config.decay_branch and not config.resume:  # a fresh branch from a stable checkpoint
-        state.branch_start_step, state.last_eval = state.step, None
-    if config.resume:
-        torch.set_rng_state(source["rng"]["torch"])
-    return model, optimizers, state
+def read_checkpoint(path):
+    """A ckpt.dcp/'s meta (its tensors load into the built model: load_state), or what model.py's one
+    loader reads from a ckpt.pt or an export folder (weights only: a new run at step 0)."""
+    if os.path.isfile(os.path.join(path, "meta.pt")):
+        return dict(torch.load(os.path.join(path, "meta.pt"), weights_only=True), dcp=path)
+    model, info = load_checkpoint(path)
+    return dict(dict(config={}, state={}), **info, model=model.state_dict())
 
 
-def grow_during_training(model, optimizers, config, state, device, world, use_bf16, log=print):
-    """[X] growth: more passes (tied) or copied cores (untied); optimizers rebuilt with every
-    parameter's state carried over by name (grow.copy_optimizer_state decides what copies get).
-    Returns the model (grown in place; under FSDP a grown copy of the gathered model, sharded
-    again), its optimizers and the module the step calls (distributed.wrap); the state records
-    it."""
-    saved = checkpoint.optimizer_state_by_name(optimizers)["state"]
-    if distributed.is_sharded(model):  # grow the whole model, then shard it again
-        weights = distributed.full_state(model.state_dict())
-        saved = {name: distributed.full_state(s) for name, s in saved.items()}
-        model = GPT(model.config).to(device)
-        model.load_state_dict(weights)
-    param_map = grow.grow(model, config.grow_to, config.grow_untie)
-    optimizers = shard_and_build_optimizers(model, config, device, world, use_bf16)
-    checkpoint.load_optimizer_state(optimizers, grow.copy_optimizer_state(saved, param_map))
-    log(f"grew to {model.config.n_passes} passes{'' if model.config.tie_core else ' (untied)'}")
-    state.grown = True
-    return model, optimizers, distributed.wrap(model, device, world, config)
+def load_state(source, model, optimizers):
+    """Weights and optimizer state into a built (possibly sharded) model: DCP re-shards onto any world."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict,
+                                                         set_state_dict)
+    model_sd, optim_sd = source["model"] if "model" in source else None, source.get("optimizers")
+    if "dcp" in source:
+        import torch.distributed.checkpoint as dcp
+        model_sd, optim_sd = get_state_dict(model, optimizers)
+        dcp.load({"model": model_sd, "optimizers": optim_sd}, checkpoint_id=source["dcp"])
+    options = StateDictOptions(full_state_dict="dcp" not in source)
+    if optim_sd is None:  # weights only (an export, a consolidated FSDP ckpt.pt): fresh optimizers
+        set_model_state_dict(model, model_sd, options=options)
+    elif model_sd is None:  # growth: the grown model's optimizer state (its copies start fresh)
+        set_optimizer_state_dict(model, optimizers, optim_sd, options=StateDictOptions(full_state_dict=True,
+                                                                                       strict=False))
+    else:
+        set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=options)
+
+
+def keep_freed_memory():
+    """A CPU run: glibc hands blocks of 32 MiB and more back to the kernel when they are freed, and the next
+    step faults them in again page by page (an MoE layer's tokens x top_k x width rows: 15% of the tiny
+    default's time). Keep them, as PyTorch's caching allocator keeps a GPU's; MALLOC_* settings win."""
+    if platform.libc_ver()[0] == "glibc" and not any(k.startswith("MALLOC_") for k in os.environ):
+        mallopt = ctypes.CDLL(None).mallopt
+        mallopt(-3, 1 << 30), mallopt(-1, 2 ** 31 - 1)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+
+
+def shard(model, config, bf16):
+    """FSDP2: every stored block sharded on its own, then the root; bf16 gathered copies on CUDA."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False) if bf16 else MixedPrecisionPolicy()
+    for block in model.blocks:  # a looped block's gradients accumulate over its visits, reduced once
+        fully_shard(block, mp_policy=policy, reshard_after_forward=config.parallel == "fsdp")
+    fully_shard(model)
+    model.activation_checkpointing = True  # keep each executed block's input, recompute the rest
+    return model
+
+
+def wrap(model, config, world, device):
+    """The module a step calls: DDP around the model (several processes), then torch.compile. Random
+    passes may leave an untied core without a gradient: DDP is told."""
+    if world > 1 and config.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        unused = any({s.block for s in execution_plan(model.config, k) if s.kind == "block"} !=
+                     set(range(model.config.n_blocks)) for k in config.n_passes_choices)
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                        find_unused_parameters=unused)
+    return torch.compile(model) if config.compile else model
 
 
 # --------------------------------------------------------------------------------------------------
 # Training
 
 
+def resolve_settings(overrides):
+    """(settings, source checkpoint or None, its path, whether this run is a new decay branch): the
+    defaults, a resumed run's settings (a fork's, but not its decay_tokens), then the overrides."""
+    overrides = {k: configurator.checked(DEFAULTS, k, v) for k, v in overrides.items()}
+    init_from, out_dir = overrides.get("init_from", ""), overrides.get("out_dir", DEFAULTS["out_dir"])
+    path = init_from
+    if init_from == "resume":
+        path = next((p for p in (f"{out_dir}/ckpt.dcp", f"{out_dir}/ckpt.pt") if os.path.exists(p)), "")
+        if not path:
+            raise ValueError(f"init_from=resume: no checkpoint in {out_dir}")
+    source = read_checkpoint(path) if path else None
+    inherited = {} if not source else source["config"] if init_from == "resume" else \
+        dict(source["config"], decay_tokens=0)  # a fork is a branch only when it says so
+    settings = {**DEFAULTS, **inherited, "init_from": "", **overrides}
+    branch = init_from not in ("", "resume") and settings["decay_tokens"] > 0
+    if branch and "out_dir" not in overrides:  # a decay branch's own folder
+        settings["out_dir"] = f"{os.path.dirname(os.path.abspath(path))}_decay{source['state']['step']}"
+    changed = [k for k in MODEL_SETTINGS if source and overrides.get(k, source["model_config"][k]) !=
+               source["model_config"][k]]
+    if changed:
+        raise ValueError(f"{changed[0]}: a resumed or forked model keeps its checkpoint's shape")
+    if source:  # the model the checkpoint holds (growth may have changed it)
+        settings.update({k: source["model_config"][k] for k in MODEL_SETTINGS})
+    return settings, source, path, branch
+
+
 def train(overrides=None):
-    """One run in this process: overrides {setting: value} over the defaults -> its summary."""
-    # settings, processes, precision, memory: a run that cannot run is refused before it builds
-    values, source, notes = rundir.resolve_run(SETTINGS, dict(overrides or {}))
-    config, model_config = SETTINGS.build(TrainConfig, values), SETTINGS.build(ModelConfig, values)
-    config.decay_branch = values["decay_branch"]  # a fork with decay_tokens, or a branch resumed
-    rank, world, device = distributed.setup(config.device, config.parallel)
-    guards.derive_grad_accum(config, world, source)  # one step of global_batch on any world size
-    use_bf16, autocast, compute_note = distributed.compute(config, device)  # CPU: its threads
-    grown = guards.check_run(model_config, config, source, device)
-    shapes = grow.shapes_of_run(model_config, config, grown)  # as built, grown, at most passes
-    defer_sync, memory_note = memory.check_memory(shapes, config, device, use_bf16, world)
-    run = RunDir.of(config, rank, world)
-    log, state = tqdm.write if rank == 0 else (lambda *args: None), None
-    with run.hold(config.resume and source), contextlib.ExitStack() as closing, \
-            run.on_interrupt(lambda: state.step if state else 0):
-        # data and model: fresh, or from the checkpoint a resume, fork or decay branch continues
-        data, model_config = open_data(config.data_dir, model_config, world, rank == 0,
-                                       new_model=source is None)  # its eot_token, n_logits
-        stream = data.stream(model_config.block_size, config.seed, config.branch_data_fraction,
-                             config.decay_branch, config.unique_tokens)
-        model, optimizers, state = build_model(config, model_config, source, device, world,
-                                               stream.name, use_bf16)
-        distributed.agree("data, step", dict(data=data.fingerprint, tokens=len(data.train_tokens),
-                                             step=state.step))
-        wrapped = distributed.wrap(model, device, world, config)
+    """One run in this process: {setting: value} over the defaults -> its summary."""
+    # settings; a run never writes into a folder that holds another run
+    settings, source, source_path, branch = resolve_settings(overrides or {})
+    resume = (overrides or {}).get("init_from") == "resume"
+    config = TrainConfig(**{k: settings[k] for k in DEFAULTS if k not in MODEL_SETTINGS})
+    if config.optimizer not in MATRIX_LR or config.parallel not in ("ddp", "fsdp", "fsdp_grad_op"):
+        raise ValueError(f"optimizer={config.optimizer!r} (muon, muon_x, adamw) or "
+                         f"parallel={config.parallel!r} (ddp, fsdp, fsdp_grad_op) is not one of its values")
+    ckpt_path = os.path.join(config.out_dir, "ckpt.dcp" if config.parallel != "ddp" else "ckpt.pt")
+    log_path = os.path.join(config.out_dir, "log.jsonl")
+    if not resume and os.path.exists(log_path):
+        raise ValueError(f"{config.out_dir} holds a run: continue it with --init_from=resume, or give "
+                         "another --out_dir")
 
-        # the schedule: tokens per step, steps, where the LR decays, the growth step
-        seqs_per_step = config.batch_size * config.grad_accum * world
-        tokens_per_step = seqs_per_step * model_config.block_size
-        schedule = plan_schedule(config, state, tokens_per_step)
-        guards.check_plan(config, source, state, schedule, stream, seqs_per_step, plan_schedule,
-                          log)
-        log(rundir.run_header(run, model, data, stream, state.step, tokens_per_step,
-                              schedule.max_steps, world, device, use_bf16,
-                              [*notes, compute_note, memory_note]))
+    # processes: torchrun's (DDP or FSDP2) or one; a GPU when there is one, with bf16 autocast
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    sharded, master, bf16 = config.parallel != "ddp", rank == 0, device.type == "cuda"
+    if bf16:
+        torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
+    if not dist.is_initialized() and world > 1:
+        dist.init_process_group("cpu:gloo,cuda:nccl" if bf16 else "gloo")
+    elif not dist.is_initialized() and sharded:  # FSDP2 in one process: a one-rank group, kept
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    if not config.global_batch:  # kept in the settings: a resume on any number of processes steps alike
+        config.global_batch = settings["global_batch"] = config.batch_size * world
+    grad_accum = config.global_batch // (config.batch_size * world)
+    if grad_accum * config.batch_size * world != config.global_batch:
+        raise ValueError(f"global_batch={config.global_batch} is not a multiple of batch_size x processes = "
+                         f"{config.batch_size * world}")
 
-        # losses read to the host: all, since the eval; unread: each step's (CE, loss) on the device
-        t0, first_position = time.time(), state.data_position
-        losses, window, passes_seen, unread = [], [], [], []
-        if source is None or source.get("export"):  # a new run: its step-0 eval, logged later
-            metrics = evaluate(model, data, config, autocast, rank, world)
-            record = eval_record(state, metrics, t0, device, 0.0, None, 0.0, model.config.n_passes)
-            state.last_eval = run.append_log(record, wait_for_checkpoint=True)
-        bar = closing.enter_context(tqdm(total=schedule.max_steps, initial=state.step, unit="step",
-                                         desc=config.run_name, disable=rank > 0 or None))  # None:
-        #   a bar on a terminal only (not in a log file, a pipe, a ladder's worker)
-        while state.step < schedule.max_steps:
-            if state.step == schedule.grow_step and not state.grown:  # [X] growth, once
-                model, optimizers, wrapped = grow_during_training(
-                    model, optimizers, config, state, device, world, use_bf16, log)
-            lr = set_schedule(optimizers, schedule.lr_multiplier(state.step),
-                              schedule.muon_momentum(state.step))
-            n_passes = passes_of_step(config, state.step)  # None: the model's own K (or r)
+    # data: its tokenizer sets a new model's vocabulary; a decay branch reads the held-back tail
+    data = load_data(config.data_dir)
+    n_vocab, tokenizer = data.meta["n_vocab"], data.meta["tokenizer"]
+    if source and source["tokenizer"] != tokenizer:
+        raise ValueError(f"{config.data_dir or 'the embedded corpus'} is in tokenizer {tokenizer}, the "
+                         f"checkpoint's model in {source['tokenizer']}")
+    padded = 64 * math.ceil(n_vocab / 64)  # [X]: GPT-2's 50,257 padded to 50,304, where it costs < 1%
+    vocab_size = padded if padded <= 1.01 * n_vocab else n_vocab
+    model_config = ModelConfig(**source["model_config"]) if source else ModelConfig(
+        vocab_size=vocab_size, eot_token=data.meta["eot_token"], n_logits=n_vocab * (vocab_size > n_vocab),
+        **{k: settings[k] for k in MODEL_SETTINGS})
+    in_branch = branch or resume and source["state"].get("branch_start") is not None
+    stream = data.stream(model_config.block_size, config.seed, branch=in_branch)
+    avg_doc_len = min(data.meta["mean_doc_len"], model_config.block_size)  # of the logged attention FLOPs
 
-            # forward and backward over the micro-batches (rank r reads its slice), then the update
-            unread.append(torch.zeros(2, dtype=torch.float64, device=device))  # (CE, loss)
-            for micro in range(config.grad_accum):
-                first = state.data_position + (rank * config.grad_accum + micro) * config.batch_size
-                x, y = stream.batch(first, config.batch_size, device)
-                sync = world == 1 or micro == config.grad_accum - 1 or not defer_sync
-                with distributed.no_sync(wrapped, model, skip=not sync), autocast:
-                    loss, stats = wrapped(x, y, n_passes=n_passes, return_stats=True)[1:]
-                    (loss / config.grad_accum).backward()  # the logits are not kept (above)
-                unread[-1] += torch.stack([stats["ce"], loss.detach()]).double() / config.grad_accum
-            if config.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+    # the model and its optimizers: fresh, or from the checkpoint a resume, fork or branch continues
+    torch.manual_seed(config.seed)
+    model = GPT(model_config).to(device)
+    if sharded:
+        model = shard(model, config, bf16)
+    optimizers = build_optimizers(model, config, bf16)
+    state = dict(step=0, tokens=0, flops=0.0, flops_by_passes={}, data_position=0, branch_start=None,
+                 grown=False, window=[], passes=[])  # window, passes: the train losses and K since the eval
+    if source:
+        load_state(source, model, optimizers)
+        state.update(source["state"])
+        if resume:
+            torch.set_rng_state(source["rng"])
+        elif branch:  # a decay branch [S]: from a stable step, on the held-back data from its beginning
+            if state["step"] > state.get("decay_start", state["step"]):  # its steps so far: all stable
+                raise ValueError(f"{source_path} is at step {state['step']}, where its LR already decays: a "
+                                 "decay branch forks from a stable checkpoint")
+            state.update(data_position=0, branch_start=state["step"])
+        planned = {name: (lr, wd) for name, _, lr, wd, _ in param_groups(model, config)}
+        for opt in optimizers:  # the LRs and decays are the settings' (a fork may change them)
+            for group in opt.param_groups:
+                group["base_lr"], group["weight_decay"] = planned[group["name"]]
+    step_model = wrap(model, config, world, device)
 
-            # accounting: tokens, windows read, FLOPs with every block execution counted (match.py)
-            k = n_passes or model.config.n_passes
-            flops = flops_per_token(model.config, n_passes, config.avg_doc_len) * tokens_per_step
-            state.advance(tokens_per_step, seqs_per_step, flops, k)
-            passes_seen.append(k)
-            bar.update(1)
+    # the schedule; a branch that would reread data and a run with nothing to do are refused
+    tokens_per_step = config.global_batch * model_config.block_size
+    max_steps, decay_start, grow_step = plan_schedule(config, tokens_per_step, state["branch_start"])
+    state["decay_start"] = decay_start
+    if branch and (max_steps - state["step"]) * config.global_batch > stream.n_windows:
+        held = stream.n_windows * model_config.block_size
+        raise ValueError(f"decay_tokens={config.decay_tokens:,} would reread the held-back data: its "
+                         f"{held:,} tokens ({BRANCH_FRACTION:.0%} of the train split) are what branches read")
+    if state["step"] >= max_steps:
+        raise ValueError(f"{config.out_dir} is at step {state['step']} of max_steps={max_steps}: nothing to "
+                         "train (a larger --max_steps continues a stable run)")
 
-            # the losses to the host every log_interval steps and before an eval or save: one read
-            last = state.step in (schedule.max_steps, config.stop_at_step)
-            at_eval = state.step % config.eval_interval == 0 or last
-            extra_save = state.step in config.save_steps
-            if at_eval or extra_save or state.step % config.log_interval == 0:
-                read, unread = guards.read_losses(unread, state.step, world), []  # stops at a NaN
-                losses, window = losses + read, window + read
-                bar.set_postfix(loss=f"{read[-1]:.3f}", lr=f"{lr:.2e}")
+    # the run's folder and log (a resumed log is cut back to its checkpoint), wandb, the header
+    os.makedirs(config.out_dir, exist_ok=True)
+    if master and resume:
+        lines = [line for line in open(log_path) if json.loads(line)["step"] <= state["step"]]
+        open(log_path, "w").writelines(lines)
+    if master and config.wandb_log:
+        import wandb
+        wandb.init(project=config.wandb_project, name=config.wandb_run_name or config.out_dir,
+                   config=settings)
+    counts, c = model.num_params(), model_config
+    log = tqdm.write if master else (lambda *a: None)
+    log(f"run {config.out_dir}: {c.layout} n_layer={c.n_layer} n_embd={c.n_embd} n_expert={c.n_expert} "
+        f"passes={c.n_passes}; params total {counts['total']:,} active {counts['active']:,}; "
+        f"{tokens_per_step:,} tokens/step x {max_steps} steps; world_size {world}; device {device.type}\n"
+        f"data {data.data_dir}: {len(data.train):,} train tokens ({stream.name} region, {stream.n_windows:,} "
+        f"windows), unigram entropy of the train split {data.meta['unigram_entropy']:.3f} nats")
 
-            # eval, checkpoint, log line; extra checkpoints (branches fork from them); a stop
-            if at_eval:
-                final = state.step == schedule.max_steps
-                metrics = evaluate(model, data, config, autocast, rank, world, final)
-                epochs = state.data_position / stream.n_windows
-                state.last_eval = eval_record(state, metrics, t0, device, lr, fmean(window), epochs,
-                                              fmean(passes_seen))
-                run.save_training(model, optimizers, config, state, data)
-                run.append_log(state.last_eval)
-                window, passes_seen = [], []
-                bar.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{state.last_eval['val_loss']:.3f}")
-            if extra_save:
-                run.save_training(model, optimizers, config, state, data, run.step_path(state.step))
-            if state.step == config.stop_at_step:
-                break
-        bar.close()
+    def evaluate_and_log(lr):  # an eval's log line: where the run is, its LR and losses, the eval
+        metrics = evaluate(model, data, config.eval_tokens, config.batch_size, autocast)
+        mean = lambda xs, empty: float(np.mean(xs)) if xs else empty  # noqa: E731
+        record = dict(step=state["step"], tokens=state["tokens"], flops=state["flops"],
+                      flops_by_passes={str(k): v for k, v in sorted(state["flops_by_passes"].items())}, lr=lr,
+                      train_loss=mean(state["window"], None), **metrics,
+                      epochs=state["data_position"] / stream.n_windows,
+                      n_passes=mean(state["passes"], model.config.n_passes),
+                      seconds=round(time.time() - t0, 3))
+        if master:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if config.wandb_log:
+                wandb.log(record, step=state["step"])
+        return record
 
-        # the end: an FSDP run's weights in one ckpt.pt, the summary (python sample.py reads it)
-        run.consolidate(model, optimizers, config, state, data)
-        return run.summary(state, schedule.max_steps, data, stream, losses, first_position, t0)
+    # Ctrl-C and SIGTERM (a scheduler, torchrun) ask the loop to save and stop after a step; twice, at once
+    stop, handlers = [], {}
+
+    def on_signal(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    t0, lr, losses, unread = time.time(), 0.0, [], []
+    record = evaluate_and_log(lr) if state["step"] == 0 else None  # a new run's step-0 eval
+    bar = tqdm(total=max_steps, initial=state["step"], unit="step", disable=not master or None)
+    while state["step"] < max_steps:
+        step = state["step"]
+        # [X] growth, once: twice the passes (pcc_untied: copied cores), the optimizer state by name
+        if step == grow_step and not state["grown"]:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+            full = StateDictOptions(full_state_dict=True)
+            weights, saved = get_state_dict(model, optimizers, options=full)
+            model = GPT(model.config)
+            model.load_state_dict(weights)
+            param_map = grow.grow(model, 2 * model.config.n_passes)
+            model = shard(model.to(device), config, bf16) if sharded else model.to(device)
+            optimizers = build_optimizers(model, config, bf16)
+            saved["state"] = grow.copy_optimizer_state(saved["state"], param_map)
+            saved["param_groups"] = get_state_dict(model, optimizers, options=full)[1]["param_groups"]
+            load_state(dict(optimizers=saved), model, optimizers)
+            state["grown"], step_model = True, wrap(model, config, world, device)
+            settings.update({k: model.config.to_dict()[k] for k in MODEL_SETTINGS})
+            log(f"step {step}: grew to {model.config.n_passes} passes")
+
+        # the schedule: every group's LR, Muon's momentum; this step's passes (None: the model's own)
+        lr_scale = lr_multiplier(config, step, max_steps, decay_start, grow_step)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["base_lr"] * lr_scale
+                if isinstance(opt, Muon):
+                    group["momentum"] = muon_momentum(config, step, max_steps)
+        lr = optimizers[-1].param_groups[0]["lr"]
+        n_passes = passes_of_step(config, step)
+
+        # forward and backward over the micro-batches (rank r reads its slice), then the update. DDP
+        # reduces the gradients once, at the last (no_sync before); FSDP2 reduce-scatters each, sharded
+        unread.append(torch.zeros(2, dtype=torch.float64, device=device))  # (CE, loss), read later
+        for micro in range(grad_accum):
+            first = state["data_position"] + (rank * grad_accum + micro) * config.batch_size
+            x, y = stream.batch(first, config.batch_size, device)
+            last = micro == grad_accum - 1
+            no_sync = step_model.no_sync() if hasattr(step_model, "no_sync") and not last \
+                else contextlib.nullcontext()
+            with no_sync, autocast:
+                _, loss, stats = step_model(x, y, n_passes=n_passes, return_stats=True)
+                (loss / grad_accum).backward()
+            unread[-1] += torch.stack([stats["ce"], loss.detach()]).double() / grad_accum
+        if config.optimizer != "muon_x":  # the [X] code never clips
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        # accounting: tokens, windows read, FLOPs with every block execution counted (match.py)
+        k = n_passes or model.config.n_passes
+        flops = flops_per_token(model.config, n_passes, avg_doc_len) * tokens_per_step
+        state.update(step=step + 1, tokens=state["tokens"] + tokens_per_step, flops=state["flops"] + flops,
+                     data_position=state["data_position"] + config.global_batch)
+        state["flops_by_passes"][k] = state["flops_by_passes"].get(k, 0.0) + flops
+        state["passes"].append(k)
+        bar.update(1)
+
+        # the losses to the host every LOG_INTERVAL steps and before a save: a non-finite loss stops the
+        # run before any checkpoint holds it; a stop asked on any rank is agreed by every rank
+        at_eval = state["step"] % config.eval_interval == 0 or state["step"] == max_steps
+        at_save = state["step"] in config.save_steps
+        if at_eval or at_save or state["step"] % LOG_INTERVAL == 0 or stop and world == 1:
+            read = torch.stack(unread)
+            if world > 1:
+                read = torch.cat([read.flatten(), read.new_tensor([float(bool(stop))])])
+                dist.all_reduce(read)
+                stop += [1] if read[-1] > 0 and not stop else []
+                read = read[:-1].view(-1, 2) / world
+            read, unread = read.cpu(), []
+            if not torch.isfinite(read).all():
+                raise FloatingPointError(f"the loss became non-finite by step {state['step']}: stopped; "
+                                         f"{ckpt_path} is the last checkpoint")
+            losses += read[:, 0].tolist()
+            state["window"] += read[:, 0].tolist()
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}")
+
+        # eval, checkpoint, then its log line; extra checkpoints (decay branches fork there); a stop
+        if at_eval:
+            record = evaluate_and_log(lr)
+            state.update(window=[], passes=[])
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{record['val_loss']:.3f}")
+        stopping = stop and (world == 1 or state["step"] % LOG_INTERVAL == 0)  # every rank alike
+        if at_eval or stopping:
+            save_checkpoint(ckpt_path, model, optimizers, settings, state, tokenizer, sharded)
+        if at_save:
+            path = os.path.join(config.out_dir, f"ckpt_step{state['step']}" + (".dcp" if sharded else ".pt"))
+            save_checkpoint(path, model, optimizers, settings, state, tokenizer, sharded)
+        if stopping:
+            break
+    bar.close()
+    if master and config.wandb_log:
+        wandb.finish()
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
+    if stop:
+        log(f"stopped at step {state['step']}: {ckpt_path} saved; resume with\n  python train.py "
+            f"--out_dir={config.out_dir} --init_from=resume")
+        raise KeyboardInterrupt
+
+    # the end: an FSDP run's weights in one ckpt.pt, for the tools; the summary
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0's CPU
+        weights = get_model_state_dict(model, options=full)
+        if master:
+            path = os.path.join(config.out_dir, "ckpt.pt")
+            torch.save(dict(model=weights, model_config=model.config.to_dict(), config=settings, state=state,
+                            tokenizer=tokenizer), path + ".tmp")
+            os.replace(path + ".tmp", path)
+    summary = dict(run_dir=config.out_dir, ckpt_path=os.path.join(config.out_dir, "ckpt.pt"),
+                   resume_path=ckpt_path, log_path=log_path, step=state["step"], max_steps=max_steps,
+                   tokens=state["tokens"], flops=state["flops"], val_loss=record["val_loss"],
+                   val_bpb=record["val_bpb"], val_loss_by_source=record.get("val_loss_by_source"),
+                   train_losses=losses, unigram_entropy=data.meta["unigram_entropy"],
+                   seconds=time.time() - t0)
+    log(f"step {state['step']}: val loss {record['val_loss']:.4f} nats ({record['val_bpb']:.4f} bits/byte) "
+        f"vs unigram entropy {data.meta['unigram_entropy']:.4f} ({state['tokens']:,} tokens, "
+        f"{state['flops']:.3e} FLOPs, {summary['seconds']:.0f} s)\ncheckpoint: {summary['ckpt_path']}\n"
+        f"log:        {log_path}")
+    return summary
 
 
-def eval_record(state, metrics, t0, device, lr, train_loss, epochs, n_passes):
-    """An eval's log line: where the run is, its LR and train loss, the eval, time and memory."""
-    return state.record(lr=lr, train_loss=train_loss, **metrics, epochs=epochs, n_passes=n_passes,
-                        seconds=round(time.time() - t0, 3), **rundir.gpu_memory(device))
-
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
-        print(SETTINGS.help())
+def main(argv):
+    if "-h" in argv or "--help" in argv:  # every setting with its default and what it does
+        import inspect
+        model_lines = [line for line in inspect.getsource(ModelConfig).splitlines()
+                       if line.strip().split(":")[0] in MODEL_SETTINGS]
+        print("usage: python train.py [config/NAME.py ...] [--key=value ...]\n\nmodel (model.py):\n"
+              + "\n".join(model_lines) + f"\n    (the tiny default: {TINY})\n\ntraining:\n"
+              + "\n".join(inspect.getsource(TrainConfig).splitlines()[2:]))
         return 0
-    return rundir.run_cli("train.py", lambda: train(SETTINGS.parse(argv)))  # one line at any end
+    try:
+        train(configurator.configure(DEFAULTS, argv))
+    except (ValueError, FileNotFoundError) as e:  # a bad setting, a missing file: one line
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 if __name__ == "__main__":
-    distributed.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,36 +1,50 @@
 #!/usr/bin/env bash
-# The first run on a lent CUDA machine (one H200: ~139 GiB, 16 cores, 64 GiB disk, a 15-minute lend with its
-# start-up): every stage through train.py, one JSON line each (paste them into docs/efficiency.md), logs in
-# $OUT/gpu_check/. The stages are bench/gpu_check.py's; this file holds their budget.
+# The first run on a lent CUDA machine (one H200; its image: python3 3.12, torch 2.11, triton 3.6):
 #
-#   bash bench/gpu_check.sh all                # env correctness distributed tiny x_d8 s95: ~6.6 min, stopped at 8
-#   bash bench/gpu_check.sh s95                # one stage again (each fits in a rerun: none over 4 min)
-#   bash bench/gpu_check.sh s95_compile        # extra, not in all: the [S] twin compiled (~3.3 min)
-#   bash bench/gpu_check.sh --dry-run all      # this CPU, toy sizes: every stage's plumbing (~1.5 min)
+#   bash bench/gpu_check.sh             # every stage, 7 minutes at most; $OUT/summary.jsonl, $OUT/logs.tar.gz
+#   bash bench/gpu_check.sh --dry-run   # this CPU, toy sizes, train.py left out: the plumbing (tests)
 #
-# Budget, estimated from first principles (s: estimate / cap; a stage's commands are stopped at its cap, and
-# `all` starts no stage after 480 s). Per train.py process: ~6 s of Python, torch and CUDA start-up; the first
-# FlexAttention compile of a shape ~25 s (then inductor's on-disk cache); inductor compiling a whole training
-# step ~45-60 s for 6-11 executed blocks; H200 at 989.5 TFLOP/s dense bf16, a step at ~30-40% of it.
-#   env          10 / 30   versions, GPU, disk (one Python process)
-#   correctness  60 / 150  tests/test_cuda.py (grouped GEMM vs the per-expert loop, bf16, align 1 and 8: ~15 s);
-#                          kernel tests compiled for the GPU (35 Triton variants x ~1 s + pytest: ~45 s)
-#   distributed  45 / 120  tiny MoE, FSDP2 under torchrun on every GPU: 3 steps to a sharded checkpoint (pays
-#                          the tiny FlexAttention compile, ~35 s), resumed to 6 (~10 s); DDP too on 2+ GPUs
-#   tiny         60 / 150  tiny MoE, 5 + 10 steps of 16 x 128 tokens: eager (~10 s), --compile (~50 s)
-#   x_d8        105 / 210  [X] d8 Loop-2, 16 x 2048 x 2 micro-batches (4.2e13 FLOPs/step, ~0.3 s): data 2 s,
-#                          eager ~15 s, --compile ~65 s (11 executed blocks), --triton ~25 s (kernel JIT)
-#   s95         115 / 225  [S] 200M-S95 twin, 3.9B params, FSDP2 in one process, 2 x 4096 x 2 (2.2e13
-#                          FLOPs/step + AdamW over 3.9B, ~0.3 s): eager ~60 s (3.9B-param init ~25 s, its
-#                          FlexAttention compile ~25 s), --triton ~45 s, the dense twin eager ~12 s
-#   all         395 / 480
-#   s95_compile 200 / 240  extra: the twin under --compile (inductor on 18 executed MoE layers ~150 s)
-# Writes: logs (64 KiB per command) under $OUT; train.py runs into a mktemp scratch folder deleted at the end
-# (the tiny's checkpoints ~50 MB; x_d8 and s95 write none: train.py --save_checkpoints=False); inductor and
-# Triton keep their caches in /tmp and ~/.triton. Reads: data/corpus/ only, prepared here (1 s per tokenizer).
-# STATUS: PREPARED, NOT YET RUN on a GPU; its dry run passes on CPU (tests/test_bench.py runs part). Anchor: [X]
-# code reaches ~42% MFU on 8 x H100 ([X] Table 4).
-set -uo pipefail
+# Each stage runs under its cap (seconds; all within DEADLINE) with its output in a log; a failed or stopped
+# (rc 124) stage does not stop the next. summary.jsonl: the JSON lines the stages print (bench.py's
+# measurements), then {"stage", "rc", "seconds"} per stage; the same lines go to stdout. Two files in all.
+#   env      versions and the GPU                                                            cap  60
+#   tests    tests/test_cuda.py and tests/test_kernels.py, the kernels compiled              cap 180
+#   bench    bench.py --gpu: the layouts' GFLOP/s, MoE vs dense, the kernels vs their twins  cap 180
+#   train_*  the tiny default through train.py, 30 steps: eager, --triton, --compile         cap  90 each
+set -u
 cd "$(dirname "$0")/.."
-export TRITON_DEFAULT_FP_FUSION=1  # triton 3.9 warns when unset; 1 keeps its current default
-exec python bench/gpu_check.py "$@"
+OUT=${OUT:-out/gpu_check}
+LOGS=$(mktemp -d)
+DRY=${1:-}
+mkdir -p "$OUT"
+: > "$OUT/summary.jsonl"
+export TRITON_DEFAULT_FP_FUSION=1 PYTHONUNBUFFERED=1
+
+DEADLINE=420  # seconds for the whole run: a stage gets at most what is left of it
+stage() {  # stage NAME CAP COMMAND...
+    local name=$1 cap=$2 t0=$SECONDS rc
+    shift 2
+    [ $((DEADLINE - SECONDS)) -lt "$cap" ] && cap=$((DEADLINE - SECONDS))
+    [ "$cap" -lt 1 ] && cap=1
+    timeout "$cap" "$@" > "$LOGS/$name.txt" 2>&1
+    rc=$?
+    grep '^{' "$LOGS/$name.txt" | tee -a "$OUT/summary.jsonl"
+    echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" | tee -a "$OUT/summary.jsonl"
+}
+
+stage env 60 python3 -c 'import json, sys, torch, triton; cuda = torch.cuda.is_available(); print(json.dumps(dict(
+    python=sys.version.split()[0], torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+    gpu=torch.cuda.get_device_name() if cuda else None)))'
+if [ "$DRY" = "--dry-run" ]; then  # (train.py's settings below are checked by tests/test_bench.py)
+    stage tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+    stage bench 120 python3 bench/bench.py --dry-run moe kernels
+else
+    stage tests 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py
+    stage bench 180 python3 bench/bench.py --gpu
+    for run in eager:--triton=False triton:--triton=True compiled:--compile=True; do
+        stage "train_${run%%:*}" 90 python3 train.py --max_steps=30 --eval_interval=30 "${run#*:}" \
+            --out_dir="$LOGS/${run%%:*}"
+    done
+fi
+find "$LOGS" -name '*.pt' -delete  # checkpoints stay behind: the logs travel
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . && rm -rf "$LOGS"

@@ -11,12 +11,12 @@
 #       1056/3 = 352, which lands its params at +0.4% exactly as the paper reports).
 #   heads: 10 x 128 (query width = H), 2 KV heads (GQA 5:1): active params 0.209B (paper 0.207B; one KV
 #       head would give 0.205B). KV = 12 x 2 x 2 x 128 = 6144 elements/token.
-#   vocab 4096: the project's gpt2-4096 tokenizer. The unembedding (6 x 1280 x 4096 = 3.1e7 FLOPs) is
-#       counted; with a 50k vocab it alone would add 0.39e9 and overshoot 1.33e9, so the paper's figure
-#       cannot include a large-vocabulary head.
-#   avg_doc_len 512 (attended (512+1)/2 = 256.5 keys per query): attention scores + PV add 4.7e7
-#       FLOPs/token. Result: 1.335e9 FLOPs/token (+0.4%), 3.872e9 non-embedding params (+0.1%), S = 0.946.
-vocab_size = 4096  # the gpt2-4096 tokenizer's; eot 4095 (train.py reads it from the data)
+#   vocab 4096: the project's gpt2-4096 tokenizer (train.py takes it from the data; match.py: --vocab_size).
+#       The unembedding (6 x 1280 x 4096 = 3.1e7 FLOPs) is counted; with a 50k vocab it alone would add
+#       0.39e9 and overshoot 1.33e9, so the paper's figure cannot include a large-vocabulary head.
+#   documents of 512 tokens on average (attended (512+1)/2 = 256.5 keys per query: train.py logs FLOPs at
+#       the data's mean document length): attention scores + PV add 4.7e7 FLOPs/token.
+#   Result: 1.335e9 FLOPs/token (+0.4%), 3.872e9 non-embedding params (+0.1%), S = 0.946.
 block_size = 4096
 n_layer = 12
 n_embd = 1280
@@ -27,30 +27,30 @@ n_expert = 192
 top_k = 8
 expert_hidden = 432
 layout = "plain"
-avg_doc_len = 512  # not a model field: match.py uses it for the attention FLOPs
 # training, the [S] recipe: AdamW + WSD. A stable phase at a constant LR for 196,075 steps of 256 sequences
 # x 4096 tokens (205.6B tokens, [S]'s ~1M-token batch), keeping checkpoints at 10k / 20k / 50k / 100k /
 # 150k steps; from each of them and from the end a cosine decay branch over 10B tokens the stable phase
 # never read (the held-back tail of the data). The baseline and its SMELT twin read identical token
 # sequences (same data, seed, global batch and context); the document (segment) mask is on. [S] does not
 # state AdamW's learning rates, betas or warmup: train.py's AdamW defaults and a 2000-step warmup are ours.
-#   python ladder.py --plan config/smelt_200m_base.py      # every run of the recipe, and the tokens the data must hold
 optimizer = "adamw"
 max_steps = 196075
 warmup_steps = 2000
 decay_fraction = 0.0  # stable to the end: the decays are the branches
 save_steps = [10000, 20000, 50000, 100000, 150000]
-decay_tokens = 10_000_000_000  # each branch's (given again on a branch's command line: the plan prints it)
-decay_shape = "cosine"
-branch_data_fraction = 0.0464  # the held-back tail holds one branch's 10.0B of 215.6B train tokens
-data_dir = "data/cache/smelt_gpt2_4096"  # your corpus: python data/prepare.py DOCS --tokenizer gpt2-4096 --out this
+# each branch, e.g.:
+#   python train.py --init_from=out/smelt_200m_base/ckpt_step10000.dcp --decay_tokens=10_000_000_000
+#   reads the held-back tail (the last 10% of the train split): prepare at least 230B train tokens.
+# your corpus: python data/prepare.py DOCS --tokenizer gpt2-4096 --out data/cache/smelt_gpt2_4096
+data_dir = "data/cache/smelt_gpt2_4096"
 # a node of 8 GPUs of 80 GB, or two: FSDP2 (replicated, the 3.9B parameters' weights, gradients and optimizer
 # state alone take 43 GiB per GPU); 4 sequences per GPU, grad_accum from the world size (8 on 8 GPUs, 4 on
-# 16); python -m tooling.memory config/smelt_200m_base.py for the per-GPU memory
-parallel = "fsdp_grad_op"  # each block gathered once per micro-batch, not per visit: 50 vs 152 GiB of all-gathers
+# 16); python match.py config/smelt_200m_base.py --memory for the per-GPU memory
+parallel = "fsdp_grad_op"  # each block gathered once per micro-batch, not per visit: 50 vs 152 GiB gathered
 batch_size = 4
 global_batch = 256  # sequences per step on any number of GPUs (grad_accum follows)
 # validation: [S] averages its loss over billions of held-out tokens from 39 sources; every eval here reads
-# 256 windows spread over the split (each source in), the last one up to 2B tokens (at most the split)
-eval_tokens = 1_048_576
-final_eval_tokens = 2_000_000_000
+# 100M tokens spread over the split (each source in); a branch's command may ask for more (--eval_tokens=2e9)
+eval_interval = 5000
+eval_tokens = 100_000_000
+out_dir = "out/smelt_200m_base"

@@ -2,7 +2,7 @@
 #   python match.py --preset smelt-200m-s95
 # SMELT recipe: loop the middle half (layers 4-9, 1-based) twice, every sublayer update inside the
 # span scaled by 1/r [S8]-[S9]; 18 executed layers. Matched to the baseline on all three budgets
-# (training FLOPs/token at avg_doc_len 512, non-embedding params, KV cache per token):
+# (training FLOPs/token at a mean document length of 512, non-embedding params, KV cache per token):
 #   n_embd 1280 -> 1056 pays for the 6 extra layer executions (smallest width on a multiple-of-32 grid
 #   with F >= F_base); experts shrink with the width (expert_hidden 432 -> 352, i.e. H/3) and their
 #   number grows 192 -> 288 to restore the params; head size 128 -> 88 with 12 query heads (query width
@@ -18,4 +18,4 @@ n_expert = 288
 expert_hidden = 352
 layout = "smelt"
 n_passes = 2
-loop_span = 6  # the middle half
+out_dir = "out/smelt_200m_s95"

@@ -1,242 +1,354 @@
-"""[X] data-constrained ladder (kind "repeat", [X] Section 5 and Appendix D): every run reads the same
-unique_tokens for `epochs` epochs; the Operator-1 family (K passes of its tied core) at each stored depth and
-weight decay (with tune_every_point, LR and weight decay searched together), the other seeds at each point's
-best; a finished ladder's runs imported (builds_on). Its report: ladders/repeat_report.py."""
+"""[X] data-constrained ladder (kind "repeat", [X] Section 5 and Appendix D): every run reads the same tokens
+from one of the preset's data budgets (its `arms`: the train split's first U tokens for E epochs; fresh data
+the control); the Operator-1 family (K passes of its tied core) at each stored depth; at every (budget, K,
+depth) a weight-decay grid bracketed around its best (with `tune`, the LR and weight decay searched together
+from the carried LR), the other seeds at the best pair. The report: each K's frontier, the best K per budget
+with the seed bootstrap's agreement, K = 1's best loss and the compute looping needs to reach it, the weight
+decay and LR optima against stored parameters, and the budgets compared."""
 
 import math
-import os
-import re
 from dataclasses import replace
 
-import grow
+import numpy as np
+from scipy import stats as scipy_stats
+
+import fit
 import match
-import train
-from ladders.common import (REPO, carried_lrs, compute_active, grid_limits, lr_scaling, model_settings, sweep_limits,
-                            sweep_values, tokens_per_step)
-from ladders.x import x_config
-from model import ModelConfig
-from tooling import tables
-from tooling.jobs import RunSpec
+import plots
+from ladders import x
+from ladders.runs import RunSpec, grid_neighbours, search
+from ladders.stats import agreement, contrast, difference, fmt, interpolated_optimum, pooled_std, seed_draws
+from ladders.stats import t_interval
+from ladders.sweep import lr_sweep, sweep_lines
+
+COLUMNS = ("K", "depth", "width", "wd", "seed", "role", "C", "D", "F", "N", "N_s", "executed", "epochs",
+           "unique_tokens", "lr", "loss", "train_loss", "run_id", "seconds")
 
 
-def repeat_config(preset, passes, depth):
-    """The Operator-1 family at one stored depth: Operator-1 (K = 1) or Loop-K (its core run K times, tied)."""
-    cfg, _ = x_config(preset, "operator-1", depth)
-    return ModelConfig.from_dict(dict(model_settings(cfg), n_passes=passes))
+def arms(preset):
+    """[(label, unique tokens, epochs)]: 500k x 4 -> "500kx4"."""
+    return [(f"{u // 1000}kx{e:g}" if u % 1000 == 0 else f"{u}x{e:g}", u, e) for u, e in preset["arms"]]
 
 
-def repeat_arms(preset):
-    """The preset's data budgets, one RepeatPreset each (its unique_tokens, epochs and label: 250k x 4 ->
-    "250kx4"); a preset without arms is its one budget (its run ids carry no label)."""
-    if not preset.arms:
-        return [preset]
-    return [replace(preset, unique_tokens=u, epochs=e, arms=None,
-                    arm=f"{u // 1000}kx{e:g}" if u % 1000 == 0 else f"{u}x{e:g}") for u, e in preset.arms]
-
-
-def arm_prefix(preset):
-    return f"{preset.arm}-" if preset.arm else ""
-
-
-def lr_key(preset):
-    """The name an arm's swept LR has in the sweep (its K = 1 runs' arch): "k1", or "250kx4-k1"."""
-    return f"{arm_prefix(preset)}k1"
-
-
-def lr_keys(preset):
-    return [lr_key(arm) for arm in repeat_arms(preset)]
-
-
-def repeat_spec(preset, data, passes, depth, wd, lr, seed, role, world=None):
-    """One run: `epochs` x unique_tokens tokens (whole steps), weight decay wd on every matrix, the
-    embedding and the lm head ([X] code); the global LR lr at the first depth, carried to the others by
-    [X16] with the preset's beta (N = stored parameters, the first depth's as anchor)."""
-    cfg = repeat_config(preset, passes, depth)
-    step_tokens = tokens_per_step(preset, world)
-    steps = max(4, math.ceil(preset.epochs * preset.unique_tokens / step_tokens))
-    sweep = preset.lr_sweep
-    anchor = grow.stored_params(repeat_config(preset, 1, preset.depths[0]))
-    settings = dict(preset.train, **model_settings(cfg), max_steps=steps, eval_interval=steps, seed=seed,
-                    unique_tokens=preset.unique_tokens, weight_decay=wd,
-                    **{sweep.key: lr}, **{k: float(f"{lr * r:.12g}") for k, r in sweep.tied.items()})
-    settings = carried_lrs(settings, cfg, anchor, preset.lr_scaling_beta)  # [X16], the first depth's N_s
+def spec(preset, arm, k, depth, wd, lr, seed, role):
+    """One run: epochs x unique tokens (whole steps) at weight decay wd (matrices, embedding and lm head, as
+    the [X] code), the global LR lr at the first depth carried to the others by [X16] (x.settings_of)."""
+    label, unique, epochs = arm
+    cfg = replace(x.config(preset, "operator-1", depth), n_passes=k)
+    steps = max(4, math.ceil(epochs * unique / ((preset["train"].get("global_batch")
+                                                 or preset["train"]["batch_size"]) * cfg.block_size)))
+    settings = x.settings_of(preset, "operator-1", depth, cfg, steps, lr, preset["lr_beta"])
     acc = match.accounting(cfg)
-    n_s = acc["params_stored"]
-    meta = dict(depth=depth, width=cfg.n_embd, passes=passes, wd=wd, lr=lr, seed=seed, N=compute_active(cfg), N_s=n_s,
-                executed_layers=acc["executed_layers"], tokens=steps * step_tokens, F=train.flops_per_token(cfg),
-                lr_scaled=lr * lr_scaling(n_s, anchor, preset.lr_scaling_beta),
-                epochs=steps * step_tokens / preset.unique_tokens)
-    meta.update(unique_tokens=preset.unique_tokens, arm=preset.arm)
-    arm = arm_prefix(preset)
-    run_id = f"{arm}k{passes}-d{depth}-wd{wd:g}-{sweep.key}{lr:g}-s{seed}"
-    return RunSpec(run_id, f"{arm}k{passes}", f"d{depth}", role, settings, meta)
+    meta = dict(K=k, depth=depth, width=cfg.n_embd, wd=wd, seed=seed, role=role, N=x.compute_active(cfg),
+                N_s=acc["params_stored"], executed=acc["executed_layers"], unique_tokens=unique,
+                lr=settings[preset["lr"]["key"]], F=acc["flops_per_token"], grid_lr=lr)
+    return RunSpec(f"{label}-k{k}-d{depth}-wd{wd:g}-{preset['lr']['key']}{lr:g}-s{seed}",
+                   dict(settings, weight_decay=wd, seed=seed), meta)
 
 
-def repeat_specs(preset, data, lrs=None, world=None):
-    """Without lrs: the LR sweep of every data budget (K = 1 at the first depth, the sweep's weight decay,
-    each value, lr_sweep.seeds seeds); with lrs ({"k1": value}, an arm's "ARM-k1"): the grid, every K x
-    depth x weight decay, first seed."""
-    if preset.arms:
-        return [s for arm in repeat_arms(preset) for s in repeat_specs(arm, data, lrs, world)]
-    seed = preset.seeds[0]
-    if lrs is None:
-        key, values = sweep_values(preset)
-        return [repeat_spec(preset, data, 1, preset.depths[0], preset.lr_sweep.weight_decay, v, s, "sweep", world)
-                for v in values for s in preset.seeds[:preset.lr_sweep.seeds]]
-    lr = lrs[lr_key(preset)]
-    return [repeat_spec(preset, data, k, d, wd, lr, seed, "run", world)
-            for k in preset.passes for d in preset.depths for wd in preset.weight_decays]
+def plan(preset, results, train_tokens=None):
+    """Every run the ladder needs given the results so far -> (specs, lr_sweep.csv's rows or None): each
+    budget's LR sweep (K = 1, the first depth, the sweep's weight decay), then at every (budget, K, depth)
+    the search on the first seed, then the other seeds of seeded_passes at its best (LR, weight decay)."""
+    lr, seeds, d0, budgets = preset["lr"], preset["seeds"], preset["depths"][0], arms(preset)
+
+    def sweep_runs(point, value):
+        arm = next(a for a in budgets if f"{a[0]}-k1" == point[0])
+        return [spec(preset, arm, 1, d0, lr["weight_decay"], value, s, "sweep") for s in seeds[:lr["seeds"]]]
+    specs, best, rows = lr_sweep(preset, [(f"{a[0]}-k1", None) for a in budgets], sweep_runs, results)
+    if best is None:
+        return specs, None
+    wd_next = grid_neighbours(preset["weight_decays"], preset["wd_extend"])
+    lr_next = grid_neighbours(lr["values"], lr["extend"])
+    for arm in budgets:
+        carried = best[f"{arm[0]}-k1", None]
+        for k in preset["passes"]:
+            for d in preset["depths"]:
+                def runs(v):
+                    role = "run" if v[0] == carried else "tune"
+                    return [spec(preset, arm, k, d, v[1], v[0], seeds[0], role)]
+                tried, top = search([(carried, w) for w in preset["weight_decays"]],
+                                    lambda v: [(v[0], w) for w in wd_next(v[1])], runs, results)
+                if top and preset["tune"]:  # then the LR and the weight decay together, one step at a time
+                    tried, top = search(tried, lambda v: [(n, v[1]) for n in lr_next(v[0])]
+                                        + [(v[0], w) for w in wd_next(v[1])], runs, results)
+                specs += [s for v in tried for s in runs(v)]
+                if top and k in preset["seeded_passes"]:
+                    specs += [spec(preset, arm, k, d, top[1], top[0], seed, "seed") for seed in seeds[1:]]
+    return specs, rows
 
 
-def repeat_grid(preset, data, lrs, results, world=None):
-    """The grid and its weight-decay extensions: while a (K, depth)'s best first-seed weight decay is at an
-    edge of the values it tried, the next value beyond that edge (the grid's ratio) runs too, at most
-    wd_extend (2) steps beyond the grid on either side -> (specs, complete: every run finished and no
-    extension pending)."""
-    if preset.arms:
-        grids = [repeat_grid(arm, data, lrs, results, world) for arm in repeat_arms(preset)]
-        return [s for specs, _ in grids for s in specs], all(complete for _, complete in grids)
-    ratio, lo, hi = grid_limits(preset.weight_decays, preset.wd_extend)
-
-    def beyond_edge(k, d, points):
-        tried = sorted(s.meta["wd"] for s in points)
-        best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta["wd"]
-        if best == tried[0] and best > lo:
-            value = best / ratio
-        elif best == tried[-1] and best < hi:
-            value = best * ratio
-        else:
-            return []
-        return [repeat_spec(preset, data, k, d, float(f"{value:.12g}"), lrs[lr_key(preset)], preset.seeds[0], "run",
-                            world)]
-    return search_rounds(preset, repeat_specs(preset, data, lrs, world), results, beyond_edge)
+def rows(specs, results):
+    """runs.csv: every run but the sweep's other values."""
+    out = []
+    for s in specs:
+        r = results.get(s.run_id)
+        if r and s.meta["role"] != "sweep":
+            row = dict(s.meta, C=r["flops"], D=r["tokens"], F=r["flops"] / r["tokens"], loss=r["val_loss"],
+                       epochs=r.get("epochs"), train_loss=r["train_loss"], run_id=s.run_id,
+                       seconds=r["seconds"])
+            out.append({k: row[k] for k in COLUMNS})
+    return out
 
 
-def search_rounds(preset, specs, results, next_runs):
-    """A search at every (K, depth), in rounds: once a point's runs have all finished, next_runs(K, depth, its
-    runs) names the runs it asks for next -> (specs with them, complete: every run finished and none asked for)."""
-    while True:
-        extra, pending = [], False
-        for k in preset.passes:
-            for d in preset.depths:
-                points = [s for s in specs if s.meta["passes"] == k and s.meta["depth"] == d]
-                if any(results.get(s.run_id) is None for s in points):
-                    pending = True
-                    continue
-                extra += next_runs(k, d, points)
-        specs = specs + extra
-        if pending or any(results.get(s.run_id) is None for s in extra):
-            return specs, False
-        if not extra:
-            return specs, True
+def envelope(points, budget):
+    """The best loss a family reaches with at most `budget` FLOPs: its points (C, L) (one per stored size),
+    log-C linear between neighbouring sizes; inf below its smallest compute."""
+    C, L = (np.array(v, dtype=float) for v in zip(*sorted(points)))
+    best = np.min(L[C <= budget * (1 + 1e-9)], initial=np.inf)
+    if C[0] <= budget <= C[-1] and len(C) > 1:
+        best = min(best, float(np.interp(np.log(budget), np.log(C), L)))
+    return best
 
 
-def repeat_tuned(preset, data, lrs, results, world=None):
-    """The grid (repeat_grid), then with tune_every_point the first seed's LR and weight decay searched together
-    at every (K, depth): while the best run so far lacks a neighbour on the two grids (the LR / 2 and x 2 at
-    its weight decay, the weight decay / and x the grid's ratio at its LR; an LR inside the sweep's limits, a
-    weight decay inside the grid's), the missing neighbours run -> (specs, complete)."""
-    if preset.arms:
-        tuned = [repeat_tuned(arm, data, lrs, results, world) for arm in repeat_arms(preset)]
-        return [s for specs, _ in tuned for s in specs], all(complete for _, complete in tuned)
-    specs, complete = repeat_grid(preset, data, lrs, results, world)
-    if not complete or not preset.tune_every_point:
-        return specs, complete
-    lr_ratio, lr_lo, lr_hi = sweep_limits(preset)
-    wd_ratio, wd_lo, wd_hi = grid_limits(preset.weight_decays, preset.wd_extend)
-
-    def missing_neighbours(k, d, points):
-        best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta
-        lr, wd, tried = best["lr"], best["wd"], {(s.meta["lr"], s.meta["wd"]) for s in points}
-        steps = [(lr / lr_ratio, wd)] * (lr > lr_lo) + [(lr * lr_ratio, wd)] * (lr < lr_hi) + \
-            [(lr, wd / wd_ratio)] * (wd > wd_lo) + [(lr, wd * wd_ratio)] * (wd < wd_hi)
-        steps = [(float(f"{v:.12g}"), float(f"{w:.12g}")) for v, w in steps]  # 0.04, not 0.04000000000000001
-        return [repeat_spec(preset, data, k, d, w, v, preset.seeds[0], "tune", world) for v, w in steps
-                if (v, w) not in tried]
-    return search_rounds(preset, specs, results, missing_neighbours)
+def reach_compute(points, target):
+    """The least compute at which a family's envelope reaches loss <= target ([X6]'s crossing, never
+    extrapolated; its smallest size's when that is already there), nan when it never does."""
+    C, L = (np.array(v, dtype=float) for v in zip(*sorted(points)))
+    return float(C[0]) if L[0] <= target else float(1.0 / fit.compute_multiplier([1.0], [target], C, L)[0])
 
 
-def repeat_seed_specs(preset, data, lrs, results, world=None):
-    """Every seed but the first, for each K in seeded_passes at every depth, at the (LR, weight decay) that
-    K's first-seed runs found best there (None while those runs or a search step are missing). results=None:
-    the plan, at the carried LR and the middle weight decay (a run's budget depends on neither)."""
-    if preset.arms:
-        arms = [repeat_seed_specs(arm, data, lrs, results, world) for arm in repeat_arms(preset)]
-        return None if None in arms else [s for specs in arms for s in specs]
-    if results is None:
-        grid = repeat_specs(preset, data, lrs, world)
-    else:
-        grid, complete = repeat_tuned(preset, data, lrs, results, world)
-        if not complete:
-            return None
-    specs = []
-    for k in preset.seeded_passes:
-        for d in preset.depths:
-            points = [s for s in grid if s.meta["passes"] == k and s.meta["depth"] == d]
-            if results is None:
-                lr, wd = lrs[lr_key(preset)], preset.weight_decays[len(preset.weight_decays) // 2]
-            elif any(results.get(s.run_id) is None for s in points):
-                return None
-            else:
-                best = min(points, key=lambda s: results[s.run_id]["val_loss"]).meta
-                lr, wd = best["lr"], best["wd"]
-            specs += [repeat_spec(preset, data, k, d, wd, lr, seed, "seed", world) for seed in preset.seeds[1:]]
-    return specs
+def analysis(frontier, budgets):
+    """frontier {K: [(C, L)]} -> (the best K per budget (None: none affordable), K = 1's best loss L* and
+    its C*, the least compute at which a looped K reaches L*)."""
+    best = []
+    for b in budgets:
+        env = {k: envelope(p, b) for k, p in frontier.items()}
+        k = min(env, key=env.get)
+        best.append(k if np.isfinite(env[k]) else None)
+    c_star, l_star = min(frontier[1], key=lambda p: p[1])
+    reach = [r for r in (reach_compute(p, l_star) for k, p in frontier.items() if k > 1) if np.isfinite(r)]
+    return best, l_star, c_star, min(reach, default=float("nan"))
 
 
-def repeat_tune_plan(preset, data, lrs, world=None):
-    """The plan's share of the search (tune_every_point): the LR / 2 and x 2 at every (K, depth), at the
-    middle weight decay (the search's first step where the carried LR and that weight decay are best)."""
-    if not preset.tune_every_point:
-        return []
-    if preset.arms:
-        return [s for arm in repeat_arms(preset) for s in repeat_tune_plan(arm, data, lrs, world)]
-    ratio, lr = sweep_limits(preset)[0], lrs[lr_key(preset)]
-    wd = preset.weight_decays[len(preset.weight_decays) // 2]
-    return [repeat_spec(preset, data, k, d, wd, float(f"{v:.12g}"), preset.seeds[0], "tune", world)
-            for k in preset.passes for d in preset.depths for v in (lr / ratio, lr * ratio)]
+def drawn_best(pts, budgets, sigma, dof, n_draws, seed):
+    """analysis() of every seed-bootstrap draw of the points' seed means -> (the best K (draws, budgets),
+    [C*/C per draw])."""
+    keys = sorted(pts)
+    draws = seed_draws([np.mean(pts[p][1]) for p in keys], [len(pts[p][1]) for p in keys], sigma, max(dof, 1),
+                       n_draws, seed)
+    best, ratio = [], []
+    for means in draws:
+        drawn = frontier_of({p: (pts[p][0], [m]) for p, m in zip(keys, means)})
+        b, _, c_star, reach = analysis(drawn, budgets)
+        best.append([np.nan if v is None else v for v in b])
+        ratio.append(c_star / reach)
+    return np.array(best, dtype=float).reshape(len(draws), len(budgets)), ratio
 
 
-def imported_results(preset, data):
-    """builds_on: the runs of a finished ladder's runs.csv (relative to the checkout, or absolute) as results keyed
-    by run id, so that this ladder does not train them again. Every row must be a run of this preset: the run it names
-    (budget, K, depth, weight decay, LR, seed) has this preset's settings, and the row's tokens and stored
-    parameters are that run's; else one line naming the file and the row."""
-    path = preset.builds_on
-    full = os.path.join(REPO, path)
-    if not os.path.exists(full):
-        raise ValueError(f"preset {preset.name}: builds_on {path}: no such file (the finished ladder it continues)")
-    arms = {a.unique_tokens: a for a in repeat_arms(preset)}
-    pattern = re.compile(rf"-{re.escape(preset.lr_sweep.key)}([0-9.e+-]+)-s[0-9]+$")
-    imported = {}
-    for line, row in enumerate(tables.read_rows_csv(full, unique=["run_id"]), start=2):
-        arm, lr = arms.get(row.get("unique_tokens")), pattern.search(str(row.get("run_id")))
-        try:
-            spec = arm and lr and repeat_spec(arm, data, int(row["K"]), int(row["depth"]), float(row["wd"]),
-                                              float(lr.group(1)), int(row["seed"]), row["role"])
-        except (KeyError, TypeError, ValueError):  # a column missing or empty: not a run of a repeat ladder
-            spec = None
-        if not spec or spec.run_id != row["run_id"] or spec.meta["tokens"] != row["D"] \
-                or spec.meta["N_s"] != row["N_s"]:
-            raise ValueError(f"{path} line {line}: run {row.get('run_id')} is not a run of preset {preset.name} "
-                             "(its budget, K, depth, weight decay, LR, seed, tokens or stored parameters differ)")
-        imported[spec.run_id] = dict(run_id=spec.run_id, arch=spec.arch, cell=spec.cell, role=spec.role,
-                                     settings=spec.settings, meta=spec.meta, needs=None, val_loss=row["loss"],
-                                     flops=row["C"], tokens=row["D"], final_train_loss=row["train_loss"],
-                                     seconds=row["seconds"], imported=path)
-    return imported
+def points(preset, rows):
+    """A budget's first-seed runs, each (K, depth)'s best of them, and its points {(K, depth): (C, [loss per
+    seed])} at that best LR and weight decay."""
+    first = [r for r in rows if r["role"] != "seed" and r["seed"] == preset["seeds"][0]]
+    top = {}
+    for r in first:
+        if (r["K"], r["depth"]) not in top or r["loss"] < top[r["K"], r["depth"]]["loss"]:
+            top[r["K"], r["depth"]] = r
+    pts = {}
+    for p, b in top.items():
+        reps = [r for r in rows if (r["K"], r["depth"], r["wd"], r["lr"]) == (*p, b["wd"], b["lr"])]
+        pts[p] = (float(np.mean([r["C"] for r in reps])), [r["loss"] for r in reps])
+    return first, top, pts
 
 
-def repeat_rows(results, roles):
-    """runs.csv rows of a repeat ladder (roles: {run_id: the role the ladder gives it}; imported: the run comes
-    from the runs.csv the preset builds on)."""
-    rows = []
-    for r in results:
-        m = r["meta"]
-        rows.append(dict(K=m["passes"], depth=m["depth"], width=m["width"], wd=m["wd"], seed=m["seed"],
-                         role=roles.get(r["run_id"], r["role"]), C=r["flops"], D=r["tokens"], F=m["F"], N=m["N"],
-                         N_s=m["N_s"], executed=m["executed_layers"], epochs=m["epochs"],
-                         unique_tokens=m.get("unique_tokens"), lr=m["lr_scaled"],
-                         loss=r["val_loss"], train_loss=r.get("final_train_loss"), run_id=r["run_id"],
-                         seconds=r["seconds"], imported=bool(r.get("imported"))))
-    return rows
+def frontier_of(pts):
+    """{K: [(C, mean loss)]} in order of stored depth."""
+    frontier = {}
+    for (k, d), (c, v) in sorted(pts.items()):
+        frontier.setdefault(k, []).append((c, float(np.mean(v))))
+    return frontier
+
+
+def arm_lines(preset, arm, rows):
+    """One data budget's tables -> (lines, its points {(K, depth): (C, [loss per seed])})."""
+    label, unique, epochs = arm
+    first, top, pts = points(preset, rows)
+    Ks, depths, wds = (sorted({r[key] for r in first}) for key in ("K", "depth", "wd"))
+    lines = [f"== budget {label}: {unique:,} unique tokens x {epochs:g} epochs, {rows[0]['D']:,} tokens per "
+             f"run; epochs read {min(r['epochs'] for r in rows):.2f}..{max(r['epochs'] for r in rows):.2f}; "
+             f"training FLOPs {min(r['C'] for r in rows):.3g}..{max(r['C'] for r in rows):.3g}",
+             "validation loss, first seed, by weight decay at each point's best LR (* = the best; WD* = the "
+             "parabola's minimum in log WD, < / > = at an edge of those tried; train = the training loss of "
+             "the last tenth, gap = val - train)", f"  {'K':>2} {'depth':>5} {'N_s':>8} {'exec':>4} "
+             + " ".join(f"{f'wd {w:g}':>9}" for w in wds) + f" {'WD*':>8} {'train':>7} {'gap':>7}"]
+    wd_star = {}
+    for (k, d), b in sorted(top.items()):
+        at = {r["wd"]: r["loss"] for r in first if (r["K"], r["depth"], r["lr"]) == (k, d, b["lr"])}
+        star, edge = wd_star[k, d] = interpolated_optimum(list(at), list(at.values()))
+        lines.append(f"  {k:>2} {d:>5} {b['N_s']:>8,} {b['executed']:>4} " + " ".join(
+            f"{at[w]:8.4f}{'*' if w == b['wd'] else ' '}" if w in at else f"{'-':>9}" for w in wds)
+            + f" {'<' * (edge < 0) + '>' * (edge > 0) + format(star, '.3g'):>8} {b['train_loss']:7.4f} "
+            f"{b['loss'] - b['train_loss']:7.4f}")
+    if any(r["role"] == "tune" for r in first):
+        lines += lr_lines(first, top)
+    sigma, dof = pooled_std([v for _, v in pts.values()])
+    lines += [f"frontier: each K at its best (LR and) weight decay per stored depth, the mean over its n "
+              f"seeds; pooled seed std {fmt(sigma, '.4f')} nats ({dof} dof)",
+              f"  {'K':>2} " + " ".join(f"{f'd{d} C':>9} {'loss':>6} {'n':>1}" for d in depths)]
+    lines += [f"  {k:>2} " + " ".join(f"{pts[k, d][0]:9.3g} {np.mean(pts[k, d][1]):6.4f} {len(pts[k, d][1])}"
+                                      if (k, d) in pts else f"{'-':>18}" for d in depths) for k in Ks]
+    if 1 not in Ks or len(Ks) < 2 or not dof:
+        return lines, pts
+    lines += budget_lines(preset, pts, sigma, dof)
+    inside = [(top[p]["N_s"], top[p]["executed"], v) for p, (v, edge) in wd_star.items() if edge == 0]
+    reg = fit.wd_regression(inside)
+    lines.append(f"best weight decay: log WD* = a + b log N_s + c log executed layers over the {len(inside)} "
+                 "points whose optimum is inside those tried")
+    if reg:
+        t = scipy_stats.t.ppf(0.975, len(inside) - 3)
+        (b, c, sb, sc) = reg
+        lines.append(f"  b (stored) {b:.2f} +- {sb:.2f} [{b - t * sb:.2f}, {b + t * sb:.2f}], c (executed) "
+                     f"{c:.2f} +- {sc:.2f} [{c - t * sc:.2f}, {c + t * sc:.2f}]")
+    return lines, pts
+
+
+def lr_lines(first, top):
+    """The LR search: the loss by LR (x the LR carried there) at each point's best weight decay, LR* (the
+    parabola's minimum), and LR* against stored parameters over the points whose best is inside."""
+    carried = {(r["K"], r["depth"]): r["lr"] for r in first if r["role"] == "run"}
+    step = lambda r: round(math.log2(r["lr"] / carried[r["K"], r["depth"]]))  # noqa: E731  (LR x 2^step)
+    steps = sorted({step(r) for r in first})
+    lines = ["LR searched with the weight decay, first seed: the loss by LR (x the carried LR) at the "
+             "point's best weight decay (* = the best, LR* = the parabola's minimum, < / > at an edge, - = "
+             "not tried)",
+             f"  {'K':>2} {'depth':>5} {'wd':>6} " + " ".join(
+                 f"{f'x{2.0 ** j:g}' if j >= 0 else f'x1/{2 ** -j}':>9}" for j in steps) + f" {'LR*':>7}"]
+    inside = []
+    for (k, d), b in sorted(top.items()):
+        at = {step(r): r["loss"] for r in first if (r["K"], r["depth"], r["wd"]) == (k, d, b["wd"])}
+        star, edge = interpolated_optimum([2.0 ** j for j in at], list(at.values()))
+        inside += [(b["N_s"], star * carried[k, d])] * (edge == 0)
+        lines.append(f"  {k:>2} {d:>5} {b['wd']:>6g} " + " ".join(
+            f"{at[j]:8.4f}{'*' if j == step(b) else ' '}" if j in at else f"{'-':>9}" for j in steps)
+            + f" {'<' * (edge < 0) + '>' * (edge > 0) + format(star, '.3g'):>7}")
+    if len({n for n, _ in inside}) >= 3:
+        line, t = scipy_stats.linregress(*np.log(inside).T), scipy_stats.t.ppf(0.975, len(inside) - 2)
+        slope, se = line.slope, line.stderr
+        lines.append(f"  LR* ~ N_s^{slope:.2f} +- {se:.2f} [{slope - t * se:.2f}, {slope + t * se:.2f}] over "
+                     f"the {len(inside)} points whose best is inside")
+    return lines
+
+
+def budget_lines(preset, pts, sigma, dof):
+    """The best K per training budget with the seed bootstrap, the lowest loss of each K and K = 1 against
+    the best looped K, and C*/C: the compute at which looping reaches K = 1's best loss."""
+    frontier, n = frontier_of(pts), preset["bootstrap"]
+    budgets = np.geomspace(min(c for c, _ in pts.values()), max(c for c, _ in pts.values()), 9)
+    best, l_star, c_star, reach = analysis(frontier, budgets)
+    draws, ratios = drawn_best(pts, budgets, sigma, dof, n, 1337)
+    start = next((i for i, b in enumerate(budgets)  # the smallest budget at which two K are affordable
+                  if sum(np.isfinite(envelope(p, b)) for p in frontier.values()) > 1), len(budgets) - 1)
+    switch = next((i for i in range(start, len(budgets)) if best[i] > 1), None)
+    switches = [next((i for i in range(start, len(budgets)) if row[i] > 1), None) for row in draws]
+    lines = [f"best K per training budget (the lowest loss any size of it reaches with at most that "
+             f"compute); of {n} seed-bootstrap draws, agree = the share with the same best K, K > 1 = the "
+             "share where a looped K is best", "  budget  " + " ".join(f"{b:>8.3g}" for b in budgets),
+             "  best K  " + " ".join(f"{'-' if k is None else k:>8}" for k in best),
+             "  agree   " + " ".join(f"{s:>8.3f}" for s in agreement(draws, [np.nan if k is None else k
+                                                                          for k in best])),
+             "  K > 1   " + " ".join(f"{s:>8.3f}" for s in (draws > 1).mean(axis=0)),
+             f"  the first budget a looped K is best at (from {budgets[start]:.3g}): "
+             + ("none" if switch is None else f"{budgets[switch]:.3g}") + ", the same in "
+             f"{np.mean([s == switch for s in switches]):.2f} of the draws; the best K at the largest budget "
+             f"exceeds that at {budgets[start]:.3g} in {np.mean(draws[:, -1] > draws[:, start]):.2f} of them"]
+    lowest = {k: min((d for kk, d in pts if kk == k), key=lambda d: np.mean(pts[k, d][1])) for k in frontier}
+    parts = []
+    for k, d in lowest.items():
+        v, largest = pts[k, d][1], d == max(dd for kk, dd in pts if kk == k)
+        lo, hi = t_interval(np.mean(v), sigma, len(v), dof)
+        parts.append(f"K={k} {np.mean(v):.4f} (d{d}{', the largest' * largest}, n={len(v)}) [{lo:.4f}, "
+                     f"{hi:.4f}]")
+    lines.append("  the lowest loss of each K (its best stored size) [95% t-interval]: " + ", ".join(parts))
+    loop = min((k for k in lowest if k > 1), key=lambda k: np.mean(pts[k, lowest[k]][1]))
+    a, b = pts[1, lowest[1]][1], pts[loop, lowest[loop]][1]
+    diff = difference(np.mean(a), len(a), np.mean(b), len(b), sigma, dof)
+    welch = scipy_stats.ttest_ind(a, b, equal_var=False).pvalue if min(len(a), len(b)) > 1 else np.nan
+    lo, hi = np.nanpercentile(ratios, [2.5, 97.5]) if np.isfinite(ratios).any() else (np.nan, np.nan)
+    return lines + [f"  K = 1 minus K = {loop}: {diff['diff']:+.4f} nats = {diff['z']:.1f} sigma (the pooled "
+                    f"std x sqrt(1/{len(a)} + 1/{len(b)})) [{diff['lo']:+.4f}, {diff['hi']:+.4f}], p = "
+                    f"{diff['p']:.3f}; Welch's test on these runs alone p = {fmt(welch, '.2f')}",
+                    f"K = 1's best loss L* = {l_star:.4f} at C* = {c_star:.3g}; a looped K reaches it at C = "
+                    f"{fmt(reach, '.3g')}: C*/C = {fmt(c_star / reach, '.2f')} [95% band {fmt(lo, '.2f')}, "
+                    f"{fmt(hi, '.2f')}; reached in {np.mean(np.isfinite(ratios)):.2f} of the draws]"]
+
+
+def looping_gain(pts):
+    """K = 1's lowest seed-mean loss (its best stored size) minus the best looped K's -> (gain, K, the seeds
+    of both points)."""
+    lowest = lambda ks: min((p for p in pts if p[0] in ks), key=lambda p: np.mean(pts[p][1]))  # noqa: E731
+    k1, loop = lowest({1}), lowest({k for k, _ in pts if k > 1})
+    return np.mean(pts[k1][1]) - np.mean(pts[loop][1]), loop[0], pts[k1][1], pts[loop][1]
+
+
+def across_lines(preset, sections):
+    """The budgets compared: the best K per training budget with one joint seed bootstrap (the seed std
+    pooled over every budget), and the looping gain of the most repeated budget minus the fresh one's."""
+    sigma, dof = pooled_std([v for _, pts in sections for _, v in pts.values()])
+    allC = [c for _, pts in sections for c, _ in pts.values()]
+    n, top = preset["bootstrap"], max(preset["passes"])
+    budgets = np.geomspace(min(allC), max(allC), 9)
+    lines = [f"== across the budgets: the best K per training budget (one seed bootstrap of {n} draws on the "
+             f"seed std {sigma:.4f} pooled over every budget, {dof} dof; agree = the share of draws with the "
+             "same best K)", "  budget           " + " ".join(f"{b:>8.3g}" for b in budgets)]
+    draws = {}
+    for i, (arm, pts) in enumerate(sections):
+        best = np.array([np.nan if k is None else k for k in analysis(frontier_of(pts), budgets)[0]])
+        drawn = draws[arm[0]] = drawn_best(pts, budgets, sigma, dof, n, 1337 + 1 + i)[0]
+        low = np.mean(np.nan_to_num(drawn, nan=1).max(axis=1) <= 2)
+        lines += [f"  {arm[0]:>8} best K  " + " ".join(f"{'-' if np.isnan(k) else int(k):>8}" for k in best),
+                  f"  {'':>8} agree   " + " ".join(f"{s:>8.3f}" for s in agreement(drawn, best)),
+                  f"  {'':>8} K <= 2 at every budget in {low:.3f} of the draws; the largest K tried "
+                  f"({top}) at the largest budget in {np.mean(drawn[:, -1] == top):.3f}"]
+    fresh, repeated = (f(sections, key=lambda s: s[0][2])[0][0] for f in (min, max))
+    lines.append(f"  the best K at the largest budget is larger with {repeated} than with {fresh} in "
+                 f"{np.mean(draws[repeated][:, -1] > draws[fresh][:, -1]):.3f} of the draws")
+    gains = {arm[0]: looping_gain(pts) for arm, pts in sections}
+    lines.append("  looping gain (K = 1's lowest loss minus the best looped K's, each at its best stored "
+                 "size): " + ", ".join(f"{a} {g:+.4f} (K = {k})" for a, (g, k, *_) in gains.items()))
+    (_, _, r1, rk), (_, _, f1, fk) = gains[repeated], gains[fresh]
+    e = contrast([(s, np.mean(v), len(v)) for s, v in ((1, r1), (-1, rk), (-1, f1), (1, fk))], sigma, dof)
+    return lines + [f"  the gain with {repeated} minus the gain with {fresh}: {e['diff']:+.4f} nats [95% "
+                    f"t-interval {e['lo']:+.4f}, {e['hi']:+.4f}], p = {e['p']:.3f}"]
+
+
+def report(preset, rows, sweep):
+    """The report's lines from runs.csv's rows and lr_sweep.csv's: the sweep, each budget's tables, the
+    budgets compared."""
+    lines = [f"== {preset['name']}: [X] data-constrained, the Operator-1 family (K passes of a tied core) at "
+             f"width {preset['width_per_depth']} x stored depth; every run reads the same tokens from one of "
+             + ", ".join(f"{u:,} unique x {e:g}" for _, u, e in arms(preset))]
+    if sweep:
+        lines += sweep_lines(sweep) + [
+            f"  each budget's LR (its k1 row) carried to every K and by [X16] with beta "
+            f"{preset['lr_beta']:g} from d{preset['depths'][0]}"
+            + ("; every point searches its own from there" if preset["tune"] else "")]
+    sections = []
+    for arm in arms(preset):
+        mine = [r for r in rows if r["unique_tokens"] == arm[1]]
+        if mine:
+            arm_text, pts = arm_lines(preset, arm, mine)
+            lines += [""] + arm_text
+            sections.append((arm, pts))
+    passes = [{k for k, _ in p} for _, p in sections]
+    if len(sections) > 1 and all(len(ks) > 1 and 1 in ks for ks in passes):
+        lines += [""] + across_lines(preset, sections)
+    return lines
+
+
+def figures(preset, rows, path, out=None):
+    """Per budget: each K's frontier (loss vs compute at its best weight decay per size) and the loss
+    against the weight decay at every stored depth (first seed)."""
+    written = []
+    for label, unique, _ in arms(preset):
+        first, top, pts = points(preset, [r for r in rows if r["unique_tokens"] == unique])
+        frontier, name = frontier_of(pts), f"{preset['name']}, {label}"
+        curves = {f"K={k}": {d: [(r["wd"], r["loss"]) for r in first if (r["K"], r["depth"], r["lr"]) == (
+            k, d, top[k, d]["lr"])] for d in preset["depths"] if (k, d) in top} for k in preset["passes"]}
+        if 1 in frontier and plots.plot_repeat_frontier(
+                frontier, pts, min(v for _, v in frontier[1]), path(f"{label}-frontier.png"),
+                title=f"{name}: each K at its best weight decay per stored size"):
+            written.append(path(f"{label}-frontier.png"))
+        if top and plots.plot_wd_curves(curves, path(f"{label}-weight_decay.png"),
+                                        title=f"{name}: validation loss vs weight decay (first seed)"):
+            written.append(path(f"{label}-weight_decay.png"))
+    return written

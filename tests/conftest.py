@@ -1,11 +1,7 @@
 # Shared test setup. TRITON_INTERPRET must be set before triton is first imported, so it lives here:
 # on a machine without CUDA every Triton kernel runs in the interpreter (slow; keep shapes small).
-import contextlib
 import json
 import os
-import re
-import shutil
-import signal
 import subprocess
 import sys
 
@@ -21,7 +17,7 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 
-def loop_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None, group_align=None):
+def loop_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None):
     """The reference twin of model.run_experts: each expert in a Python loop over its own tokens (the loop
     reads the tokens per expert to the host, which model.run_experts never does)."""
     sizes = counts.tolist()
@@ -64,6 +60,15 @@ def small_corpus(root):
     return str(corpus)
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """A test that ran FSDP2 in this process (train.py keeps its one-rank group) leaves no group behind."""
+    yield
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
     """small_corpus, prepared like the real thing (~30k tokens)."""
@@ -87,44 +92,3 @@ def torchrun():
         assert result.returncode == 0 or not check, result.stderr[-4000:]
         return result
     return launch
-
-
-def one_line_error(main, argv, capsys, prog):
-    """Run a CLI's main(argv) that must fail: returns its stderr after checking the project's rule, one
-    line `<prog>: error: ...` and exit status 2 (argparse's own checks exit from parse_args)."""
-    try:
-        status = main(argv)
-    except SystemExit as e:
-        status = e.code
-    err = capsys.readouterr().err
-    assert status == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: error: "), (status, err)
-    return err
-
-
-@contextlib.contextmanager
-def within(seconds):
-    """A hang (reading /dev/zero) fails the test instead of stopping the suite."""
-    def expired(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def rebuilt_committed(name, tmp_path):
-    """A committed repeat report rebuilt from its CSVs by `ladder.py --from-csv` -> (report, text), checked
-    equal to docs/ladder/NAME-report.txt with the bootstrap bands masked (their last digit is the CPU's)."""
-    from ladders import pipeline
-    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ladder")
-    for part in ("runs.csv", "lr_sweep.csv"):
-        shutil.copy(os.path.join(docs, f"{name}-{part}"), tmp_path / f"{name}-{part}")
-    report = pipeline.rereport(name, str(tmp_path / f"{name}-runs.csv"), log=lambda *a, **k: None)
-    text = (tmp_path / f"{name}-report.txt").read_text()
-    bands = r"\[[-+0-9.,e ]*\]|\[95% band [^;]*;|agree .*|K > 1 .*|in [01]\.[0-9]+ of the (draws|them)"
-    mask = lambda t: re.sub(bands, "", t)  # noqa: E731
-    assert mask(text) == mask(open(os.path.join(docs, f"{name}-report.txt")).read())
-    return report, text

@@ -1,6 +1,7 @@
+"""eval_core.py: prompts, spans and choices item by item against a transcription of nanochat's scorer, CORE and
+its parts [X17] [X18] on stub models with known losses, k-shot sweeps, the length-bucket loss, the CLI."""
 import collections
 import json
-import sys
 import math
 import os
 import random
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import eval_core as ec
-from tooling import core_bundle
+from test_sample import error_line, save_checkpoint
 
 BUNDLE = os.path.join(os.path.dirname(__file__), "data", "core_bundle")
 
@@ -263,9 +264,8 @@ def test_fewshot_pool_smaller_than_k_uses_all_other_items():
     r = ec.evaluate_task(BigramModel(), TOK, task, data)
     assert r["fewshot_used"] == 2 and r["n"] == 3
     assert ec.evaluate_task(BigramModel(), TOK, task, data, num_fewshot=1)["fewshot_used"] == 1
-    res = ec.evaluate_core(BigramModel(), TOK, BUNDLE, num_fewshot=32, labels=["toy_arith_mc"], progress=False)
+    res = ec.evaluate_core(BigramModel(), TOK, BUNDLE, num_fewshot=32, labels=["toy_arith_mc"])
     assert res["tasks"]["toy_arith_mc"]["fewshot_used"] == 7  # 8 items
-    assert "used all of them" in ec.format_core_table(res) and "'toy_arith_mc': '7 of 32'" in ec.format_core_table(res)
 
 
 # ---------------------------------------------------------------- scoring
@@ -330,9 +330,9 @@ def assert_same_scores(a, b, task_type, rel, tie_margin):
 
 def test_batching_does_not_change_results():
     model = BigramModel()
-    bundle = core_bundle.load_bundle(BUNDLE)
+    bundle = ec.load_bundle(BUNDLE)
     for task in bundle["tasks"]:
-        data = ec.shuffle_and_cut(core_bundle.load_task_data(task))
+        data = ec.shuffle_and_cut(ec.load_task_data(task))
         a = ec.evaluate_task(model, TOK, task, data, batch_tokens=256)
         b = ec.evaluate_task(model, TOK, task, data, batch_tokens=1 << 16)
         decided = assert_same_scores(a, b, task["icl_task_type"], rel=1e-6, tie_margin=1e-4)
@@ -343,13 +343,13 @@ def test_batching_does_not_change_results():
 
 
 def test_oracle_solves_lm_items_and_first_choice_model_centres_to_zero():
-    bundle = core_bundle.load_bundle(BUNDLE)
-    oracle = ec.evaluate_core(OracleModel(), TOK, bundle, progress=False)
+    bundle = ec.load_bundle(BUNDLE)
+    oracle = ec.evaluate_core(OracleModel(), TOK, bundle)
     for label in ("dyck_mini", "copy_mini"):
         r = oracle["tasks"][label]
         assert r["accuracy"] == 1.0 and r["centered"] == 1.0 and r["answer_nll"] < 1e-6
     assert oracle["tasks"]["dyck_mini"]["n"] == 16 and oracle["tasks"]["dyck_mini"]["num_fewshot"] == 3
-    chance = ec.evaluate_core(FirstChoiceModel(), TOK, bundle, progress=False)
+    chance = ec.evaluate_core(FirstChoiceModel(), TOK, bundle)
     assert chance["tasks"]["toy_arith_mc"]["accuracy"] == 0.25
     assert chance["tasks"]["toy_winograd"]["accuracy"] == 0.5
     for r in chance["tasks"].values():
@@ -357,29 +357,30 @@ def test_oracle_solves_lm_items_and_first_choice_model_centres_to_zero():
     assert chance["core"] == 0.0 and chance["core17"] is None
 
 
-def test_random_baselines_centre_to_zero_and_versions():
+def test_random_baselines_centre_to_zero_and_published_tables(tmp_path):
     for rb in (0.0, 9.1, 20.0, 25.0, 40.3, 50.0, 62.0):
         assert ec.centered_accuracy(rb / 100, rb) == pytest.approx(0.0, abs=1e-12)
         assert ec.centered_accuracy(1.0, rb) == pytest.approx(1.0)
-    v1 = {k: old for k, (old, new) in core_bundle.RANDOM_BASELINE_CHANGES.items()}
-    v2 = {k: new for k, (old, new) in core_bundle.RANDOM_BASELINE_CHANGES.items()}
-    assert core_bundle.random_baseline_version(v1) == "v1" and core_bundle.random_baseline_version(v2) == "2025-09-05"
-    assert v2 == {"commonsense_qa": 40.3, "agi_eval_lsat_ar": 25.0, "bigbench_language_identification": 25.0}
-    assert core_bundle.random_baseline_version(dict(v1, commonsense_qa=33.0)).startswith("custom")
-    bundle = {"random_baselines": dict(v1, piqa=50.0), "baseline_version": "v1",
-              "tasks": [{"label": k, "random_baseline": v} for k, v in dict(v1, piqa=50.0).items()]}
-    new = core_bundle.with_baseline_version(bundle, "2025-09-05")
-    assert {t["label"]: t["random_baseline"] for t in new["tasks"]} == dict(v2, piqa=50.0)
-    assert new["baseline_version"].startswith("2025-09-05") and bundle["tasks"][0]["random_baseline"] == 20.0
+    b = _copy_bundle(tmp_path)
+    (b / "eval_meta_data.csv").write_text("Eval Task,Random baseline\ntoy_arith_mc,25\ntoy_winograd,50\n"
+                                         "dyck_mini,20\ncopy_mini,0\n")
+    (b / "core.yaml").write_text((b / "core.yaml").read_text().replace("dyck_mini", "commonsense_qa"))
+    (b / "eval_meta_data.csv").write_text((b / "eval_meta_data.csv").read_text().replace("dyck_mini", "commonsense_qa"))
+    baseline = {v: {t["label"]: t["random_baseline"] for t in ec.load_bundle(str(b), v)["tasks"]}
+                for v in ("bundle", "v1", "2025-09-05")}
+    assert baseline["bundle"]["commonsense_qa"] == 20.0 == baseline["v1"]["commonsense_qa"]
+    assert baseline["2025-09-05"] == dict(baseline["bundle"], commonsense_qa=40.3)  # only the changed row
 
 
 def test_core17_subset_and_summary(tmp_path):
-    assert len(ec.CORE22_LABELS) == 22 and len(ec.CORE17_LABELS) == 17
-    assert not set(ec.CORE17_EXCLUDED) & set(ec.CORE17_LABELS)
+    excluded = ("commonsense_qa", "boolq", "bigbench_cs_algorithms", "bigbench_language_identification",
+                "bigbench_repeat_copy_logic")  # [X Table 10]'s filter of nanochat's 22 tasks
+    core22 = ec.CORE17_LABELS + excluded
+    assert len(set(core22)) == 22 and len(ec.CORE17_LABELS) == 17
     # a 22-task bundle in the public layout: LM tasks the oracle solves, MC tasks it ties on (first choice)
     (tmp_path / "eval_data" / "x").mkdir(parents=True)
     yaml_lines, csv_lines = ["icl_tasks:"], ["Eval Task,Random baseline"]
-    for i, label in enumerate(ec.CORE22_LABELS):
+    for i, label in enumerate(core22):
         lm = i % 2 == 0
         rows = ([{"context": f"c{j}", "continuation": f"w{j}"} for j in range(3)] if lm else
                 [{"query": f"q{j}", "choices": ["a", "b"], "gold": j % 2} for j in range(2)])
@@ -389,34 +390,33 @@ def test_core17_subset_and_summary(tmp_path):
         csv_lines.append(f"{label},{0 if lm else 50}")
     (tmp_path / "core.yaml").write_text("\n".join(yaml_lines) + "\n")
     (tmp_path / "eval_meta_data.csv").write_text("\n".join(csv_lines) + "\n")
-    res = ec.evaluate_core(OracleModel(), TOK, str(tmp_path), progress=False)
+    res = ec.evaluate_core(OracleModel(), TOK, str(tmp_path))
     centered = {l: r["centered"] for l, r in res["tasks"].items()}
     assert res["core"] == pytest.approx(np.mean(list(centered.values())))
     assert res["core17"] == pytest.approx(np.mean([centered[l] for l in ec.CORE17_LABELS]))
     assert res["core17_nll"] == pytest.approx(np.mean([res["tasks"][l]["answer_nll"] for l in ec.CORE17_LABELS]))
-    assert res["core17_missing"] == []
+    assert ec.evaluate_core(OracleModel(), TOK, str(tmp_path), labels=core22[1:])["core17"] is None
 
 
 def test_fewshot_seeds_average():
     model = BigramModel()
-    bundle = core_bundle.load_bundle(BUNDLE)
-    res = ec.evaluate_core(model, TOK, bundle, fewshot_seeds=(0, 1, 2), labels=["toy_arith_mc", "toy_winograd"],
-                           progress=False)
+    bundle = ec.load_bundle(BUNDLE)
+    res = ec.evaluate_core(model, TOK, bundle, fewshot_seeds=(0, 1, 2), labels=["toy_arith_mc", "toy_winograd"])
     per_seed = []
     task = next(t for t in bundle["tasks"] if t["label"] == "toy_arith_mc")
-    data = ec.shuffle_and_cut(core_bundle.load_task_data(task))
+    data = ec.shuffle_and_cut(ec.load_task_data(task))
     for s in (0, 1, 2):
         per_seed.append(ec.evaluate_task(model, TOK, task, data, fewshot_seed=s)["accuracy"])
     r = res["tasks"]["toy_arith_mc"]
     assert r["per_seed_accuracy"] == per_seed and r["accuracy"] == pytest.approx(np.mean(per_seed))
-    assert res["tasks"]["toy_winograd"]["accuracy_std"] == 0.0  # zero-shot: seed-independent
+    assert res["tasks"]["toy_winograd"]["per_seed_accuracy"] == [res["tasks"]["toy_winograd"]["accuracy"]]  # 0-shot: once
 
 
 def test_kshot_sweep_shapes_and_zero_shot_matches_core():
     model = BigramModel()
-    sweep = ec.kshot_sweep(model, TOK, BUNDLE, ks=(0, 1, 32), progress=False)
+    sweep = ec.kshot_sweep(model, TOK, BUNDLE, ks=(0, 1, 32))
     assert set(sweep["tasks"]) == {"toy_arith_mc", "dyck_mini", "copy_mini"}  # the few-shot tasks
-    core0 = ec.evaluate_core(model, TOK, BUNDLE, num_fewshot=0, progress=False)
+    core0 = ec.evaluate_core(model, TOK, BUNDLE, num_fewshot=0)
     for label, per_k in sweep["tasks"].items():
         assert per_k[0]["accuracy"] == core0["tasks"][label]["accuracy"]  # the same code path and inputs
         assert set(per_k) == {0, 1, 32}
@@ -425,278 +425,135 @@ def test_kshot_sweep_shapes_and_zero_shot_matches_core():
 
 # ---------------------------------------------------------------- bundle files
 
-def test_read_core_yaml_public_style(tmp_path):
-    tasks = core_bundle.read_core_yaml(os.path.join(BUNDLE, "core.yaml"))
-    assert [t["label"] for t in tasks] == ["toy_arith_mc", "toy_winograd", "dyck_mini", "copy_mini"]
-    assert [t["num_fewshot"] for t in tasks] == [3, 0, 3, 2] and [t["line"] for t in tasks] == [5, 11, 17, 23]
-    assert tasks[3]["continuation_delimiter"] == "\nOutput: "
-    public_style = (  # the shapes the public core.yaml uses: '-' alone, comments, block and flow lists
-        "# comment\nicl_tasks:\n"
-        "-\n  label: jeopardy\n  dataset_uri: world_knowledge/jeopardy_all.jsonl # a comment\n"
-        "  num_fewshot: [10]\n  icl_task_type: language_modeling\n"
-        "  continuation_delimiter: \"\\nAnswer: \" # this separates questions from answers\n"
-        "  has_categories: true\n"
-        "- label: 'it''s #1'\n  dataset_uri: a/b.jsonl\n  num_fewshot:\n  - 0\n"
-        "  icl_task_type: multiple_choice\n")
-    p = tmp_path / "core.yaml"
-    p.write_text(public_style)
-    first, second = core_bundle.read_core_yaml(str(p))
-    assert first == {"label": "jeopardy", "dataset_uri": "world_knowledge/jeopardy_all.jsonl", "num_fewshot": 10,
-                     "icl_task_type": "language_modeling", "continuation_delimiter": "\nAnswer: ", "line": 4}
-    assert second["label"] == "it's #1" and second["num_fewshot"] == 0 and second["line"] == 10
-    assert second["continuation_delimiter"] == " "  # nanochat's default when the key is absent
-
-
 def _copy_bundle(tmp_path):
     dst = tmp_path / "bundle"
     shutil.copytree(BUNDLE, dst)
     return dst
 
 
-def test_core_yaml_errors_name_file_line_and_task(tmp_path):
-    y = _copy_bundle(tmp_path) / "core.yaml"
-    text = y.read_text()
-    entry2 = r"core\.yaml:11: icl_tasks entry 2 \('toy_winograd'\)"
-    cases = [
-        (text.replace("  dataset_uri: language_understanding/toy_winograd.jsonl\n", ""),
-         entry2 + " is missing required key 'dataset_uri'"),
-        (text.replace("icl_task_type: schema", "icl_task_type: generation_task_with_answers"),
-         entry2 + ": unknown icl_task_type 'generation_task_with_answers'"),
-        (text.replace("num_fewshot: [0]", "num_fewshot: 0"), entry2 + ": num_fewshot must be a list"),
-        (text.replace("num_fewshot: [0]", "num_fewshot: [-1]"), entry2 + ": num_fewshot must be a list"),
-        (text.replace("label: toy_winograd", "label: 7"), r"core\.yaml:11: icl_tasks entry 2: label must be a"),
-        (text.replace('continuation_delimiter: "\\nOutput: "', "continuation_delimiter: null"),
-         r"core\.yaml:23: icl_tasks entry 4 \('copy_mini'\): continuation_delimiter must be a string"),
-        (text.replace("label: copy_mini", "label: dyck_mini"),
-         r"core\.yaml:23: icl_tasks entry 4 \('dyck_mini'\): duplicate task label \(first at line 17\)"),
-        (text.replace("icl_tasks:", "tasks:"), r"core\.yaml: missing top-level key 'icl_tasks'"),
-        ("", r"core\.yaml: missing top-level key 'icl_tasks'"),
-        ("icl_tasks: []\n", r"core\.yaml: 'icl_tasks' must be a non-empty list"),
-        ("icl_tasks:\n- just a string\n", r"core\.yaml:2: icl_tasks entry 1 is not a mapping"),
-        # malformed YAML: the line comes from PyYAML's problem_mark
-        ("icl_tasks:\n- label: a\n\tdataset_uri: b\n", r"core\.yaml:3: malformed YAML: .*'\\t'"),
-        ("icl_tasks:\n- label: a\n  x: [1, 2\n", r"core\.yaml:4: malformed YAML: .*flow sequence"),
-        ("icl_tasks:\n- label: a\n dataset_uri: b\n", r"core\.yaml:3: malformed YAML"),
-    ]
-    for bad_text, message in cases:
-        y.write_text(bad_text)
-        with pytest.raises(ValueError, match=message):
-            core_bundle.read_core_yaml(str(y))
-
-
-def test_bad_jsonl_and_items_name_file_and_line(tmp_path):
+def test_bundle_reading_and_fingerprint(tmp_path):
+    bundle = ec.load_bundle(BUNDLE)
+    tasks = bundle["tasks"]
+    assert [t["label"] for t in tasks] == ["toy_arith_mc", "toy_winograd", "dyck_mini", "copy_mini"]
+    assert [t["num_fewshot"] for t in tasks] == [3, 0, 3, 2] and tasks[3]["continuation_delimiter"] == "\nOutput: "
+    assert [t["random_baseline"] for t in tasks] == [25.0, 50.0, 0.0, 0.0]
+    assert len(ec.load_task_data(tasks[2])) == 16
     b = _copy_bundle(tmp_path)
+    assert ec.fingerprint(str(b)) == bundle["fingerprint"] and len(bundle["fingerprint"]) == 64
     f = b / "eval_data" / "symbolic_problem_solving" / "copy_mini.jsonl"
-    lines = f.read_text().splitlines()
-    task = next(t for t in core_bundle.load_bundle(str(b))["tasks"] if t["label"] == "copy_mini")
-    f.write_text("\n".join(lines[:2] + [""] + lines[2:]) + "\n\n")  # blank lines are skipped (nanochat fails)
-    assert core_bundle.load_task_data(task) == [json.loads(line) for line in lines]
-    f.write_text("\n".join(lines[:2] + ['{"context": "x", "continuation": '] + lines[3:]) + "\n")
-    with pytest.raises(ValueError, match=r"copy_mini\.jsonl:3: malformed JSON"):
-        core_bundle.load_task_data(task)
-    f.write_text("\n".join(lines[:4] + ['{"context": "x"}'] + lines[5:]) + "\n")
-    with pytest.raises(ValueError, match=r"copy_mini\.jsonl:5: language_modeling item is missing key 'continuation'"):
-        core_bundle.load_task_data(task)
-    g = b / "eval_data" / "symbolic_problem_solving" / "toy_arith_mc.jsonl"
-    g.write_text('{"query": "q", "choices": ["a", "b"], "gold": 2}\n')
-    task = next(t for t in core_bundle.load_bundle(str(b))["tasks"] if t["label"] == "toy_arith_mc")
-    with pytest.raises(ValueError, match=r"toy_arith_mc\.jsonl:1: gold must be an int index"):
-        core_bundle.load_task_data(task)
-
-
-def test_bundle_errors_and_fingerprint(tmp_path):
-    b = _copy_bundle(tmp_path)
-    fp = core_bundle.bundle_fingerprint(str(b))
-    assert fp == core_bundle.bundle_fingerprint(BUNDLE) and len(fp) == 64
-    assert core_bundle.load_bundle(str(b))["fingerprint"] == fp
-    c = b / "eval_meta_data.csv"
-    c.write_text(c.read_text().replace("copy_mini,symbolic_problem_solving", "other,symbolic_problem_solving"))
-    with pytest.raises(ValueError, match=r"core\.yaml:23: task 'copy_mini' has no row in .*eval_meta_data\.csv"):
-        core_bundle.load_bundle(str(b))
-    assert core_bundle.bundle_fingerprint(str(b)) != fp
-    c.write_text("Eval Task,Random baseline\ncopy_mini,abc\n")
-    with pytest.raises(ValueError, match=r"eval_meta_data\.csv:2: random baseline for 'copy_mini' is not a number"):
-        core_bundle.load_bundle(str(b))
-    with pytest.raises(FileNotFoundError, match="never downloads"):
-        core_bundle.load_bundle(str(tmp_path / "nope"))
-    shutil.rmtree(b / "eval_data" / "language_understanding")
-    shutil.copy(os.path.join(BUNDLE, "eval_meta_data.csv"), c)
-    with pytest.raises(FileNotFoundError, match=r"core\.yaml:11: dataset_uri of 'toy_winograd' points to a missing"):
-        core_bundle.load_bundle(str(b))
+    f.write_text(f.read_text() + "\n\n")  # blank lines are skipped
+    assert ec.load_task_data(ec.load_bundle(str(b))["tasks"][3]) == ec.load_task_data(tasks[3])
+    assert ec.fingerprint(str(b)) != bundle["fingerprint"]  # every byte of every file counts
 
 
 # ---------------------------------------------------------------- length buckets
 
-def write_prepared(folder, tokens, eot, n_vocab, shard_tokens):
-    """A data/prepare.py folder whose train and val splits are both `tokens` (documents start at eot),
-    written by its ShardWriter."""
-    from data import prepare as prep
-    starts = np.flatnonzero(tokens == eot)
-    shards = {}
-    for split in prep.SPLITS:
-        writer = prep.ShardWriter(str(folder), split, shard_tokens, tokens.dtype)
-        for i, (a, b) in enumerate(zip(starts, np.append(starts[1:], len(tokens)))):
-            writer.add(tokens[a:b], 0, i)
-        shards[split] = writer.seal()
-    (folder / "meta.json").write_text(json.dumps({
-        "version": prep.PREPARE_VERSION, "dtype": tokens.dtype.name, "eot_token": eot, "tokenizer": "char",
-        "n_vocab": n_vocab, "sources": ["random"], "splits": {s: {"tokens": len(tokens)} for s in prep.SPLITS},
-        "unigram_entropy_train_nats": 1.0,
-        "shards": shards}))
-
-
-def test_length_bucket_loss_matches_manual_and_packing(tmp_path):
+def test_length_bucket_loss_matches_manual():
     rng = np.random.default_rng(0)
-    eot = 0
-    lengths = [3, 30, 33, 64, 70, 5, 200]
-    stream = []
-    for n in lengths:
+    eot, stream = 0, []
+    for n in [3, 30, 33, 64, 70, 5, 200]:
         stream += [eot] + rng.integers(1, 128, size=n).tolist()
-    arr = np.array(stream, dtype=np.uint16)
-    write_prepared(tmp_path, arr, eot, n_vocab=128, shard_tokens=100)  # the data/prepare.py layout, 4 shards
-    tokens, meta, doc_spans = ec.load_token_split(str(tmp_path), "val")
-    assert doc_spans == ec.split_documents(tokens, eot) and doc_spans[:2] == [(1, 4), (5, 35)]
-    assert np.array_equal(np.asarray(tokens), arr)  # read across the shard boundaries
-    with pytest.MonkeyPatch.context() as mp:  # eval_core copied alone, without data.shards: the same split
-        mp.setitem(sys.modules, "data.shards", None)
-        alone_tokens, _, alone_spans = ec.load_token_split(str(tmp_path), "val")
-    assert np.array_equal(alone_tokens, arr) and alone_spans == doc_spans
+    tokens = np.array(stream, dtype=np.uint16)
+    assert ec.split_documents(tokens, eot)[:2] == [(1, 4), (5, 35)]
     model = BigramModel(block_size=64)
-    packed = ec.length_bucket_loss(model, tokens, eot, progress=False)
-    alone = ec.length_bucket_loss(model, tokens, eot, pack=False, progress=False)
-    # manual: each doc = [eot] + doc, windows of 64 targets; a bigram only looks at the previous token,
-    # and a continuation window starts from the previous window's last token
+    buckets = ec.length_bucket_loss(model, tokens, eot)
+    # manual: each doc read as [eot] + doc; a bigram only looks at the previous token, and a window after the
+    # first starts at the previous window's last target
     sums = {}
     for a, b in ec.split_documents(tokens, eot):
         ids = [eot] + [int(x) for x in tokens[a:b]]
-        total = sum(model.loss(ids[t - 1], ids[t]) for t in range(1, len(ids)))
-        lab = ec.bucket_of(b - a)
-        s = sums.setdefault(lab, [0.0, 0])
-        s[0] += total
+        s = sums.setdefault(ec.bucket_of(b - a), [0.0, 0])
+        s[0] += sum(model.loss(ids[t - 1], ids[t]) for t in range(1, len(ids)))
         s[1] += b - a
     for lab, (total, n) in sums.items():
-        assert packed[lab]["loss"] == pytest.approx(total / n, rel=1e-5)
-        assert alone[lab]["loss"] == pytest.approx(total / n, rel=1e-5)
-    assert packed["32"]["n_docs"] == 3 and packed["64"]["n_docs"] == 2 and packed["256"]["n_tokens"] == 200
-    assert packed["4096"]["loss"] is None and list(packed)[-1] == ">4096"
+        assert buckets[lab]["loss"] == pytest.approx(total / n, rel=1e-5) and buckets[lab]["n_tokens"] == n
+    assert buckets["32"]["n_docs"] == 3 and buckets["64"]["n_docs"] == 2 and buckets["256"]["n_tokens"] == 200
+    assert buckets["4096"]["loss"] is None and list(buckets)[-1] == ">4096"
     assert ec.bucket_of(4097) == ">4096" and ec.bucket_of(32) == "32" and ec.bucket_of(33) == "64"
+    first = ec.length_bucket_loss(model, tokens, eot, max_tokens=33)  # whole documents until 33 are read
+    assert sum(b["n_docs"] for b in first.values()) == 2
 
 
-# ---------------------------------------------------------------- CLI
+# ---------------------------------------------------------------- CLI and the real model.py
 
 def test_cli_json_and_table(monkeypatch, capsys):
-    monkeypatch.setattr(ec, "load_model_and_tokenizer", lambda path, device="cpu": (BigramModel(), TOK))
-    assert ec.main(["--ckpt", "x.pt", "--bundle", BUNDLE, "--max_per_task", "4", "--json", "--no_progress"]) == 0
+    monkeypatch.setattr(ec, "load_model_and_tokenizer", lambda path, device: (BigramModel(), TOK, {}))
+    assert ec.main(["--ckpt", "x.pt", "--bundle", BUNDLE, "--max_per_task", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    direct = ec.evaluate_core(BigramModel(), TOK, BUNDLE, max_per_task=4, progress=False)
+    direct = ec.evaluate_core(BigramModel(), TOK, BUNDLE, max_per_task=4)
     assert out["core"]["core"] == pytest.approx(direct["core"], rel=1e-9)  # the same computation, via JSON
     assert all(r["n"] == 4 for r in out["core"]["tasks"].values())
-    assert ec.main(["--ckpt", "x.pt", "--bundle", BUNDLE, "--no_progress"]) == 0
+    assert ec.main(["--ckpt", "x.pt", "--bundle", BUNDLE]) == 0
     text = capsys.readouterr().out
-    for needle in ("toy_arith_mc", "dyck_mini", "CORE (4 tasks)", "answer_nll", "fingerprint sha256"):
+    for needle in ("toy_arith_mc", "dyck_mini", "CORE (4 tasks)", "answer_nll", f"sha256 {direct['fingerprint']}"):
         assert needle in text
 
 
-# ---------------------------------------------------------------- with the real model.py
-
 def _tiny_gpt(vocab=128, eot=0, block_size=256):
-    model_mod = pytest.importorskip("model")
-    cfg = model_mod.ModelConfig(vocab_size=vocab, eot_token=eot, block_size=block_size, n_layer=2, n_embd=32,
-                                n_head=2, init="nanogpt")
+    from model import GPT, ModelConfig
     torch.manual_seed(0)
-    return model_mod.GPT(cfg).eval(), cfg
+    return GPT(ModelConfig(vocab_size=vocab, eot_token=eot, block_size=block_size, n_layer=2, n_embd=32, n_head=2,
+                           init="nanogpt")).eval()
 
 
-def test_real_model_padding_and_packing_invariance(tmp_path):
-    model, _ = _tiny_gpt()
-    bundle = core_bundle.load_bundle(BUNDLE)
+def test_real_model_padding_invariance_and_length_windows():
+    model = _tiny_gpt(block_size=64)
     decided = 0
-    for task in bundle["tasks"]:  # right-padding with eot changes a causal model's scores by rounding only
-        data = ec.shuffle_and_cut(core_bundle.load_task_data(task), 3)
+    for task in ec.load_bundle(BUNDLE)["tasks"]:  # right-padding with eot changes a causal model's scores by rounding
+        data = ec.shuffle_and_cut(ec.load_task_data(task), 3)
         a = ec.evaluate_task(model, TOK, task, data, batch_tokens=600)
         b = ec.evaluate_task(model, TOK, task, data, batch_tokens=1 << 15)
         decided += assert_same_scores(a, b, task["icl_task_type"], rel=1e-4, tie_margin=1e-3)
     assert decided > 0
     rng = np.random.default_rng(1)
-    stream = []
-    for n in (5, 40, 150, 17):
-        stream += [0] + rng.integers(1, 128, size=n).tolist()
-    tokens = np.array(stream)
-    packed = ec.length_bucket_loss(model, tokens, 0, block_size=64, progress=False)
-    alone = ec.length_bucket_loss(model, tokens, 0, block_size=64, pack=False, progress=False)
-    for lab in packed:  # the eot document mask keeps packed documents apart
-        if packed[lab]["n_docs"]:
-            assert packed[lab]["loss"] == pytest.approx(alone[lab]["loss"], rel=1e-4)
+    docs = [rng.integers(1, 128, size=n).tolist() for n in (5, 40, 150, 17)]
+    buckets = ec.length_bucket_loss(model, np.array(sum(([0] + d for d in docs), [])), 0, batch_tokens=300)
+    for lab, doc in (("64", docs[1]), ("256", docs[2])):  # one forward per window of 64 tokens, by hand
+        ids, total = [0] + doc, 0.0
+        for w in range(0, len(doc), 63):
+            seq = torch.tensor([ids[w:w + 64]])
+            total += F.cross_entropy(model(seq)[0][0, :-1], seq[0, 1:], reduction="sum").item()
+        assert buckets[lab]["loss"] == pytest.approx(total / len(doc), rel=1e-5)
 
 
-def test_cli_end_to_end_with_checkpoint(tmp_path, capsys):
-    pytest.importorskip("model")
-    prepare = pytest.importorskip("data.prepare")
-    model, cfg = _tiny_gpt(vocab=4096, eot=4095, block_size=128)
-    ckpt = tmp_path / "ckpt.pt"
-    from tooling.checkpoint import plain_config, save_file
-    save_file(str(ckpt), {"model_config": plain_config(cfg), "model": model.state_dict(), "tokenizer": "gpt2-4096"})
+def test_cli_end_to_end_with_a_checkpoint(tmp_path, capsys):
+    from data.prepare import prepare
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": ("word " * n).strip()}) + "\n" for n in (3, 20, 50, 90, 7, 30)))
-    prepare.prepare([str(corpus)], str(tmp_path / "prep"), val_fraction=0.5, verbose=False)
-    assert ec.main(["--ckpt", str(ckpt), "--bundle", BUNDLE, "--max_per_task", "2", "--no_progress", "--json",
-                    "--length_buckets", str(tmp_path / "prep"), "--kshot_sweep", "--kshot_tasks", "dyck_mini"]) == 0
+    data = prepare([str(corpus)], str(tmp_path / "prep"), val_fraction=0.5, seed=0, verbose=False)
+    ckpt = save_checkpoint(_tiny_gpt(vocab=4096, eot=4095, block_size=128), tmp_path / "ckpt.pt",
+                           config={"data_dir": data})
+    assert ec.main(["--ckpt", ckpt, "--bundle", BUNDLE, "--max_per_task", "2", "--json", "--length_buckets",
+                    "--kshot_sweep", "--tasks", "dyck_mini,toy_winograd"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["core"]["tasks"]) == {"toy_arith_mc", "toy_winograd", "dyck_mini", "copy_mini"}
+    assert set(out["core"]["tasks"]) == {"toy_winograd", "dyck_mini"}
     assert math.isfinite(out["core"]["core"]) and math.isfinite(out["core"]["core_nll"])
     assert sum(b["n_docs"] for b in out["length_buckets"].values()) == 3
     assert list(out["kshot"]["tasks"]["dyck_mini"]) == [str(k) for k in ec.KSHOT_SWEEP]
 
 
-def _cli_cases(tmp_path):
-    """(name, argv, text the one error line must contain) for user mistakes the CLI must report in one line."""
-    ok = ["--bundle", BUNDLE]
-    (tmp_path / "corrupt.pt").write_bytes(b"not a torch file")
-    torch.save({"weights": [1, 2]}, tmp_path / "foreign.pt")
-    model, cfg = _tiny_gpt()
-    state = model.state_dict()
-    state.pop(next(iter(state)))
-    from tooling.checkpoint import plain_config, save_file
-    save_file(str(tmp_path / "mismatch.pt"), {"model_config": plain_config(cfg), "model": state})
-    bundles = {}
-    for missing in ("core.yaml", "eval_meta_data.csv", "eval_data"):
-        b = tmp_path / f"no_{missing}"
-        shutil.copytree(BUNDLE, b)
-        (shutil.rmtree if missing == "eval_data" else os.remove)(b / missing)
-        bundles[missing] = str(b)
-    bad_yaml = tmp_path / "bad_yaml"
-    shutil.copytree(BUNDLE, bad_yaml)
+def test_cli_mistakes_are_one_line_with_status_2(tmp_path, capsys):
+    ckpt = save_checkpoint(_tiny_gpt(vocab=4096, eot=4095), tmp_path / "ckpt.pt")
+    bad_yaml, bad_item = _copy_bundle(tmp_path), tmp_path / "bad_item"
     (bad_yaml / "core.yaml").write_text("icl_tasks:\n- label: a\n\tdataset_uri: b\n")
-    ckpt = ["--ckpt", str(tmp_path / "missing.pt")]
-    return [
-        ("missing ckpt", ckpt + ok, "checkpoint not found"),
-        ("corrupt ckpt", ["--ckpt", str(tmp_path / "corrupt.pt")] + ok, "cannot read checkpoint"),
-        ("foreign ckpt", ["--ckpt", str(tmp_path / "foreign.pt")] + ok, "is not a loopstudy checkpoint"),
-        ("weights mismatch", ["--ckpt", str(tmp_path / "mismatch.pt")] + ok, "weights do not match the model config"),
-        ("missing bundle", ckpt + ["--bundle", str(tmp_path / "nope")], "eval bundle directory not found"),
-        ("no core.yaml", ckpt + ["--bundle", bundles["core.yaml"]], "missing " + bundles["core.yaml"]),
-        ("no meta csv", ckpt + ["--bundle", bundles["eval_meta_data.csv"]], "eval_meta_data.csv"),
-        ("no eval_data", ckpt + ["--bundle", bundles["eval_data"]], "missing the folder"),
-        ("malformed yaml", ckpt + ["--bundle", str(bad_yaml)], "core.yaml:3: malformed YAML"),
-        ("bad seeds", ckpt + ok + ["--fewshot_seeds", "0,x"], "--fewshot_seeds must be distinct integers"),
-        ("repeated seeds", ckpt + ok + ["--fewshot_seeds", "1,1"], "--fewshot_seeds must be distinct"),
-        ("unknown task", ckpt + ok + ["--tasks", "toy_arith_mc,nope"], "--tasks: labels not in"),
-        ("unknown kshot task", ckpt + ok + ["--kshot_sweep", "--kshot_tasks", "nope"], "--kshot_tasks: labels"),
-        ("bad device", ckpt + ok + ["--device", "gpu7"], "unknown device 'gpu7'"),
-        ("missing length dir", ckpt + ["--length_buckets", str(tmp_path / "nodata")], "meta.json not found"),
-        ("nothing to do", ckpt, "give --bundle (CORE) and/or --length_buckets"),
-        ("sweep without bundle", ckpt + ["--kshot_sweep", "--length_buckets", str(tmp_path)], "needs --bundle"),
-    ]
-
-
-def test_cli_user_mistakes_are_one_line_errors_with_status_2(tmp_path, capsys):
-    for name, argv, needle in _cli_cases(tmp_path):
-        assert ec.main(argv + ["--no_progress"]) == 2, name
-        captured = capsys.readouterr()
-        lines = captured.err.splitlines()
-        assert len(lines) == 1 and lines[0].startswith("eval_core.py: error: "), (name, captured.err)
-        assert needle in lines[0], (name, lines[0])
-        assert captured.out == "", name
+    shutil.copytree(BUNDLE, bad_item)
+    (bad_item / "eval_data" / "symbolic_problem_solving" / "copy_mini.jsonl").write_text('{"context": "x"\n')
+    other = tmp_path / "other"  # data of another tokenizer
+    (other / "c.txt").parent.mkdir()
+    (other / "c.txt").write_text("one two\n<|endoftext|>\nthree four\n")
+    from data.prepare import prepare
+    other_data = prepare([str(other / "c.txt")], str(other / "prep"), "gpt2-512", 0.5, verbose=False)
+    ok = ["--ckpt", ckpt, "--bundle", BUNDLE]
+    for argv, needle in [(["--ckpt", str(tmp_path / "missing.pt"), "--bundle", BUNDLE], "missing.pt"),
+                         (["--ckpt", ckpt, "--bundle", str(tmp_path / "nope")], "core.yaml"),
+                         (["--ckpt", ckpt, "--bundle", str(bad_yaml)], "not a readable eval bundle"),
+                         (["--ckpt", ckpt, "--bundle", str(bad_item)], "copy_mini.jsonl: malformed JSON"),
+                         (ok + ["--tasks", "toy_arith_mc,nope"], "--tasks: not in"),
+                         (ok + ["--fewshot_seeds", "0,x"], "--fewshot_seeds"),
+                         (["--ckpt", ckpt], "give --bundle (CORE) and/or --length_buckets"),
+                         (["--ckpt", ckpt, "--length_buckets", "--data_dir", str(tmp_path / "nodata")], "nodata"),
+                         (["--ckpt", ckpt, "--length_buckets", "--data_dir", other_data], "holds gpt2-512 tokens")]:
+        assert needle in error_line(ec.main, argv, capsys, "eval_core.py"), argv
 
 
 # ---------------------------------------------------------------- edges, against nanochat's own code
@@ -720,8 +577,6 @@ def test_empty_span_choice_follows_nanochat_nan_argmin():
             assert res["pred"] == (0 if res["mean_losses"][0] < res["mean_losses"][2] else 2)
     assert ec.nanochat_choice([float("nan"), 1.0, 0.5]) == 0 and ec.nanochat_choice([2.0, float("nan"), 1.0]) == 2
     assert ec.nanochat_choice([1.0, 0.5, 0.5]) == 1
-    with pytest.raises(ValueError, match=r"x\.jsonl:4: .*gold choice a non-empty string"):
-        core_bundle._check_item({"query": "Q:", "choices": ["", "yes"], "gold": 0}, "multiple_choice", "x.jsonl", 4)
 
 
 def test_crop_inside_shared_prefix_scores_like_nanochat():
@@ -766,7 +621,7 @@ def test_random_edge_items_score_like_nanochat():
     model = BigramModel()
     seen = collections.Counter()
     for _ in range(400):
-        task_type = rng.choice(ec.TASK_TYPES)
+        task_type = rng.choice(("multiple_choice", "schema", "language_modeling"))
         delim = rng.choice([" ", "", "\n"])
         if task_type == "multiple_choice":
             choices = [rng.choice(["", "a", "ab", "abc", "b", "ba", "a b"]) for _ in range(rng.randint(2, 4))]

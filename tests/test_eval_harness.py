@@ -3,8 +3,6 @@ nothing from the network), its answers held against the model's own forward, eva
 sample.py's greedy decoding; the --n_passes sweep against separate runs; the command line and its errors."""
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
@@ -17,8 +15,9 @@ import lm_eval.tasks  # noqa: E402
 import eval_core  # noqa: E402
 import eval_harness as eh  # noqa: E402
 import sample  # noqa: E402
-from conftest import REPO, model_whose_blocks_matter, one_line_error  # noqa: E402
-from data.tokenizer import get_tokenizer  # noqa: E402
+from conftest import model_whose_blocks_matter  # noqa: E402
+from data.loader import get_tokenizer  # noqa: E402
+from test_sample import error_line, save_checkpoint  # noqa: E402
 
 TOK = get_tokenizer("gpt2-4096")
 EOT = TOK.eot_token
@@ -31,13 +30,6 @@ MAX_GEN = 40  # more than a block of 32 tokens: generation goes on in windows
 
 def make_model(**overrides):
     return model_whose_blocks_matter(**(SMALL | overrides))
-
-
-def save_checkpoint(model, path):
-    from tooling.checkpoint import plain_config, save_file
-    save_file(str(path), {"model_config": plain_config(model.config), "model": model.state_dict(),
-                          "tokenizer": TOK.name})
-    return str(path)
 
 
 def task_yaml(folder, name, output_type, body):
@@ -80,7 +72,7 @@ def write_tasks(folder):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """The looped model, its checkpoint, the task folder; the harness run as a sweep over 1 and 2 passes
-    and as two separate runs (lm-eval's environment report, seconds of `pip list` per run, skipped)."""
+    and alone at 2 passes (lm-eval's environment report, seconds of `pip list` per run, skipped)."""
     root = tmp_path_factory.mktemp("harness")
     tasks = root / "tasks"
     tasks.mkdir()
@@ -94,7 +86,7 @@ def setup(tmp_path_factory):
         lm = eh.lm_class()(model, TOK, progress=False)
         options = dict(include_path=str(tasks), bootstrap_iters=0)
         sweep = eh.evaluate(lm, TASKS, [1, 2], **options)
-        alone = {k: eh.evaluate(lm, TASKS, [k], **options)[k] for k in (1, 2)}
+        alone = eh.evaluate(lm, TASKS, [2], **options)[2]  # what the sweep's second run must equal
     return dict(root=root, tasks=str(tasks), model=model, ckpt=ckpt, sweep=sweep, alone=alone)
 
 
@@ -118,7 +110,7 @@ def own_loglikelihood(model, context, continuation, n_passes):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_loglikelihoods_equal_the_models_own_forward(setup, k):
-    results = setup["alone"][k]
+    results = setup["sweep"][k]
     checked = 0
     for task in ("toy_mc", "toy_long"):
         for item in samples(results, task):
@@ -139,7 +131,7 @@ def test_multiple_choice_accuracy_equals_eval_core_scoring(setup):
     examples = [eval_core.build_example(item, "multiple_choice", " ", TOK, max_len=model.config.block_size)
                 for item in MC_ITEMS]
     scored = eval_core.score_examples(model, examples, "multiple_choice", EOT)
-    harness = setup["alone"][2]
+    harness = setup["sweep"][2]
     for item, result in zip(samples(harness, "toy_mc"), scored):
         losses = [-logprob for [(logprob, _)] in item["resps"]]
         assert losses == pytest.approx(result["mean_losses"], rel=1e-5, abs=1e-5)
@@ -166,21 +158,21 @@ def test_rolling_loglikelihood_equals_the_models_own_token_logprobs(setup):
     block = setup["model"].config.block_size
     assert len(TOK.encode(TEXTS[-1])) > 2 * block  # three windows, the last one partly overlapping
     for k in (1, 2):
-        for item, text in zip(samples(setup["alone"][k], "toy_text"), TEXTS):
+        for item, text in zip(samples(setup["sweep"][k], "toy_text"), TEXTS):
             assert item["resps"][0][0] == pytest.approx(own_rolling(setup["model"], text, k), rel=1e-5)
 
 
 def test_generation_equals_sample_py_greedy_decoding(setup):
     until = ["\n\n", "<|endoftext|>"]
+    ids = torch.tensor([[EOT] + TOK.encode(prompt) for prompt in PROMPTS])  # one length: one batch
     for k in (1, 2):
-        for item, prompt in zip(samples(setup["alone"][k], "toy_gen"), PROMPTS):
-            ids = torch.tensor([[EOT] + TOK.encode(prompt)])
-            new = sample.generate_windowed(setup["model"], ids, MAX_GEN, temperature=0, n_passes=k)[0].tolist()
+        greedy = sample.generate_windowed(setup["model"], ids, MAX_GEN, temperature=0, n_passes=k)
+        for item, new in zip(samples(setup["sweep"][k], "toy_gen"), greedy.tolist()):
             text = TOK.decode(new)
             for stop in until:
                 text = text.split(stop)[0]
             assert item["resps"][0][0] == text
-    outputs = {k: [s["resps"][0][0] for s in samples(setup["alone"][k], "toy_gen")] for k in (1, 2)}
+    outputs = {k: [s["resps"][0][0] for s in samples(setup["sweep"][k], "toy_gen")] for k in (1, 2)}
     assert outputs[1] != outputs[2]
 
 
@@ -188,22 +180,20 @@ def test_greedy_until_stops_at_the_first_stop_string():
     model = make_model(**LOOPED)
     prompt = [EOT] + TOK.encode("Say 0:")
     full = sample.generate_windowed(model, torch.tensor([prompt]), 12, temperature=0)[0].tolist()
-    stop = TOK.decode(full[5:6])  # the text of the sixth new token
-    assert stop.strip() and stop not in TOK.decode(full[:5])
-    (text,) = eh.greedy_until(model, TOK, [prompt], (stop,), 12)
-    assert text == TOK.decode(full[:6])
+    stop = TOK.decode(full[:3])  # first in the text once the third new token is there
+    (text,) = eh.greedy_until(model, TOK, [prompt], ("never", stop), 12)
+    assert text == stop
     (text,) = eh.greedy_until(model, TOK, [prompt], (), 12)
     assert text == TOK.decode(full)
 
 
 def test_a_sweep_equals_separate_runs(setup):
-    for k in (1, 2):
-        sweep, alone = setup["sweep"][k], setup["alone"][k]
-        assert sweep["results"] == alone["results"]
-        for task in TASKS:
-            assert [s["resps"] for s in samples(sweep, task)] == [s["resps"] for s in samples(alone, task)]
-        assert sweep["config"]["n_passes"] == k
-    one, two = (setup["alone"][k]["results"]["toy_text"]["bits_per_byte,none"] for k in (1, 2))
+    sweep, alone = setup["sweep"][2], setup["alone"]  # K = 2 after K = 1 ran, and alone
+    assert sweep["results"] == alone["results"]
+    for task in TASKS:
+        assert [s["resps"] for s in samples(sweep, task)] == [s["resps"] for s in samples(alone, task)]
+    assert [setup["sweep"][k]["config"]["n_passes"] for k in (1, 2)] == [1, 2]
+    one, two = (setup["sweep"][k]["results"]["toy_text"]["bits_per_byte,none"] for k in (1, 2))
     assert math.isfinite(one) and one != two  # the passes change the answers: a sweep that ran K once would show
     table = eh.sweep_table(setup["sweep"])
     assert "| n_passes=1 | n_passes=2 |" in table and "| toy_mc | acc ↑ |" in table
@@ -217,25 +207,19 @@ def test_lm_evals_own_model_arguments_build_it(setup, monkeypatch):
     results = lm_eval.simple_evaluate(model="loopstudy", model_args=f"ckpt={setup['ckpt']},n_passes=1,progress=False",
                                       tasks=["toy_mc"], task_manager=eh.task_manager(["toy_mc"], setup["tasks"]),
                                       bootstrap_iters=0, batch_size=3)
-    assert results["results"]["toy_mc"] == setup["alone"][1]["results"]["toy_mc"]
+    assert results["results"]["toy_mc"] == setup["sweep"][1]["results"]["toy_mc"]
     assert results["config"]["n_passes"] == 1 and results["config"]["model_source"] == setup["ckpt"]
 
 
-def harness_env(tmp_path):
-    return dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-                HF_HOME=str(tmp_path / "hf_home"))
-
-
-def test_cli_prints_lm_evals_table_and_writes_its_json(setup, tmp_path):
+def test_cli_prints_lm_evals_table_and_writes_its_json(setup, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
     out = tmp_path / "results.json"
-    run = subprocess.run([sys.executable, "eval_harness.py", "--ckpt", setup["ckpt"], "--tasks", "toy_mc",
-                          "--include_path", setup["tasks"], "--limit", "4", "--bootstrap_iters", "0",
-                          "--output", str(out)], cwd=REPO, env=harness_env(tmp_path), capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "|toy_mc|" in run.stdout.replace(" ", "") and "Metric" in run.stdout
+    assert eh.main(["--ckpt", setup["ckpt"], "--tasks", "toy_mc", "--include_path", setup["tasks"], "--limit", "4",
+                    "--bootstrap_iters", "0", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "|toy_mc|" in printed.replace(" ", "") and "Metric" in printed
     results = json.loads(out.read_text())
-    first4 = [s for s in samples(setup["alone"][2], "toy_mc") if s["doc_id"] < 4]
+    first4 = [s for s in samples(setup["sweep"][2], "toy_mc") if s["doc_id"] < 4]
     want = sum(max(range(4), key=lambda c: s["resps"][c][0][0]) == s["target"] for s in first4) / 4
     assert results["results"]["toy_mc"]["acc,none"] == pytest.approx(want)
     assert results["config"]["n_passes"] == 2 and results["config"]["limit"] == 4 and "samples" not in results
@@ -254,31 +238,19 @@ def test_cli_sweep_prints_one_table_and_writes_every_run(setup, tmp_path, capsys
     assert len(written["results"]["2"]["samples"]["toy_mc"]) == 4
 
 
-def test_cli_one_line_errors(setup, tmp_path, capsys, monkeypatch):
+def test_cli_mistakes_are_one_line_with_status_2(setup, tmp_path, capsys, monkeypatch):
     ok = ["--ckpt", setup["ckpt"], "--tasks", "toy_mc", "--include_path", setup["tasks"]]
-    untied = save_checkpoint(make_model(layout="pcc", n_layer=3, n_passes=2, tie_core=False), tmp_path / "untied.pt")
+    untied = save_checkpoint(make_model(layout="pcc_untied", n_layer=3, n_passes=2), tmp_path / "untied.pt")
     plain = save_checkpoint(make_model(), tmp_path / "plain.pt")
-    cases = [(ok + ["--n_passes", "0"], "argument --n_passes: 0: must be >= 1"),
-             (ok + ["--n_passes", "1,x"], "argument --n_passes: expected an integer, got 'x'"),
-             (ok + ["--n_passes", "2,2"], "argument --n_passes: 2,2: each number of passes once"),
-             (ok + ["--n_passes", "65"], "argument --n_passes: 65: at most 64"),
-             (["--ckpt", untied, "--tasks", "toy_mc", "--n_passes", "1,3"],
-              "--n_passes 3: an untied model has 2 cores"),
-             (["--ckpt", plain, "--tasks", "toy_mc", "--n_passes", "2"], "--n_passes 2: the model has layout 'plain'"),
-             (["--ckpt", str(tmp_path / "absent.pt"), "--tasks", "toy_mc"], "checkpoint not found"),
-             (ok + ["--limit", "1.5"], "argument --limit: 1.5: a number of items"),
-             (["--ckpt", setup["ckpt"], "--tasks", "toy_mc", "--include_path", str(tmp_path / "nope")],
-              "--include_path"),
-             (ok[:2] + ["--tasks", " , "], "--tasks: give at least one task"),
-             (ok + ["--output", str(tmp_path)], "is a folder: give the path of the JSON file")]
-    for argv, needle in cases:
-        assert needle in one_line_error(eh.main, argv, capsys, "eval_harness.py"), argv
     real = lm_eval.tasks.TaskManager  # lm-eval's own index (14k tasks, seconds to build) left out here
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path=None, include_defaults=True:
                         real(include_path=include_path, include_defaults=False))
-    err = one_line_error(eh.main, ok[:2] + ["--tasks", "toy_mc,nope", "--include_path", setup["tasks"]], capsys,
-                         "eval_harness.py")
-    assert "--tasks: unknown task 'nope'" in err
+    for argv, needle in [(ok + ["--n_passes", "1,x"], "--n_passes"),
+                         (["--ckpt", untied, "--tasks", "toy_mc", "--n_passes", "1,3"], "runs 1 to 2 passes"),
+                         (["--ckpt", plain, "--tasks", "toy_mc", "--n_passes", "2"], "nothing to loop"),
+                         (["--ckpt", str(tmp_path / "absent.pt"), "--tasks", "toy_mc"], "absent.pt"),
+                         (ok[:2] + ["--tasks", "toy_mc,nope", "--include_path", setup["tasks"]],
+                          "--tasks: unknown task 'nope'")]:
+        assert needle in error_line(eh.main, argv, capsys, "eval_harness.py"), argv
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # what `import lm_eval` meets without the package
-    err = one_line_error(eh.main, ok, capsys, "eval_harness.py")
-    assert err == f"eval_harness.py: error: {eh.INSTALL}\n"
+    assert "pip install -r requirements-eval.txt" in error_line(eh.main, ok, capsys, "eval_harness.py")

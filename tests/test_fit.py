@@ -1,22 +1,22 @@
-# fit.py: scaling-law fits [S2]-[S7], Chinchilla Approach 3, the [X] protocol [X5]-[X7], multipliers,
-# cell bootstrap, quadratic vertex, CLI and input errors. Reading the
-# CSV files: tests/test_tables.py; the figures: tests/test_plots.py.
+# fit.py: the scaling-law fits [S2]-[S5], Chinchilla Approach 3 (Epoch AI's replication), the [X] protocol
+# [X5]-[X7] with the paper's own ladders, multipliers, cell bootstrap, quadratic vertex; read_runs; the CLI.
+import csv
+import hashlib
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 from scipy.optimize import brentq, minimize_scalar
-from threadpoolctl import threadpool_info, threadpool_limits
 
 import fit
-from tooling import jobs, tables
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "chinchilla_fig4_epoch.csv")
 POWER_EXAMPLE = os.path.join(os.path.dirname(__file__), "data", "power_example.csv")  # fit.synthetic_power_runs()
 X_LADDERS = os.path.join(os.path.dirname(__file__), "data", "fineweb_ladders.csv")  # [X]'s released ladders
+X_LADDERS_SHA256 = "94e787a140c3094981d82779d9c75c971f40a541970bcfbbdee0e8292d730e2c"  # tests/data/README_fineweb.md
+X_NAMES = {"arm": "arch", "compute_flops": "C", "val_loss": "loss"}
 
 
 def arch_arrays(runs, arch):
@@ -35,7 +35,7 @@ def test_surface_recovers_coefficients_from_noisy_data(seed):
             assert abs(getattr(f, k) - true[k]) < 0.02, (arch, k, getattr(f, k), true[k])
         for k in ("A", "K"):
             assert 0.7 < getattr(f, k) / true[k] < 1.4, (arch, k)
-        assert abs(f.gamma - fit.frontier_gamma(true["a"], true["c"])) < 0.01
+        assert abs(f.gamma - fit.SurfaceFit(**true).gamma) < 0.01
         assert 0.001 < f.rmse < 0.01  # noise 0.2% of a loss ~2 nats
 
 
@@ -65,7 +65,7 @@ def test_power_law_recovers_synthetic(protocol):
     rng = np.random.default_rng(1)
     C = np.geomspace(1e17, 1e20, 12)
     L = fit.PowerLawFit(E=2.0, A=1.5, gamma=0.3).loss(C) * np.exp(0.002 * rng.standard_normal(12))
-    f = fit.fit_power_law(C, L, protocol=protocol)
+    f = {"x": fit.fit_power_law_x, "huber-log": fit.fit_power_law_huber_log}[protocol](C, L)
     assert abs(f.E - 2.0) < 0.08 and abs(f.gamma - 0.3) < 0.04 and abs(f.A - 1.5) < 0.1
 
 
@@ -80,10 +80,10 @@ def test_x_free_fit_start_bounds_and_refusals():
     assert 0.0 <= g.E < pure.min() and abs(g.gamma - 0.05) < 1e-3
     with pytest.raises(ValueError, match="does not fall with compute"):
         fit.fit_power_law_x(C, 2.0 + 1e-3 * np.arange(8))
-    with pytest.raises(ValueError, match="3 points is too few"):
+    with pytest.raises(ValueError, match="power-law fit: 3 points at 3 distinct computes is too few to fit 3"):
         fit.fit_power_law_x(C[:3], exact[:3])
-    with pytest.raises(ValueError, match="unknown power-law protocol"):
-        fit.fit_power_law(C, exact, protocol="chinchilla")
+    with pytest.raises(ValueError, match="6 points at 2 distinct computes is too few"):  # repeated seeds
+        fit.fit_power_law_x(np.repeat(C[:2], 3), np.repeat(exact[:2], 3))
 
 
 def test_fixed_E_fit_gives_the_slope_standard_error():
@@ -97,16 +97,17 @@ def test_fixed_E_fit_gives_the_slope_standard_error():
     se = math.sqrt(np.sum(resid ** 2) / (len(x) - 2) / np.sum((x - x.mean()) ** 2))  # OLS slope error by hand
     assert f.gamma == pytest.approx(-slope, rel=1e-12) and f.A == pytest.approx(math.exp(intercept), rel=1e-12)
     assert f.gamma_se == pytest.approx(se, rel=1e-9) and 0 < f.gamma_se < 0.01
-    with pytest.raises(ValueError, match="2 points is too few"):  # a line through 2 points has no error estimate
+    with pytest.raises(ValueError, match="2 points at 2 distinct computes is too few"):  # no error estimate
         fit.fit_power_law_fixed_E(C[:2], L[:2], 2.0)
 
 
 # ----------------------------------------------------------------------------- Chinchilla replication
 
 def epoch_points():
-    runs = tables.read_chinchilla_csv(DATA)  # params, train_flops -> N, D = C / (6N)
-    keep = np.argsort(runs["loss"])[:-5]  # drop the 5 highest-loss points, as Epoch did
-    return runs["N"][keep], runs["D"][keep], runs["loss"][keep]
+    rows = fit.read_runs(DATA, numbers=("params", "train_flops", "loss"))
+    N, C, L = (np.array([r[k] for r in rows]) for k in ("params", "train_flops", "loss"))
+    keep = np.argsort(L)[:-5]  # drop the 5 highest-loss points, as Epoch did
+    return N[keep], (C / (6 * N))[keep], L[keep]  # D = C / 6N
 
 
 def test_chinchilla_epoch_replication():
@@ -140,8 +141,8 @@ def test_chinchilla_traps_are_avoided():
 # ----------------------------------------------------------------------------- closed forms [S3]-[S5]
 
 def test_gamma_from_published_exponents():
-    assert round(fit.frontier_gamma(0.3703, 0.6594), 3) == 0.237
-    assert round(fit.frontier_gamma(0.3892, 0.7011), 3) == 0.250
+    assert round(fit.SurfaceFit(**fit.SYNTHETIC_SURFACES["baseline"]).gamma, 3) == 0.237  # [S4] ac / (a + c)
+    assert round(fit.SurfaceFit(**fit.SYNTHETIC_SURFACES["smelt"]).gamma, 3) == 0.250
 
 
 def numeric_frontier(f, C, S):
@@ -259,12 +260,12 @@ def test_power_laws_shared_E():
     true = (1.5 / 1.4) ** (1 / 0.32) * (C / 1e18) ** (0.02 / 0.32)
     assert np.all(np.abs(fits["vanilla"].compute(L_ref) / fits["loop"].compute(L_ref) / true - 1) < 0.02)  # 1.4% here
     # the reference too is fitted with E held fixed (its gamma is the regression's, not the free fit's)
-    free = fit.fit_power_law(*runs["vanilla"])
+    free = fit.fit_power_law_x(*runs["vanilla"])  # the default protocol, [X]'s
     assert fits["vanilla"].E == free.E
     assert fits["vanilla"].gamma == fit.fit_power_law_fixed_E(*runs["vanilla"], free.E).gamma
     assert all(0 < f.gamma_se < 0.01 for f in fits.values())
     per_arch = fit.fit_power_laws(runs, "vanilla", shared_E=False)
-    assert per_arch["loop"].E != per_arch["vanilla"].E and per_arch["loop"].E == fit.fit_power_law(*runs["loop"]).E
+    assert per_arch["loop"].E != per_arch["vanilla"].E and per_arch["loop"].E == fit.fit_power_law_x(*runs["loop"]).E
     with pytest.raises(ValueError, match="shared E"):
         fit.fit_power_law_fixed_E(C, runs["loop"][1], E=10.0, name="loop")
 
@@ -281,7 +282,8 @@ X_PUBLISHED_E = 1.7064
 
 
 def x_ladders():
-    rows = tables.read_power_csv(X_LADDERS)
+    rows = fit.read_runs(X_LADDERS, numbers=("depth", "C", "loss"), text=("arch",), rename=X_NAMES)
+    rows = {k: np.array([r[k] for r in rows]) for k in ("arch", "depth", "C", "loss")}
     archs = list(dict.fromkeys(rows["arch"].tolist()))
     return rows, {a: (rows["C"][rows["arch"] == a], rows["loss"][rows["arch"] == a]) for a in archs}
 
@@ -310,16 +312,16 @@ def test_x_protocol_reproduces_the_published_exponents_and_multipliers():
 def test_cli_power_reads_the_x_ladders(capsys):
     assert fit.main(["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["protocol"] == "x" and out["min_depth"] == 8 and abs(out["E"] - X_PUBLISHED_E) < 1e-3
+    assert abs(out["E"] - X_PUBLISHED_E) < 1e-3
     for arch, published in X_PUBLISHED_GAMMA.items():
         assert abs(out["fits"][arch]["gamma"] - published) < 5e-5 and out["fits"][arch]["gamma_se"] > 0
+    assert len(out["budgets"]) == 7 and out["budgets"][-1] == pytest.approx(1.006363e20)
     for arch, published in X_PUBLISHED_MULTIPLIER_1E20.items():
-        m = out["multipliers"][arch]
-        assert len(m) == 7 and m[-1]["C"] == pytest.approx(1.006363e20) and round(m[-1]["value"], 2) == published
+        assert round(out["multipliers"][arch][-1], 2) == published
     # without --min-depth every Vanilla point is a budget: d6 too, where Vanilla's loss is above every other arch's
     assert fit.main(["power", X_LADDERS, "--ref", "vanilla", "--json"]) == 0
     m = json.loads(capsys.readouterr().out)["multipliers"]["untied_grow"]
-    assert len(m) == 8 and m[0]["value"] is None
+    assert len(m) == 8 and m[0] is None
     # the text output: every gamma with its standard error
     assert fit.main(["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "8"]) == 0
     text = capsys.readouterr().out
@@ -327,13 +329,6 @@ def test_cli_power_reads_the_x_ladders(capsys):
     assert "(depth >= 8)" in text and "1.01e+20:1.553" in text
     assert fit.main(["power", X_LADDERS, "--ref", "vanilla", "--protocol", "huber-log", "--json"]) == 0
     assert abs(json.loads(capsys.readouterr().out)["fits"]["vanilla"]["gamma"] - 0.1101) < 1e-4
-
-
-def test_cli_power_plot_draws_the_chosen_budgets(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
-    png = tmp_path / "x.png"
-    assert fit.main(["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "8", "--json", "--plot", str(png)]) == 0
-    assert json.loads(capsys.readouterr().out)["fits"] and png.read_bytes().startswith(b"\x89PNG")
 
 
 # ----------------------------------------------------------------------------- cell bootstrap
@@ -356,19 +351,19 @@ def test_cell_bootstrap_seeded_and_worker_independent():
 def test_quadratic_vertex():
     tpp = np.geomspace(2, 50, 7)
     loss = np.exp(1.0 + 0.05 * (np.log(tpp) - math.log(8.0)) ** 2)
-    assert abs(fit.best_measured_tpp(tpp, loss) - 8.0) < 1e-8
+    assert abs(fit.quadratic_vertex(tpp, loss)["x_opt"] - 8.0) < 1e-8  # the compute-optimal TPP
     rho = np.linspace(0.1, 0.9, 5)
-    assert abs(fit.best_measured_growth_fraction(rho, np.exp(1 + (rho - 0.27) ** 2)) - 0.27) < 1e-6
-    with pytest.raises(ValueError, match="curvature"):
+    assert abs(fit.quadratic_vertex(rho, np.exp(1 + (rho - 0.27) ** 2), log_x=False)["x_opt"] - 0.27) < 1e-6
+    with pytest.raises(ValueError, match="no minimum"):
         fit.quadratic_vertex(tpp, 1 / loss)
     three = fit.quadratic_vertex([1.0, 2.0, 4.0], [3.0, 1.0, 2.0], log_y=False)  # exactly through 3 points
     a, b, c = np.polyfit(np.log([1.0, 2.0, 4.0]), [3.0, 1.0, 2.0], 2)
     assert three["x_opt"] == pytest.approx(math.exp(-b / (2 * a)), rel=1e-12)
-    with pytest.raises(ValueError, match="2 points is too few for a parabola"):
+    with pytest.raises(ValueError, match=r"quadratic-vertex fit: no minimum \(2 points"):
         fit.quadratic_vertex([1.0, 2.0], [1.0, 2.0])
 
 
-# ----------------------------------------------------------------------------- CLI and malformed input
+# ----------------------------------------------------------------------------- read_runs
 
 def write(tmp_path, name, text):
     p = tmp_path / name
@@ -376,24 +371,74 @@ def write(tmp_path, name, text):
     return str(p)
 
 
+def test_read_runs_types_renames_and_requires(tmp_path):
+    path = write(tmp_path, "r.csv", "\ufeffarch, C ,loss,note,seed,ok,gap\nv,1e18,3.5,x,1,True,\nw,2e18,3,y z,2,False,\n")
+    rows = fit.read_runs(path, numbers=("C", "loss"), text=("arch",))  # a spreadsheet's byte-order mark is fine
+    assert rows == [dict(arch="v", C=1e18, loss=3.5, note="x", seed=1, ok=True, gap=None),
+                    dict(arch="w", C=2e18, loss=3, note="y z", seed=2, ok=False, gap=None)]
+    assert type(rows[1]["loss"]) is int and type(rows[0]["seed"]) is int  # as written: ints stay ints
+    assert fit.read_runs(path, text=("label",), rename={"note": "label"})[0]["label"] == "x"
+    assert fit.read_runs(write(tmp_path, "t.csv", "arch,C\n1e3,5\n"), text=("arch",))[0]["arch"] == "1e3"
+    with pytest.raises(FileNotFoundError):
+        fit.read_runs(str(tmp_path / "none.csv"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("arch,loss\nv,2.0\n", "r.csv: no column C in its header ['arch', 'loss']"),
+    ("", "r.csv: no column C, loss, arch in its header []"),
+    ("arch,C,loss\nv,1e18,2.0\nv,abc,2.0\n", "r.csv line 3: C 'abc' is not a number"),
+    ("arch,C,loss\nv,1e18,2.0\nv,1e19,nan\n", "r.csv line 3: loss nan is not a number"),
+    ("arch,C,loss\nv,1e18,2.0\nv,,2.0\n", "r.csv line 3: C None is not a number"),
+    ("arch,C,loss\nv,1e18,2.0\nv,1e19\n", "r.csv line 3: loss None is not a number"),  # a short row
+])
+def test_read_runs_names_the_file_and_line_of_a_bad_row(tmp_path, text, message):
+    with pytest.raises(ValueError) as e:
+        fit.read_runs(write(tmp_path, "r.csv", text), numbers=("C", "loss"), text=("arch",))
+    assert str(e.value) == str(tmp_path / message)
+
+
+def test_x_ladders_file_is_the_released_one():
+    raw = open(X_LADDERS, "rb").read()
+    assert hashlib.sha256(raw).hexdigest() == X_LADDERS_SHA256  # byte for byte the released file (CRLF lines)
+    rows, runs = x_ladders()
+    assert (rows["arch"][0], rows["depth"][0], rows["C"][0], rows["loss"][0]) == ("vanilla", 6, 3.252671e17, 3.560862)
+    assert len(rows["C"]) == 58 and len(runs) == 8 and rows["arch"][-1] == "untied_grow"
+
+
+def test_power_example_file_is_the_generator_written_out():
+    rows = fit.read_runs(POWER_EXAMPLE, numbers=("C", "loss"), text=("arch",))
+    gen = fit.synthetic_power_runs()
+    assert [r["arch"] for r in rows] == list(gen["arch"])
+    np.testing.assert_allclose([r["loss"] for r in rows], gen["loss"], rtol=1e-9)  # 10 significant digits
+
+
+# ----------------------------------------------------------------------------- the command line
+
 def surface_csv(tmp_path, runs):
-    lines = ["arch,cell,F,S,D,loss,note"]
-    for i in range(len(runs["loss"])):
-        numbers = ",".join(f"{runs[k][i]:.17g}" for k in ("F", "S", "D", "loss"))
-        lines.append(f"{runs['arch'][i]},{runs['cell'][i]},{numbers},x")
-    return write(tmp_path, "runs.csv", "\n".join(lines) + "\n")
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([*runs, "note"])
+        w.writerows([*row, "x"] for row in zip(*runs.values()))
+    return str(path)
 
 
-def test_cli_surface_json(tmp_path, capsys):
+def test_cli_surface_json_and_text(tmp_path, capsys):
     path = surface_csv(tmp_path, fit.synthetic_surface_runs(noise=0.002, seed=0))
-    assert fit.main(["surface", path, "--ref", "baseline", "--target", "smelt", "--budgets", "1e20,1e21",
-                     "--sparsity", "0.85,0.95", "--json"]) == 0
+    assert fit.main(["surface", path, "--ref", "baseline", "--target", "smelt", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"fits", "ce_gain", "tpp"}
     assert set(out["fits"]["smelt"]) == {"E", "A", "a", "b", "K", "c", "rmse", "gamma"}
-    assert len(out["ce_gain"]) == 4 and set(out["ce_gain"][0]) == {"C", "S", "value", "lo", "hi"}
-    assert out["ce_gain"][0]["lo"] is None
-    assert len(out["tpp"]) == 8 and set(out["tpp"][0]) == {"arch", "C", "S", "value", "lo", "hi"}
+    assert abs(out["fits"]["baseline"]["c"] - fit.SYNTHETIC_SURFACES["baseline"]["c"]) < 0.02
+    assert out["budgets"] == [1e20, 1e21] and out["sparsity"] == [0.85, 0.95] and "lo" not in out
+    fits = {a: fit.SurfaceFit(**{k: out["fits"][a][k] for k in "EAabKc"}) for a in ("baseline", "smelt")}
+    np.testing.assert_allclose(out["value"]["ce_gain"][1][1], fit.ce_gain(fits["baseline"], fits["smelt"], 1e21, 0.95))
+    np.testing.assert_allclose(out["value"]["target.tpp"][0][0], fit.tpp(fits["smelt"], 1e20, 0.85))
+    assert fit.main(["surface", path, "--ref", "baseline", "--target", "smelt", "--budgets", "1e21",
+                     "--sparsity", "0.9", "--bootstrap", "4", "--seed", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["arch", "E", "A", "a", "b", "K", "c", "gamma", "rmse"] and len(lines) == 5
+    assert lines[3].startswith("[S5] CE Gain of smelt over baseline, TPP = D*/(F*/6) (95% intervals: 4 draws)")
+    assert lines[4].startswith("  C=1e+21 S=0.9: CE Gain ") and lines[4].count("[") == 3
 
 
 def test_cli_chinchilla_and_power_json(tmp_path, capsys):
@@ -401,7 +446,12 @@ def test_cli_chinchilla_and_power_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"E", "A", "B", "alpha", "beta", "objective"} and abs(out["E"] - 1.817) < 0.003
     assert fit.main(["chinchilla", DATA, "--drop-highest", "5"]) == 0
-    assert capsys.readouterr().out.startswith("Chinchilla Approach 3 on 240 points: E=1.81")
+    assert capsys.readouterr().out.startswith("Chinchilla Approach 3 on 240 points: E=1.8172 A=477.83 B=2143.42")
+    by_D = write(tmp_path, "d.csv", "N,D,loss\n" + "".join(f"{n:g},{d:g},{2 + 400 / n ** 0.3 + 900 / d ** 0.3}\n"
+                                                         for n in (1e8, 3e8, 1e9) for d in (1e9, 1e10, 1e11)))
+    assert fit.main(["chinchilla", by_D, "--json"]) == 0  # N, D, loss: exact, noise-free
+    out = json.loads(capsys.readouterr().out)
+    assert abs(out["E"] - 2) < 1e-4 and abs(out["alpha"] - 0.3) < 1e-4 and abs(out["beta"] - 0.3) < 1e-4
     # noise-free laws with equal gamma: loop reaches vanilla's loss with (1.4/1.5)^(1/0.3) of its compute,
     # so the multiplier [X6] is (1.5/1.4)^(1/0.3) = 1.2586 at every budget. 16 budgets (spacing not a
     # divisor of that ratio): interpolating between neighbours in (log L, log C) is then within 0.2%.
@@ -412,295 +462,109 @@ def test_cli_chinchilla_and_power_json(tmp_path, capsys):
     assert fit.main(["power", path, "--ref", "vanilla", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"]["loop"]["E"] == out["E"] and abs(out["E"] - 2.0) < 1e-4
-    vals = [m["value"] for m in out["multipliers"]["loop"]]
+    vals = out["multipliers"]["loop"]
     assert vals[0] is None  # vanilla's first loss is above all of loop's: outside its range, no extrapolation
     assert all(v is not None and abs(v / (1.5 / 1.4) ** (1 / 0.3) - 1) < 0.003 for v in vals[1:]), vals
-    # --plot works with matplotlib and degrades to a message without it
-    png = str(tmp_path / "m.png")
-    assert fit.main(["power", path, "--ref", "vanilla", "--plot", png]) == 0
-    assert os.path.exists(png) or "matplotlib is not installed" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text, message", [
-    ("arch,cell,F,S,D\nb,c1,1e9,0.5,1e10\n", "line 1: missing column 'loss'"),
-    ("arch,cell,F,S,D,loss\nb,c1,1e9,0.5,1e10,2.0\nb,c1,1e9,0.5,1e10,-1\n", "line 3, column 'loss': must be > 0"),
-    ("arch,cell,F,S,D,loss\nb,c1,0,0.5,1e10,2.0\n", "line 2, column 'F': must be > 0"),
-    ("arch,cell,F,S,D,loss\nb,c1,1e9,abc,1e10,2.0\n", "line 2, column 'S': 'abc' is not a number"),
-    ("arch,cell,F,S,D,loss\nb,c1,1e9,1.5,1e10,2.0\n", "line 2, column 'S': must lie in [0, 1)"),
-    ("arch,cell,F,S,D,loss\n" + "".join(f"b,c{i},1e9,0.5,{1e10 * (i + 1)},2.0\n" for i in range(5)),
-     "too few to fit 6"),
-])
-def test_malformed_surface_input(tmp_path, capsys, text, message):
-    path = write(tmp_path, "bad.csv", text)
-    assert fit.main(["surface", path, "--ref", "b", "--target", "b"]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "bad.csv" in err
-
-
-def test_power_example_file_recovers_its_generating_laws(capsys):
-    # the shipped example is write_runs_csv(synthetic_power_runs()): it reads back as the generator's values
-    runs = tables.read_runs_csv(POWER_EXAMPLE, ["arch", "C", "loss"], positive=["C", "loss"])
-    gen = fit.synthetic_power_runs()
-    assert list(runs["arch"]) == list(gen["arch"])
-    np.testing.assert_allclose(runs["loss"], gen["loss"], rtol=1e-9)
-    # the README command: shared E [X7], (A, gamma) per arch and measured multipliers [X6]
-    assert fit.main(["power", POWER_EXAMPLE, "--ref", "vanilla", "--json"]) == 0
+def test_power_example_recovers_its_generating_laws(capsys):
+    assert fit.main(["power", POWER_EXAMPLE, "--ref", "vanilla", "--json"]) == 0  # the README's command
     out = json.loads(capsys.readouterr().out)
-    assert abs(out["E"] - fit.SYNTHETIC_POWER_E) < 0.01  # 0.1% noise on 5 points: E = 1.992
+    assert abs(out["E"] - fit.SYNTHETIC_POWER_E) < 0.01  # 0.1% noise on 5 points: E = 1.993
     laws = {a: fit.PowerLawFit(E=fit.SYNTHETIC_POWER_E, **law) for a, law in fit.SYNTHETIC_POWER_LAWS.items()}
     for a, law in laws.items():
         got = out["fits"][a]
         assert got["E"] == out["E"]
         assert abs(got["gamma"] - law.gamma) < 0.004 and abs(got["A"] / law.A - 1) < 0.015, (a, got)
+    C = np.array(out["budgets"])
     for a in ("loop-2", "untied-grow"):
-        m = out["multipliers"][a]
-        C = np.array([p["C"] for p in m])
         true = C / laws[a].compute(laws["vanilla"].loss(C))
-        assert m[0]["value"] is None  # vanilla's smallest run is worse than any of the arch's: no extrapolation
+        m = out["multipliers"][a]
+        assert m[0] is None  # vanilla's smallest run is worse than any of the arch's: no extrapolation
         # [X]'s rule interpolates log C linearly in L between points half a decade apart; the loss is convex in
         # log C, so the chord reaches a loss later than the law: 2.4-4.9% low here noise-free, never high
-        rel = np.array([p["value"] for p in m[1:]], dtype=float) / true[1:] - 1
+        rel = np.array(m[1:]) / true[1:] - 1
         assert np.all((-0.06 < rel) & (rel < 0.005)), (a, rel)
-    loop = [p["value"] for p in out["multipliers"]["loop-2"][1:]]
-    grow = [p["value"] for p in out["multipliers"]["untied-grow"][1:]]
+    loop, grow = out["multipliers"]["loop-2"][1:], out["multipliers"]["untied-grow"][1:]
     assert np.ptp(loop) < 0.03 and np.all(np.diff(grow) > 0.05)  # constant vs exponent improvement
+    assert fit.main(["power", POWER_EXAMPLE, "--ref", "vanilla"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].startswith("[X7] E = 1.9934 (fitted on vanilla, shared; protocol x); C0 = 1e+18")
+    assert text[-2] == "       loop-2: 1e+18:nan 3e+18:1.210 1e+19:1.214 3e+19:1.231 1e+20:1.233"
 
 
-def test_single_blas_thread_limits_and_restores():
-    def blas_threads():
-        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
-
-    assert blas_threads(), "numpy/scipy loaded no BLAS that threadpoolctl can see"
-    with threadpool_limits(limits=2, user_api="blas"):
-        before = blas_threads()
-        if max(before) < 2:
-            pytest.skip("BLAS runs one thread at most on this machine")
-        with jobs.single_blas_thread():
-            assert blas_threads() == [1] * len(before)
-        assert blas_threads() == before
+def test_cli_power_text_and_options(capsys):
+    assert fit.main(["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "E = 1.7064" in text and "gamma=0.11125 +- 0.0003" in text and "untied_grow: E=1.7064" in text
+    assert "(depth >= 8)" in text and "1.01e+20:1.553" in text
+    assert fit.main(["power", X_LADDERS, "--ref", "vanilla", "--protocol", "huber-log", "--json"]) == 0
+    assert abs(json.loads(capsys.readouterr().out)["fits"]["vanilla"]["gamma"] - 0.1101) < 1e-4
+    assert fit.main(["power", POWER_EXAMPLE, "--ref", "vanilla", "--per-arch-E", "--C0", "1e19", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len({f["E"] for f in out["fits"].values()}) == 3 and out["fits"]["vanilla"]["C0"] == 1e19
 
 
-def status_of(argv):
-    """fit.main's exit status: returned for a mistake in the data, SystemExit(2) from the parser for a bad
-    command line."""
-    try:
-        return fit.main(argv)
-    except SystemExit as e:
-        return e.code
-
-
-def one_error_line(capsys):
-    """The one line naming the mistake, alone on stderr (no usage above it), for the data and a flag alike."""
+def error_line(capsys, argv, module=fit):
+    """The exit status 2 and the last line on stderr (argparse prints the usage above it)."""
+    with pytest.raises(SystemExit) as e:
+        module.main(argv)
     captured = capsys.readouterr()
-    lines = captured.err.splitlines()
-    assert captured.out == "" and len(lines) == 1, captured.err
-    assert lines[0].startswith("fit.py") and ": error: " in lines[0]
-    return lines[0]
+    assert e.value.code == 2 and captured.out == ""
+    return captured.err.splitlines()[-1]
 
 
 POWER_HEAD = "arch,C,loss\n"
 POWER_OK = "".join(f"v,{c:g},{2 + 1.5 * (c / 1e18) ** -0.3:.6f}\n" for c in (1e18, 3e18, 1e19, 3e19, 1e20))
 
 
-@pytest.mark.parametrize("raw, message", [  # every CSV mistake: tests/test_tables.py
-    (b"", "power.csv: empty file"),
-    ((POWER_HEAD + POWER_OK + "v,abc,2.0\n").encode(), "power.csv line 7, column 'C': 'abc' is not a number"),
-    ((POWER_HEAD + POWER_OK + "v,1e21,2.0,x\n").encode(), "power.csv line 7: 4 fields, the header has 3"),
-    ((POWER_HEAD + "caf\u00e9,1e18,2.0\n").encode("latin-1"), "power.csv line 2: not valid UTF-8"),
-    ((POWER_HEAD + "\n" + POWER_OK + ",,\n").encode(), None),  # blank lines (also as bare commas) are skipped
+@pytest.mark.parametrize("argv, text, message", [
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,abc,2.0\n", "fit.py: error: {path} line 7: C 'abc' is not"),
+    (["power", "--ref", "v"], "arch,loss\nv,2\n", "fit.py: error: {path}: no column C in its header"),
+    (["power", "--ref", "x"], POWER_HEAD + POWER_OK, "fit.py: error: {path}: no arch 'x' (have v)"),
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "w,1e18,3.5\nw,1e19,3.6\nw,1e20,3.7\n",
+     "fit.py: error: {path}: the loss of w does not fall with compute: no power law"),
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "w,1e18,1.5\nw,1e19,1.4\nw,1e20,1.3\n",
+     "fit.py: error: {path}: w: loss 1.3 <= shared E 2"),
+    (["power", "--ref", "v", "--per-arch-E"], POWER_HEAD + POWER_OK + "w,1e18,3.5\nw,1e19,3.5\nw,3e19,3.5\n"
+     "w,1e20,3.5\n", "fit.py: error: {path}: w: power-law fit: loss does not fall with compute for any E"),
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "w,1e18,3.5\nw,1e18,3.4\n",
+     "fit.py: error: {path}: w affine fit: 2 points at 1 distinct computes is too few to fit 2 coefficients"),
+    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "w,-1e18,3.5\nw,1e19,3.4\nw,1e20,3.3\n",
+     "fit.py: error: {path}: C must be finite and > 0"),
+    (["surface", "--ref", "b", "--target", "b"], "arch,cell,F,S,D,loss\n"
+     + "".join(f"b,c{i},1e9,0.5,{1e10 * (i + 1)},2.0\n" for i in range(5)),
+     "fit.py: error: {path}: arch 'b': SMELT surface: 5 points is too few to fit 6 coefficients"),
+    (["chinchilla", "--drop-highest", "2"], "N,D,loss\n" + "".join(f"{1e9 * (i + 1)},1e10,2.0\n" for i in range(6)),
+     "fit.py: error: {path}: Chinchilla fit: 4 points is too few to fit 5 coefficients"),
+    (["surface", "--ref", "b", "--target", "b", "--budgets", "1e20,abc"], POWER_HEAD,
+     "fit.py surface: error: argument --budgets: invalid floats value: '1e20,abc'"),
 ])
-def test_malformed_csv_is_one_line_and_status_2(tmp_path, capsys, raw, message):
-    path = tmp_path / "power.csv"
-    path.write_bytes(raw)
-    status = fit.main(["power", str(path), "--ref", "v", "--json"])
-    if message is None:
-        assert status == 0 and capsys.readouterr().err == ""
-        return
-    assert status == 2
-    line = one_error_line(capsys)
-    assert message in line and str(path) in line, line
+def test_cli_mistakes_are_one_line_and_status_2(tmp_path, capsys, argv, text, message):
+    path = write(tmp_path, "p.csv", text)
+    assert error_line(capsys, [argv[0], path, *argv[1:]]) .startswith(message.format(path=path))
 
 
-def test_power_fit_errors_name_the_architecture(tmp_path, capsys):
-    path = write(tmp_path, "power.csv", POWER_HEAD + POWER_OK + "w,1e18,3.4\nw,1e19,2.7\nw,1e20,2.3\n")
-    assert fit.main(["power", path, "--ref", "v", "--per-arch-E"]) == 2
-    assert f"{path}: w: power-law fit: 3 points is too few to fit 3 coefficients" in one_error_line(capsys)
-    assert fit.main(["power", path, "--ref", "w"]) == 2  # E is fitted on the reference
-    assert f"{path}: w: power-law fit: 3 points" in one_error_line(capsys)
-    below = write(tmp_path, "below.csv", POWER_HEAD + POWER_OK + "w,1e18,1.5\nw,1e19,1.4\n")
-    assert fit.main(["power", below, "--ref", "v"]) == 2
-    assert f"{below}: w: loss 1.4 <= shared E 2" in one_error_line(capsys)
+def test_cli_missing_file(capsys):
+    assert error_line(capsys, ["power", "no/such.csv", "--ref", "v"]) == \
+        "fit.py: error: [Errno 2] No such file or directory: 'no/such.csv'"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["chinchilla", DATA, "--drop-highest", "-3"],
-     "fit.py chinchilla: error: argument --drop-highest: -3: must be >= 0"),
-    (["chinchilla", DATA, "--drop-highest", "245"],
-     f"fit.py: error: {DATA}: --drop-highest 245 leaves no points (the file has 245)"),
-    (["chinchilla", DATA, "--drop-highest", "241"], f"fit.py: error: {DATA}: Chinchilla fit: 4 points is too few"),
-    (["chinchilla", "no/such.csv"], "fit.py: error: No such file or directory: no/such.csv"),
-    (["power", "no/such.csv", "--ref", "vanilla"], "fit.py: error: No such file or directory: no/such.csv"),
-    (["power", POWER_EXAMPLE], "fit.py power: error: the following arguments are required: --ref"),
-    (["power", POWER_EXAMPLE, "--ref", "nope"], "architecture 'nope' not found in column 'arch'"),
-    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--C0", "0"], "argument --C0: 0: must be > 0"),
-    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--C0", "nan"], "argument --C0: nan: must be a finite number > 0"),
-    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--min-depth", "8"],
-     f"{POWER_EXAMPLE}: --min-depth needs a column 'depth'"),
-    (["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "21"], "--min-depth 21 leaves none of vanilla's points"),
-    (["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "-1"], "argument --min-depth: -1: must be > 0"),
-    (["power", X_LADDERS, "--ref", "vanilla", "--protocol", "lbfgs"], "argument --protocol: invalid choice: 'lbfgs'"),
-    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--budgets", "abc"],
-     "fit.py surface: error: argument --budgets: expected comma-separated numbers > 0, got 'abc'"),
-    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--budgets", ""], "argument --budgets"),
-    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--budgets", "1e20,-1"], "argument --budgets"),
-    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--sparsity", "0.5,1"],
-     "argument --sparsity: expected comma-separated numbers in [0, 1), got '0.5,1'"),
-    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--bootstrap", "-5"],
-     "argument --bootstrap: -5: must be >= 0"),
-    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b"], "line 1: missing column 'cell'"),
-    (["fitness"], "fit.py: error: argument cmd: invalid choice: 'fitness'"),
-    ([], "fit.py: error: the following arguments are required: cmd"),
-])
-def test_cli_mistakes_are_one_line_and_status_2(capsys, argv, message):
-    assert status_of(argv) == 2
-    line = one_error_line(capsys)
-    assert message in line, line
+def test_cli_plot_draws_the_fits(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "x.png"
+    assert fit.main(["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "8", "--json", "--plot", str(png)]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] and png.read_bytes().startswith(b"\x89PNG")
+    path = surface_csv(tmp_path, fit.synthetic_surface_runs(noise=0.002, seed=0))
+    assert fit.main(["surface", path, "--ref", "baseline", "--target", "smelt", "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
 
 
-def test_malformed_chinchilla_input(tmp_path, capsys):
-    path = write(tmp_path, "c.csv", "N,loss\n1e9,2.0\n")
-    assert fit.main(["chinchilla", path]) == 2
-    assert "missing column 'D' (or 'C' / 'train_flops')" in capsys.readouterr().err
-    path = write(tmp_path, "c2.csv", "N,D,loss\n" + "".join(f"{1e9 * (i + 1)},1e10,2.0\n" for i in range(4)))
-    assert fit.main(["chinchilla", path]) == 2
-    assert "too few to fit 5" in capsys.readouterr().err
-
-
-# ----------------------------------------------------------------------------- the command line's --plot
-
-def test_plot_cli_without_matplotlib(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+def test_cli_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     png = tmp_path / "m.png"
     assert fit.main(["power", POWER_EXAMPLE, "--ref", "vanilla", "--json", "--plot", str(png)]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["fits"] and not png.exists()
-    assert captured.err.splitlines() == [f"{png}: matplotlib is not installed, so no figure was written "
-                                         "(figures are optional: pip install -r requirements-plot.txt)"]
-
-
-def test_cli_surface_plot_draws_the_frontiers(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
-    path = surface_csv(tmp_path, fit.synthetic_surface_runs(noise=0.002, seed=0))
-    png = tmp_path / "frontiers.png"
-    assert fit.main(["surface", path, "--ref", "baseline", "--target", "smelt", "--json", "--plot", str(png)]) == 0
-    assert json.loads(capsys.readouterr().out)["fits"] and png.read_bytes().startswith(b"\x89PNG")
-
-
-# ----------------------------------------------------------------------------- duplicates, nan, abbreviations, Ctrl-C
-
-@pytest.mark.parametrize("command, text, message", [
-    # the same point twice is fitted twice: refused with both lines (repeated seeds differ in loss: kept)
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,3e18,2.0\nv,3.0e18,2.0\n",
-     "power.csv lines 7 and 8: the same row twice (equal arch, C, loss)"),
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK.splitlines(keepends=True)[1] + POWER_OK,
-     "power.csv lines 2 and 4: the same row twice"),
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,1e21,2.2\nv, 1e21 ,2.2\n",  # spaces around a field
-     "power.csv lines 7 and 8: the same row twice"),
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + 'v,1e21,2.2\n" v",1e21 , 2.2\n', "power.csv lines 7 and 8"),
-    (["chinchilla"], "N,D,loss\n" + "".join(f"{1e9 * (i + 1)},1e10,{3 - i / 10}\n" for i in range(6))
-     + "1e9,1e10,3.0\n", "power.csv lines 2 and 8: the same row twice (equal N, D, loss)"),
-    (["surface", "--ref", "b", "--target", "b"], "arch,cell,F,S,D,loss\nb,c1,1e9,0.5,1e10,2.0\nb,c2,1e9,0.5,2e10,1.9\n"
-     "b,c1,1e9,0.5,1e10,2.0\n", "power.csv lines 2 and 4: the same row twice (equal arch, cell, F, S, D, loss)"),
-    # a non-finite number in any column a fit reads: the file, the line and the column
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,inf,2.0\n",
-     "power.csv line 7, column 'C': value must be finite, got 'inf'"),
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,1e21,NaN\n",
-     "power.csv line 7, column 'loss': value must be finite, got 'NaN'"),
-    (["power", "--ref", "v"], "arch,depth,C,loss\n" + "".join(f"v,{d},{c:g},{2 + c / 1e21}\n" for d, c in
-                                                            zip((1, 2, 3, 4), (1e18, 1e19, 1e20, 1e21)))
-     + "v,-inf,1e22,2.5\n",
-     "power.csv line 6, column 'depth': value must be finite, got '-inf'"),
-    (["chinchilla"], "N,D,loss\n1e9,nan,2.0\n", "power.csv line 2, column 'D': value must be finite, got 'nan'"),
-])
-def test_duplicate_and_non_finite_rows_are_one_line_naming_file_and_lines(tmp_path, capsys, command, text, message):
-    path = write(tmp_path, "power.csv", text)
-    assert fit.main([command[0], path, *command[1:]]) == 2
-    line = one_error_line(capsys)
-    assert message in line and path in line, line
-
-
-W_FLAT = "w,1e18,3.5\nw,1e19,3.5\nw,1e20,3.5\n"
-
-
-@pytest.mark.parametrize("command, text, message", [
-    # a name spelled in two cases would split one architecture (or cell) into two: both lines named
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "V,1e21,2.2\n",
-     "power.csv line 7, column 'arch': 'V' and 'v' (line 2) differ only in case; spell the name one way"),
-    (["power", "--ref", "v"], POWER_HEAD + "\n" + POWER_OK + "V,1e21,2.2\n",  # the line numbers count blank lines
-     "power.csv line 8, column 'arch': 'V' and 'v' (line 3) differ only in case"),
-    (["surface", "--ref", "b", "--target", "b"], "arch,cell,F,S,D,loss\nb,c1,1e9,0.5,1e10,2.0\nb,C1,1e9,0.5,2e10,1.9\n",
-     "power.csv line 3, column 'cell': 'C1' and 'c1' (line 2) differ only in case"),
-    # an architecture whose loss does not fall with compute has no power law: named, not printed as one
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + W_FLAT,
-     "power.csv: w: loss does not fall with compute (gamma 0 with E 2 fixed): no power law to fit; fix or drop its"),
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "w,1e18,3.5\nw,1e19,3.6\nw,1e20,3.7\n",
-     "power.csv: w: loss does not fall with compute (gamma -0.0"),
-    (["power", "--ref", "v", "--per-arch-E"], POWER_HEAD + POWER_OK + W_FLAT + "w,3e19,3.5\n",
-     "power.csv: w: loss does not fall with compute for any E of the start grid"),
-    # points at too few distinct computes: the law is not identifiable (repeated seeds add no compute)
-    (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "w,1e18,3.5\nw,1e18,3.4\nw,1e18,3.45\n",
-     "power.csv: w: every point at one compute (1e+18): gamma is not identifiable; give it points at 2 computes"),
-    (["power", "--ref", "w"], POWER_HEAD + POWER_OK + "w,1e18,3.5\nw,1e18,3.4\nw,1e19,3.0\nw,1e19,3.1\n",
-     "power.csv: w: power-law fit: E, A and gamma need 3 distinct computes, got 2 (repeated seeds count once)"),
-])
-def test_names_in_two_cases_and_laws_that_cannot_be_fitted_are_one_line(tmp_path, capsys, command, text, message):
-    path = write(tmp_path, "power.csv", text)
-    assert fit.main([command[0], path, *command[1:]]) == 2
-    line = one_error_line(capsys)
-    assert message in line and path in line, line
-
-
-def test_repeated_seeds_are_not_duplicates(tmp_path, capsys):
-    """Rows with the same arch and C and another loss are repeated seeds: all of them are fitted."""
-    seeds = "".join(f"v,{c:g},{2 + 1.5 * (c / 1e18) ** -0.3 + 0.001:.6f}\n" for c in (1e18, 1e19))
-    path = write(tmp_path, "seeds.csv", POWER_HEAD + POWER_OK + seeds)
-    assert fit.main(["power", path, "--ref", "v", "--json"]) == 0 and capsys.readouterr().err == ""
-    assert len(tables.read_power_csv(path)["C"]) == 7
-
-
-@pytest.mark.parametrize("argv, message", [  # no flag is accepted by an abbreviation of its name
-    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--boot", "5"], "unrecognized arguments: --boot 5"),
-    (["power", POWER_EXAMPLE, "--ref", "vanilla", "--per"], "unrecognized arguments: --per"),
-    (["power", POWER_EXAMPLE, "--re", "vanilla"], "the following arguments are required: --ref"),  # --re is not --ref
-    (["chinchilla", DATA, "--drop", "5"], "unrecognized arguments: --drop 5"),
-    (["surface", POWER_EXAMPLE, "--ref", "a", "--target", "b", "--seed", "-1"], "argument --seed: -1: must be >= 0"),
-])
-def test_abbreviated_or_out_of_range_flags_are_refused(argv, message, capsys):
-    assert status_of(argv) == 2
-    assert message in one_error_line(capsys)
-
-
-def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
-    def interrupted(args):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(fit, "run_power", interrupted)
-    assert fit.main(["power", POWER_EXAMPLE, "--ref", "vanilla"]) == 130
-    captured = capsys.readouterr()
-    assert captured.err.splitlines() == ["fit.py: interrupted (a fit keeps nothing partial: rerun the same command)"]
-
-
-def test_stop_workers_ends_running_work_at_once():
-    """What Ctrl-C during a bootstrap does to its pool: queued work cancelled, running work killed, no wait."""
-    import multiprocessing
-    import time
-    from concurrent.futures import ProcessPoolExecutor
-    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=jobs.ignore_sigint)
-    futures = [pool.submit(time.sleep, 60) for _ in range(4)]
-    while not any(f.running() for f in futures):
-        time.sleep(0.05)
-    processes = list(pool._processes.values())
-    t0 = time.time()
-    jobs.stop_workers(pool)
-    assert time.time() - t0 < 20 and not any(p.is_alive() for p in processes)
-    assert all(f.cancelled() or f.done() for f in futures)
+    assert captured.err == f"{png}: matplotlib is not installed, so no figure was written (pip install -r " \
+                           "requirements-plot.txt)\n"

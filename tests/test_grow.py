@@ -8,11 +8,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
+import configurator
 import grow
-from tooling import match_cli
-from model import GPT, ModelConfig, execution_plan
-from tooling.checkpoint import load_model, plain_config, save_file
-from tooling.settings import read_config_file
+from model import GPT, ModelConfig, core_split, execution_plan, load_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,8 +27,7 @@ def one_thread():
 def tiny_config(**overrides):
     # n_layer 4 -> the [X] split 1/2/1: a two-block core, so copies of multi-block cores are exercised
     base = dict(vocab_size=64, eot_token=63, block_size=16, n_layer=4, n_embd=32, n_head=2, layout="pcc",
-                n_passes=2, tie_core=True, norm_gain=False, qk_norm=True, embed_norm=True,
-                residual_multiplier=0.5, boundary_alpha=0.7)
+                n_passes=2, norms="x", residual_multiplier=0.5, boundary_alpha=0.7)
     base.update(overrides)
     if base["layout"] == "plain":  # no loop: every layer once
         base.pop("n_passes")
@@ -117,9 +116,9 @@ def hand_built(cfg_dict, blocks_from, source_model):
 
 @pytest.mark.parametrize("k0,kf,schedule", [(2, 4, [0, 1, 0, 1]), (2, 3, [0, 1, 0]), (1, 3, [0, 0, 0])])
 def test_untied_growth_copies_cores_depthwise(k0, kf, schedule):
-    cfg = tiny_config(n_passes=k0, tie_core=False)
+    cfg = tiny_config(n_passes=k0, layout="pcc_untied")
     model = random_model(cfg)
-    P, C, D = cfg.n_prelude, cfg.n_core, cfg.n_coda
+    P, C, D = core_split(cfg.n_layer)
     old = {n: p.detach().clone() for n, p in model.named_parameters()}
     old_objects = params_by_name(model)
     old_blocks = list(model.blocks)
@@ -155,7 +154,7 @@ def test_untied_growth_copies_cores_depthwise(k0, kf, schedule):
 
 
 def test_untie_then_grow_from_a_tied_model():
-    cfg = tiny_config(n_passes=2, tie_core=True)
+    cfg = tiny_config(n_passes=2, layout="pcc")
     model = random_model(cfg)
     idx = tokens()
     with torch.no_grad():
@@ -176,8 +175,6 @@ def test_untie_then_grow_from_a_tied_model():
                 assert source.startswith(f"blocks.{1 + (i - 1) % 2}.")
     with torch.no_grad():
         assert torch.equal(model(idx)[0], tied_out_4)  # unrolled tied model at K=4
-    with pytest.raises(ValueError, match="already untied"):
-        grow.grow(model, 6, untie=True)
 
 
 def test_deep_vanilla_growth_of_a_plain_transformer():
@@ -188,14 +185,14 @@ def test_deep_vanilla_growth_of_a_plain_transformer():
     with torch.no_grad():
         plain_out = model(idx)[0]
     # the same blocks read as pcc with boundary "none" and K=1 compute the same function
-    as_pcc = hand_built({**asdict(cfg), "layout": "pcc", "tie_core": False, "n_passes": 1, "boundary": "none"},
+    as_pcc = hand_built({**asdict(cfg), "layout": "pcc_untied", "n_passes": 1, "boundary": "none"},
                         list(range(5)), model)
     with torch.no_grad():
         assert torch.equal(as_pcc(idx)[0], plain_out)
     param_map = grow.grow(model, 2)
     c = model.config
-    assert (c.layout, c.boundary, c.tie_core, c.n_passes) == ("pcc", "none", False, 2)
-    assert (c.n_prelude, c.n_core, c.n_coda) == (1, 2, 2)  # core_split(5): remainder to core, then coda
+    assert (c.layout, c.boundary, c.n_passes) == ("pcc_untied", "none", 2)
+    assert core_split(5) == (1, 2, 2)  # remainder to core, then coda
     reference = hand_built(asdict(c), [0, 1, 2, 1, 2, 3, 4], as_pcc)
     with torch.no_grad():
         assert torch.equal(model(idx)[0], reference(idx)[0])
@@ -206,7 +203,7 @@ def test_deep_vanilla_growth_of_a_plain_transformer():
     (dict(), 4, False),                               # Loop-Grow
     (dict(), 2, True),                                # untie only
     (dict(), 3, True),                                # untie, then grow
-    (dict(tie_core=False), 4, False),                 # Untied-Grow
+    (dict(layout="pcc_untied"), 4, False),            # Untied-Grow
     (dict(layout="plain", n_layer=5), 2, False),      # Deep Vanilla growth of a plain transformer
     (dict(layout="smelt", n_passes=2), 3, False),      # SMELT: a larger r
     (dict(layout="layer_loop", n_passes=2), 4, False),
@@ -222,29 +219,19 @@ def test_grown_config_is_what_growth_leaves(overrides, n_passes, untie):
 
 def test_growth_errors_are_clear():
     model = random_model(tiny_config(n_passes=3))
-    with pytest.raises(ValueError, match="fewer passes"):
-        grow.grow(model, 2)
-    with pytest.raises(ValueError, match="nothing to grow"):
-        grow.grow(model, 3)
-    untied = random_model(tiny_config(n_passes=2, tie_core=False))
-    with pytest.raises(ValueError, match="already untied"):
-        grow.grow(untied, 4, untie=True)
-    with pytest.raises(ValueError, match="already untied"):
-        grow.grow(random_model(tiny_config(layout="plain")), 2, untie=True)
+    for n_passes in (2, 3):
+        with pytest.raises(ValueError, match="cannot grow 3 passes to"):
+            grow.grow(model, n_passes)
     smelt = random_model(tiny_config(layout="smelt", n_passes=2))
-    with pytest.raises(ValueError, match="fewer passes"):
+    with pytest.raises(ValueError, match="cannot grow 2 passes to 1"):
         grow.grow(smelt, 1)
-    with pytest.raises(ValueError, match="no untied form"):
-        grow.grow(smelt, 3, untie=True)
-    with pytest.raises(ValueError, match="int"):
-        grow.grow(model, 4.0)
 
 
 # ---- optimizer state
 
 
 def test_copy_optimizer_state_fresh_and_source():
-    model = random_model(tiny_config(n_passes=2, tie_core=False))
+    model = random_model(tiny_config(n_passes=2, layout="pcc_untied"))
     state = {n: {"step": torch.tensor(5.0), "exp_avg": torch.full_like(p, i)}
              for i, (n, p) in enumerate(model.named_parameters())}
     param_map = grow.grow(model, 4)
@@ -258,9 +245,6 @@ def test_copy_optimizer_state_fresh_and_source():
     for name in copies:
         src = state[param_map[name]]["exp_avg"]
         assert torch.equal(sourced[name]["exp_avg"], src) and sourced[name]["exp_avg"] is not src
-    assert grow.copy_optimizer_state(state, {}) == state  # empty map = identity (tied growth)
-    with pytest.raises(ValueError, match="copies"):
-        grow.copy_optimizer_state(state, param_map, copies="zeros")
 
 
 def optimizer_state_by_name(optimizer, model):
@@ -274,10 +258,10 @@ def load_state_by_name(optimizer, model, state_by_name):
         optimizer.state[params[name]] = s
 
 
-@pytest.mark.parametrize("tie_core", [True, False])
-def test_training_continues_after_growth(tie_core):
+@pytest.mark.parametrize("layout", ["pcc", "pcc_untied"])
+def test_training_continues_after_growth(layout):
     torch.manual_seed(0)
-    cfg = tiny_config(n_passes=1, tie_core=tie_core, n_embd=32, init="x", uniform_init_scale=1.0,
+    cfg = tiny_config(n_passes=1, layout=layout, n_embd=32, init="x", uniform_init_scale=1.0,
                       embed_init_std=0.5, residual_multiplier=1.0, boundary_alpha=1.0)
     model = GPT(cfg)
     x = torch.randint(0, 63, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -311,36 +295,29 @@ def test_training_continues_after_growth(tie_core):
 
 
 def test_cli_grows_a_checkpoint_and_remaps_optimizer_state(tmp_path, capsys):
-    cfg = tiny_config(n_passes=2, tie_core=False)
+    cfg = tiny_config(n_passes=2, layout="pcc_untied")
     model = random_model(cfg)
     state = {n: {"step": torch.tensor(3.0), "exp_avg": torch.ones_like(p)} for n, p in model.named_parameters()}
     names = list(state)
-    ckpt = {"model_config": plain_config(cfg), "model": model.state_dict(), "state": {"step": 7, "tokens_seen": 123},
-            "optimizer": {"adamw": {"state": state, "param_groups": [{"lr": 0.1, "params": names}]}}}
+    ckpt = {"model_config": cfg.to_dict(), "model": model.state_dict(), "state": {"step": 7, "tokens": 123},
+            "config": {"n_passes": 2}, "tokenizer": "gpt2-64",
+            "optimizers": {"state": state, "param_groups": [{"lr": 0.1, "params": names, "param_names": names}]}}
     src, dst = str(tmp_path / "in.pt"), str(tmp_path / "out.pt")
-    save_file(src, ckpt)
-    assert grow.main(["--ckpt", src, "--passes", "4", "--out", dst]) == 0
-    grown, out = load_model(dst)
-    assert grown.config.n_passes == 4 and len(grown.blocks) == 1 + 4 * 2 + 1
-    assert out["state"] == {"step": 7, "tokens_seen": 123, "grown": True}
-    assert out["growth"][-1]["from_passes"] == 2 and out["growth"][-1]["to_passes"] == 4
-    opt = out["optimizer"]["adamw"]
-    grown_names = [n for n, _ in grown.named_parameters()]
+    torch.save(ckpt, src)
+    grow.main(["--ckpt", src, "--passes", "4", "--out", dst])
+    grown, out = load_checkpoint(dst)
+    assert grown.config.n_passes == 4 and len(grown.blocks) == 1 + 4 * 2 + 1 and out["config"]["n_passes"] == 4
+    assert out["state"] == {"step": 7, "tokens": 123, "grown": True}
+    opt, grown_names = out["optimizers"], [n for n, _ in grown.named_parameters()]
     assert sorted(opt["param_groups"][0]["params"]) == sorted(grown_names)
-    assert set(opt["state"]) == set(grown_names) - set(grow.copied_names(out["growth"][-1]["param_map"]))
     idx = tokens()
-    with torch.no_grad():  # same function as growing the live model
-        grow.grow(model, 4)
+    param_map = grow.grow(model, 4)
+    assert set(opt["state"]) == set(grown_names) - set(grow.copied_names(param_map))
+    with torch.no_grad():  # the same function as growing the live model
         assert torch.equal(grown(idx)[0], model(idx)[0])
-    # no optimizer state: dropped with a message; growing to fewer passes: exit code 1, clear message
-    del ckpt["optimizer"]
-    save_file(src, ckpt)
-    assert grow.main(["--ckpt", src, "--passes", "3", "--untie", "--out", dst]) == 2
-    assert "already untied" in capsys.readouterr().err
-    assert grow.main(["--ckpt", src, "--passes", "3", "--out", dst]) == 0
-    assert "no optimizer state" in capsys.readouterr().out
-    assert grow.main(["--ckpt", dst, "--passes", "2", "--out", dst]) == 2
-    assert "fewer passes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # fewer passes: one line, status 2
+        grow.main(["--ckpt", dst, "--passes", "2", "--out", dst])
+    assert "cannot grow 4 passes to 2" in capsys.readouterr().err
 
 
 # ---- schedule math [X8]-[X15]
@@ -355,7 +332,7 @@ def test_growth_fraction_limit():
 
 
 def test_param_counts_agree_with_the_model():
-    for cfg in (tiny_config(n_passes=2), tiny_config(n_passes=3, tie_core=False), tiny_config(layout="plain"),
+    for cfg in (tiny_config(n_passes=2), tiny_config(n_passes=3, layout="pcc_untied"), tiny_config(layout="plain"),
                 tiny_config(n_expert=4, top_k=2)):
         model = GPT(cfg)
         assert grow.stored_params(cfg) == model.num_params()["total"]
@@ -371,7 +348,7 @@ def test_param_counts_agree_with_the_model():
 
 def test_x13_x14_against_a_token_weighted_run():
     """Simulate a 2 -> 4 grown run step by step and compare with the closed forms [X13], [X14]."""
-    cfg = tiny_config(n_passes=2, tie_core=True)
+    cfg = tiny_config(n_passes=2, layout="pcc")
     n_c = {k: grow.compute_active_params(cfg, k) for k in (1, 2, 4)}
     n_s2 = grow.stored_params(cfg)
     steps, tokens_per_step = 1000, 4096
@@ -404,7 +381,7 @@ def test_x15_inverts_x9_and_x14():
 
 
 def test_x10_x11_x12_relations():
-    tied, untied = tiny_config(n_passes=1, tie_core=True), tiny_config(n_passes=1, tie_core=False)
+    tied, untied = tiny_config(n_passes=1, layout="pcc"), tiny_config(n_passes=1, layout="pcc_untied")
     assert grow.storage_ratio(tied, 4) == 1.0
     assert grow.storage_ratio(untied, 4) > 1.0
     assert grow.expansion_ratio(tied, 4) == pytest.approx(grow.expansion_ratio(untied, 4))
@@ -425,9 +402,10 @@ def test_x_d8_grow_configs_follow_x13_x14(name, tpp_ref, rho):
     """The [X] code's d8 step counts (2563 Loop-Grow, 3341 Untied-Grow) are the Table 9 recipe: a fixed
     K=2 run at TPP t_ref over the initial stored params sets the compute, [X13] gives the grown tokens."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", f"x_d8_{name}.py")
-    cfg, settings = match_cli.read_config(path)
-    assert (cfg.n_prelude, cfg.n_core, cfg.n_coda, cfg.n_passes, cfg.n_embd) == (2, 3, 3, 2, 1024)
-    assert settings["grow_to"] == 4 and settings["grow_at"] == pytest.approx(1 - rho)
+    settings = configurator.read_config(path)
+    cfg = ModelConfig(vocab_size=50304, **{k: v for k, v in settings.items() if k in ModelConfig.__dataclass_fields__})
+    assert (*core_split(cfg.n_layer), cfg.n_passes, cfg.n_embd) == (2, 3, 3, 2, 1024)
+    assert settings["grow_at"] == pytest.approx(1 - rho)  # growth doubles the passes: 2 -> 4
     tokens_per_step = settings["global_batch"] * cfg.block_size  # on any number of GPUs -> 524,288
     assert tokens_per_step == 524288
     assert round(grow.grown_run_tokens(cfg, tpp_ref, rho) / tokens_per_step) == settings["max_steps"]
@@ -435,64 +413,10 @@ def test_x_d8_grow_configs_follow_x13_x14(name, tpp_ref, rho):
     e_ratio = grow.compute_active_params(cfg, 4) / grow.compute_active_params(cfg)
     a, b = grow.AFFINE_LAW[name]
     assert round(grow.optimal_growth_fraction(tpp_ref, a, b, e_ratio), 2) == rho
-    assert grow.main(["--schedule", path]) == 0
+    grow.main(["--schedule", path])
 
 
-# ---- resume across the growth step through train.py
-
-
-def test_resume_across_growth_is_exact_through_train_py(tmp_path, data_dir):
-    """A straight run that grows (untied 2 -> 4 cores) at step 2 of 4, against: a run stopped at step 2
-    (just before the switch) and resumed; and the same step-2 checkpoint grown by the grow.py CLI and
-    resumed (train.py then skips its own growth but keeps the LR re-warm). Losses must match bitwise."""
-    import shutil
-    train = pytest.importorskip("train")
-    common = dict(layout="pcc", n_layer=3, n_passes=2, tie_core=False, n_expert=0, n_embd=32, n_head=2, block_size=32,
-                  batch_size=4, max_steps=4, grow_at=2.0, grow_to=4, grow_rewarm_steps=2, warmup_steps=1,
-                  optimizer="adamw",  # Muon's Newton-Schulz is slow on 2 CPU cores; state is remapped the same
-                  eval_interval=100, eval_tokens=256, data_dir=data_dir)
-    straight = train.train(dict(common, out_dir=str(tmp_path / "a")))
-    first = train.train(dict(common, out_dir=str(tmp_path / "b"), stop_at_step=2, save_steps=[2]))
-    assert first["step"] == 2
-    shutil.copytree(tmp_path / "b", tmp_path / "c")
-    resumed = train.train(dict(out_dir=str(tmp_path / "b"), init_from="resume"))
-    assert first["train_losses"] + resumed["train_losses"] == straight["train_losses"]
-    ckpt_path = os.path.join(str(tmp_path / "c"), "tiny", "ckpt.pt")
-    assert grow.main(["--ckpt", ckpt_path, "--passes", "4"]) == 0  # in place: --resume continues it
-    via_cli = train.train(dict(out_dir=str(tmp_path / "c"), init_from="resume"))
-    assert first["train_losses"] + via_cli["train_losses"] == straight["train_losses"]
-    # grown elsewhere and continued as a new run with init_from: the same curve
-    elsewhere = str(tmp_path / "grown.pt")
-    assert grow.main(["--ckpt", os.path.join(str(tmp_path / "b"), "tiny", "ckpt_step2.pt"), "--passes", "4",
-                      "--out", elsewhere]) == 0
-    forked = train.train(dict(out_dir=str(tmp_path / "d"), init_from=elsewhere, run_name="grown"))
-    assert first["train_losses"] + forked["train_losses"] == straight["train_losses"]
-    grown, _ = load_model(straight["ckpt_path"])
-    assert grown.config.n_passes == 4 and len(grown.blocks) == 1 + 4 + 1
-    assert all(math.isfinite(v) for v in straight["train_losses"])
-
-
-def test_schedule_helpers():
+def test_growth_step():
     assert grow.growth_step(1000, 0.82) == 820 and grow.growth_step(1000, 500) == 500
     with pytest.raises(ValueError, match="grow_at"):
-        grow.growth_step(1000, 0)
-    with pytest.raises(ValueError, match="after the last step"):
         grow.growth_step(1000, 2000)
-    assert [grow.rewarm_multiplier(s, 100, 40) for s in (50, 100, 120, 140, 500)] == [1.0, 0.0, 0.5, 1.0, 1.0]
-    assert grow.rewarm_multiplier(100, 100, 0) == 1.0
-
-
-@pytest.mark.parametrize("name", ["vanilla", "operator1", "loop2", "untied2", "loop_grow", "untied_grow"])
-def test_x_d8_configs_give_the_same_model_through_train_py(name):
-    """train.py fills keys a config leaves out from its tiny default (an MoE): the d8 files must say
-    everything, so train.py and ModelConfig.from_file build the same model."""
-    train = pytest.importorskip("train")
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", f"x_d8_{name}.py")
-    via_train = asdict(train.SETTINGS.build(train.ModelConfig, train.SETTINGS.resolve(read_config_file(path))))
-    cfg = match_cli.read_config(path)[0]
-    unused = {"top_k", "expert_hidden", "n_passes", "loop_span"}  # dense, not a SMELT / layer loop
-    assert {k: v for k, v in via_train.items() if k not in unused} == \
-        {k: v for k, v in asdict(cfg).items() if k not in unused}
-    assert (cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.vocab_size, cfg.block_size, cfg.n_expert) == \
-        (1024, 8, 128, 50304, 2048, 0)
-    assert cfg.layout == ("plain" if name == "vanilla" else "pcc")

@@ -3,8 +3,6 @@ CLI end to end on a tiny looped MoE checkpoint and a non-looped one."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ import torch
 import probe
 from data.prepare import prepare
 from model import GPT, ModelConfig
+from test_sample import error_line, save_checkpoint
 
 VOCAB, EOT = 512, 511
 
@@ -183,8 +182,8 @@ def test_record_blocks_records_every_executed_block_and_changes_nothing():
     assert all(not block._forward_hooks and not block._forward_pre_hooks for block in model.blocks)  # removed
     assert [(r["block"], r["visit"]) for r in records] == [(0, 1), (1, 1), (2, 1), (1, 2), (2, 2), (3, 1)]
     r = records[3]
-    for key in ("resid_in", "attn_in", "q", "k", "v", "attn_probs", "attn_context", "attn_output",
-                "attn_update", "ffn_in", "ffn_update", "resid_out", "expert_ids", "expert_weights"):
+    for key in ("resid_in", "attn_in", "q", "k", "v", "attn_probs", "attn_context", "attn_output", "update",
+                "attn_update", "ffn_in", "ffn_update", "resid_out", "expert_ids"):
         assert key in r, key
     assert r["attn_probs"].shape == (2, 4, 24, 24)
     torch.testing.assert_close(r["attn_probs"].sum(-1), torch.ones(2, 4, 24))
@@ -225,7 +224,7 @@ def test_run_probes_micro_batches_agree_and_last_lens_is_final():
     whole = probe.run_probes(model, idx, batch_size=4, attn_topk=4)
     split = probe.run_probes(model, idx, batch_size=1, attn_topk=4)
     assert whole["executed_blocks"] == model.config.executed_layers() == 6
-    assert [e["visit"] for e in whole["execution"]] == [1, 1, 1, 2, 2, 1]
+    assert [e["visit"] for e in whole["sink"]] == [1, 1, 1, 2, 2, 1]
     assert np.allclose(whole["kl"]["curve"], split["kl"]["curve"], atol=1e-6)
     assert whole["kl"]["curve"][-1] == pytest.approx(0.0, abs=1e-5)  # lens after the last block = output
     for a, b in zip(whole["layers"], split["layers"]):
@@ -245,7 +244,7 @@ def test_run_probes_non_looped_and_pcc():
     tied = probe.run_probes(GPT(tiny_config(layout="pcc", n_passes=3)), tiny_tokens(rows=2), visits=(2, 3),
                             attn_topk=4)
     assert tied["loop_layers"] == [1, 2] and tied["visits"] == [2, 3]
-    untied = probe.run_probes(GPT(tiny_config(layout="pcc", n_passes=2, tie_core=False)), tiny_tokens(rows=2))
+    untied = probe.run_probes(GPT(tiny_config(layout="pcc_untied", n_passes=2)), tiny_tokens(rows=2))
     assert not untied["looped"] and untied["executed_blocks"] == 6
 
 
@@ -256,49 +255,38 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(REPO, "data", "corpus", "shakespeare.jsonl")
 
 
-@pytest.fixture
-def data_dir(tmp_path):
-    """A tiny prepared data directory: 8 short documents from the embedded corpus, half held out."""
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A tiny prepared data folder: 8 short documents of the embedded corpus, half held out."""
+    root = tmp_path_factory.mktemp("probe_data")
     with open(CORPUS) as f:
         text = json.loads(f.readline())["text"]
-    docs = tmp_path / "docs.jsonl"
-    with open(docs, "w") as f:
-        for i in range(8):
-            f.write(json.dumps(dict(text=text[i * 600:(i + 1) * 600], source=["a", "b"][i % 2])) + "\n")
-    return prepare([str(docs)], str(tmp_path / "data"), tokenizer="gpt2-512", val_fraction=0.5, seed=0,
-                   verbose=False)
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(json.dumps(dict(text=text[i * 600:(i + 1) * 600])) + "\n" for i in range(8)))
+    return prepare([str(docs)], str(root / "data"), tokenizer="gpt2-512", val_fraction=0.5, seed=0, verbose=False)
 
 
 def write_checkpoint(tmp_path, data_dir, name, **overrides):
     torch.manual_seed(0)
-    model = GPT(tiny_config(**overrides))
-    path = str(tmp_path / f"{name}.pt")
-    from tooling.checkpoint import plain_config, save_file
-    save_file(path, dict(model_config=plain_config(model.config), model=model.state_dict(), state=dict(step=0),
-                         data_dir=data_dir, tokenizer="gpt2-512"))
-    return path
+    return save_checkpoint(GPT(tiny_config(**overrides)), tmp_path / f"{name}.pt", "gpt2-512",
+                           config=dict(data_dir=data_dir))
 
 
 def test_cli_looped_moe_json_and_text(tmp_path, data_dir, capsys):
     ckpt = write_checkpoint(tmp_path, data_dir, "looped", layout="smelt", n_passes=2, n_expert=8, top_k=2)
-    run = subprocess.run([sys.executable, "probe.py", "--ckpt", ckpt, "--tokens", "256", "--json"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout)  # exactly one JSON object on stdout
+    assert probe.main(["--ckpt", ckpt, "--tokens", "256", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)  # exactly one JSON object on stdout
     assert result["looped"] and result["loop_layers"] == [1, 2] and result["n_tokens"] == 256
     assert result["summary"]["routing_random"] == pytest.approx(0.5)
     assert 0 <= result["summary"]["routing_overlap"] <= 2
     assert set(result["summary"]["norm_ratio"]) == {"update", "attn", "ffn", "ffn_in"}
     assert len(result["layers"][0]["sink_per_head_visit_b"]) == 4
     assert result["kl"]["status"] in ("ok", "peak_within_threshold", "never", "peak_is_last")
-    assert probe.main(["--ckpt", ckpt, "--tokens", "128", "--plot", str(tmp_path / "plots")]) == 0
-    captured = capsys.readouterr()
-    assert "loop layers [1, 2]" in captured.out and "KL effective depth" in captured.out
-    try:
-        import matplotlib  # noqa: F401
-        assert os.path.exists(tmp_path / "plots" / "sink_heatmap.png")
-    except ImportError:
-        assert "matplotlib is not installed" in captured.err
+    plot = ["--plot", str(tmp_path / "plots")] if probe.importlib.util.find_spec("matplotlib") else []
+    assert probe.main(["--ckpt", ckpt, "--tokens", "128"] + plot) == 0
+    out = capsys.readouterr().out
+    assert "loop layers [1, 2]" in out and "KL effective depth" in out
+    assert not plot or sorted(os.listdir(tmp_path / "plots")) == ["kl_depth.png", "sink_heatmap.png"]
 
 
 def test_cli_non_looped_reports_not_applicable(tmp_path, data_dir, capsys):
@@ -310,12 +298,13 @@ def test_cli_non_looped_reports_not_applicable(tmp_path, data_dir, capsys):
     assert "n/a" in capsys.readouterr().out
 
 
-def test_cli_clear_errors(tmp_path, data_dir, capsys):
+def test_cli_mistakes_are_one_line_with_status_2(tmp_path, data_dir, capsys):
     ckpt = write_checkpoint(tmp_path, str(tmp_path / "missing"), "nodata")
-    assert probe.main(["--ckpt", ckpt]) == 2
-    assert "no validation split" in capsys.readouterr().err
-    assert probe.main(["--ckpt", str(tmp_path / "absent.pt")]) == 2
-    assert "checkpoint not found" in capsys.readouterr().err
-    ckpt = write_checkpoint(tmp_path, data_dir, "othervocab", vocab_size=1024, eot_token=1023)
-    assert probe.main(["--ckpt", ckpt]) == 2
-    assert "prepared with eot_token=511" in capsys.readouterr().err
+    assert "missing" in error_line(probe.main, ["--ckpt", ckpt], capsys, "probe.py")
+    assert "absent.pt" in error_line(probe.main, ["--ckpt", str(tmp_path / "absent.pt")], capsys, "probe.py")
+    ckpt = write_checkpoint(tmp_path, data_dir, "plain")
+    assert "nothing to loop" in error_line(probe.main, ["--ckpt", ckpt, "--n_passes", "2"], capsys, "probe.py")
+    torch.manual_seed(0)
+    other = save_checkpoint(GPT(tiny_config(vocab_size=4096, eot_token=4095)), tmp_path / "other.pt",
+                            config=dict(data_dir=data_dir))
+    assert "holds gpt2-512 tokens" in error_line(probe.main, ["--ckpt", other], capsys, "probe.py")

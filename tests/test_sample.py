@@ -1,28 +1,43 @@
-"""Tests for sample.py: seeded sampling, greedy = argmax, windows past block_size, test-time passes, CLI."""
-import re
+"""sample.py: seeded sampling, greedy = the argmax of a full forward, windows past block_size, test-time passes,
+the CLI; the export: the same logits back, a tied weight stored once, every tool reading the folder as it reads
+the checkpoint, nothing half-written."""
+import dataclasses
+import json
+import os
 
 import pytest
 import torch
 
 import sample
 from conftest import model_whose_blocks_matter
-from data.tokenizer import get_tokenizer
+from data.loader import get_tokenizer
 
-SMALL = dict(vocab_size=4096, eot_token=4095, block_size=32, n_layer=2, n_embd=32, n_head=2, init="nanogpt")
+SMALL = dict(vocab_size=4096, eot_token=4095, block_size=32, n_layer=2, n_embd=32, n_head=2, mlp_hidden=256,
+             init="nanogpt")
 # init="nanogpt": the default "x" init zeroes the lm head, every logit would be equal
+BUNDLE = os.path.join(os.path.dirname(__file__), "data", "core_bundle")
 
 
 def make_model(**overrides):
     return model_whose_blocks_matter(**(SMALL | overrides))
 
 
-def save_checkpoint(model, path, tokenizer="gpt2-4096"):
-    from tooling.checkpoint import plain_config, save_file
-    ckpt = {"model_config": plain_config(model.config), "model": model.state_dict()}
-    if tokenizer is not None:
-        ckpt["tokenizer"] = tokenizer
-    save_file(str(path), ckpt)
+def save_checkpoint(model, path, tokenizer="gpt2-4096", **extra):
+    """A ckpt.pt as train.py writes it (train.py adds config, optimizers, state, rng)."""
+    config = json.loads(json.dumps(dataclasses.asdict(model.config)))  # plain ints for weights_only
+    torch.save({"model": model.state_dict(), "model_config": config, "tokenizer": tokenizer, "step": 0, **extra},
+               path)
     return str(path)
+
+
+def error_line(main, argv, capsys, prog):
+    """A CLI mistake: exit status 2, nothing on stdout, the last line on stderr `prog: error: ...` (argparse
+    prints its usage above it)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and err.splitlines()[-1].startswith(f"{prog}: error: "), err
+    return err.splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +78,6 @@ def test_seeded_sampling_is_deterministic(smelt, tok):
     assert first != sample.sample_texts(smelt, tok, seed=2, **kwargs)
     assert len(set(first)) == 3  # the samples of one call are not copies of each other
     assert all(text.startswith("ROMEO:") and len(text) > len("ROMEO:") for text in first)
-    assert sample.sample_text(smelt, tok, "ROMEO:", 20, 1.0, 200, seed=1) == first[0]
 
 
 def test_top_k_1_is_greedy(smelt, tok):
@@ -74,7 +88,7 @@ def test_top_k_1_is_greedy(smelt, tok):
 
 
 @pytest.mark.parametrize("overrides", [dict(layout="smelt", n_passes=2), dict(layout="plain"),
-                                       dict(layout="pcc", n_layer=3, n_passes=2, tie_core=False)])
+                                       dict(layout="pcc_untied", n_layer=3, n_passes=2)])
 def test_greedy_is_argmax_of_a_full_forward(overrides, tok):
     model = make_model(**overrides)
     ids = [model.config.eot_token] + tok.encode("But soft, what light")
@@ -94,13 +108,11 @@ def test_generation_past_block_size(smelt, tok):
                                        generator=torch.Generator().manual_seed(0))
     assert sampled.shape == (2, n)
     assert sample.generate_windowed(smelt, torch.tensor([ids]), 0).shape == (1, 0)
-    text = sample.sample_text(smelt, tok, "ROMEO:", max_new_tokens=100, seed=0)
-    assert text.startswith("ROMEO:") and len(tok.encode(text)) > 60
 
 
 def test_n_passes_changes_a_looped_model(tok):
     for model, trained in [(make_model(layout="smelt", n_passes=2), 2),
-                           (make_model(layout="pcc", n_layer=3, n_passes=2), 2)]:
+                           (make_model(layout="pcc", n_layer=3, n_passes=2, n_embd=64), 2)]:
         ids = [model.config.eot_token] + tok.encode("ROMEO:")
         default = greedy(model, ids, 16)
         assert greedy(model, ids, 16, n_passes=trained) == default
@@ -109,103 +121,126 @@ def test_n_passes_changes_a_looped_model(tok):
             assert other != default and other == greedy_reference(model, ids, 16, n_passes=k)
 
 
-def test_n_passes_errors(tok):
-    plain = make_model(layout="plain")
-    with pytest.raises(ValueError, match="layout 'plain', nothing to loop"):
-        sample.sample_text(plain, tok, max_new_tokens=4, n_passes=2)
-    untied = make_model(layout="pcc", n_layer=3, n_passes=2, tie_core=False)
-    with pytest.raises(ValueError, match="untied model has 2 cores, one per trained pass, so it runs at most 2 passes"):
-        sample.sample_text(untied, tok, max_new_tokens=4, n_passes=3)
-    assert sample.sample_text(untied, tok, max_new_tokens=4, n_passes=1)  # fewer passes than trained is fine
-    with pytest.raises(ValueError, match="n_passes must be >= 1"):
-        sample.sample_text(untied, tok, max_new_tokens=4, n_passes=0)
-
-
-def test_sample_text_restores_training_mode(tok):
-    model = make_model(layout="smelt", n_passes=2).train()
-    sample.sample_text(model, tok, max_new_tokens=4)
-    assert model.training
-    model.eval()
-    sample.sample_text(model, tok, max_new_tokens=4)
-    assert not model.training
-
-
-def test_tokenizer_must_fit_the_model(smelt):
-    with pytest.raises(ValueError, match="more than the model's vocab_size=4096"):
-        sample.sample_text(smelt, get_tokenizer("gpt2"), max_new_tokens=2)
-    with pytest.raises(ValueError, match="the model's eot_token is 4095"):
-        sample.sample_text(smelt, get_tokenizer("gpt2-512"), max_new_tokens=2)
+def test_n_passes_refusals_and_training_mode(tok):
+    with pytest.raises(ValueError, match="a plain model has nothing to loop"):
+        sample.sample_texts(make_model(layout="plain"), tok, max_new_tokens=4, n_passes=2)
+    untied = make_model(layout="pcc_untied", n_layer=3, n_passes=2)
+    with pytest.raises(ValueError, match="n_passes=3: this model runs 1 to 2 passes"):
+        sample.sample_texts(untied, tok, max_new_tokens=4, n_passes=3)
+    assert sample.sample_texts(untied.train(), tok, max_new_tokens=4, n_passes=1)  # fewer passes than trained
+    assert untied.training  # sampling leaves the model's mode as it found it
 
 
 # -----------------------------------------------------------------------------
 # command line
 
-def run_cli(capsys, *args):
-    try:
-        rc = sample.main(list(args))
-    except SystemExit as e:  # argparse's own refusals (a flag's range)
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 def test_cli_prints_separated_seeded_samples(smelt, tok, tmp_path, capsys):
     ckpt = save_checkpoint(smelt, tmp_path / "ckpt.pt")
-    args = ["--ckpt", ckpt, "--start", "ROMEO:", "--num_samples", "2", "--max_new_tokens", "40",
-            "--temperature", "0.8", "--top_k", "200", "--seed", "1337", "--device", "cpu"]
-    rc, out, err = run_cli(capsys, *args)
-    assert rc == 0 and err == ""
+    args = ["--ckpt", ckpt, "--start", "ROMEO:", "--num_samples", "2", "--max_new_tokens", "40", "--seed", "1337"]
+    assert sample.main(args) == 0
+    out = capsys.readouterr().out
     expected = sample.sample_texts(smelt, tok, "ROMEO:", 2, 40, 0.8, 200, seed=1337)
     assert out == "".join(text + "\n" + sample.SEPARATOR + "\n" for text in expected)
-    assert run_cli(capsys, *args)[1] == out
-    assert run_cli(capsys, *args[:-4], "--seed", "1")[1] != out
-
-
-def test_cli_prompt_from_file_and_empty_start(smelt, tmp_path, capsys):
-    ckpt = save_checkpoint(smelt, tmp_path / "ckpt.pt")
+    sample.main(args[:-2] + ["--seed", "1"])
+    assert capsys.readouterr().out != out
     prompt = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
     (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
     common = ["--ckpt", ckpt, "--num_samples", "1", "--max_new_tokens", "10", "--temperature", "0"]
-    rc, from_file, _ = run_cli(capsys, *common, "--start", f"FILE:{tmp_path / 'prompt.txt'}")
-    assert rc == 0 and from_file.startswith(prompt)
-    assert run_cli(capsys, *common, "--start", prompt)[1] == from_file
-    rc, empty, _ = run_cli(capsys, *common, "--start", "")
-    assert rc == 0 and empty.endswith(sample.SEPARATOR + "\n") and len(empty) > len(sample.SEPARATOR) + 1
-    assert run_cli(capsys, *common)[1] == empty  # the default start is ""
+    sample.main(common + ["--start", f"FILE:{tmp_path / 'prompt.txt'}"])
+    from_file = capsys.readouterr().out
+    sample.main(common + ["--start", prompt])
+    assert from_file.startswith(prompt) and capsys.readouterr().out == from_file
 
 
-def test_cli_without_tokenizer_in_checkpoint(smelt, tmp_path, capsys):
-    ckpt = save_checkpoint(smelt, tmp_path / "ckpt.pt", tokenizer=None)
-    rc, out, err = run_cli(capsys, "--ckpt", ckpt, "--max_new_tokens", "4")
-    assert rc == 2 and out == "" and "pass --tokenizer" in err
-    rc, out, _ = run_cli(capsys, "--ckpt", ckpt, "--max_new_tokens", "4", "--tokenizer", "gpt2-4096")
-    assert rc == 0 and out.count(sample.SEPARATOR) == 3
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--num_samples", "0"], "argument --num_samples: 0: must be >= 1"),
-    (["--temperature", "-0.5"], "argument --temperature: -0.5: must be >= 0"),
-    (["--top_k", "0"], "argument --top_k: 0: must be >= 1"),
-    (["--n_passes", "0"], "argument --n_passes: 0: must be >= 1"),
-    (["--max_new_tokens", "-1"], "argument --max_new_tokens: -1: must be >= 0"),
-    (["--start", "FILE:{tmp}/missing.txt"], "cannot read prompt file .*missing.txt: No such file"),
-    (["--start", "FILE:{tmp}/latin1.txt"], "latin1.txt is not UTF-8"),
-    (["--ckpt", "{tmp}/nope.pt"], "checkpoint not found: .*nope.pt"),
-    (["--ckpt", "{tmp}/garbage.pt"], "cannot read checkpoint .*garbage.pt"),
-    (["--ckpt", "{tmp}/plain.pt", "--n_passes", "2"], "layout 'plain', nothing to loop"),
-    (["--ckpt", "{tmp}/untied.pt", "--n_passes", "3"], "at most 2 passes"),
-    (["--tokenizer", "bert"], "unknown tokenizer 'bert'"),
-    (["--device", "nonsense"], "unknown device 'nonsense'"),
-])
-def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, args, message):
-    save_checkpoint(make_model(layout="smelt", n_passes=2), tmp_path / "smelt.pt")
+def test_cli_mistakes_are_one_line_with_status_2(tmp_path, capsys):
     save_checkpoint(make_model(layout="plain"), tmp_path / "plain.pt")
-    save_checkpoint(make_model(layout="pcc", n_layer=3, n_passes=2, tie_core=False), tmp_path / "untied.pt")
-    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    save_checkpoint(make_model(layout="pcc_untied", n_layer=3, n_passes=2), tmp_path / "untied.pt")
     (tmp_path / "latin1.txt").write_bytes("Roméo".encode("latin-1"))
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    rc, out, err = run_cli(capsys, "--ckpt", str(tmp_path / "smelt.pt"), "--max_new_tokens", "4", *args)
-    assert rc == 2 and out == ""
-    assert err.count("\n") == 1 and err.startswith("sample.py: error: ")
-    assert re.search(message, err), err
+    (tmp_path / "taken").mkdir()
+    for args, needle in [(["--ckpt", f"{tmp_path}/nope.pt"], "nope.pt"),
+                         (["--ckpt", f"{tmp_path}/plain.pt", "--n_passes", "2"], "nothing to loop"),
+                         (["--ckpt", f"{tmp_path}/untied.pt", "--n_passes", "3"], "runs 1 to 2 passes"),
+                         (["--ckpt", f"{tmp_path}/plain.pt", "--start", f"FILE:{tmp_path}/missing.txt"], "missing"),
+                         (["--ckpt", f"{tmp_path}/plain.pt", "--start", f"FILE:{tmp_path}/latin1.txt"], "utf-8"),
+                         (["--ckpt", f"{tmp_path}/plain.pt", "--device", "nonsense"], "nonsense"),
+                         (["--ckpt", f"{tmp_path}/plain.pt", "--export", f"{tmp_path}/taken"], "exists"),
+                         (["--num_samples", "x"], "--num_samples")]:
+        assert needle in error_line(sample.main, args + ["--max_new_tokens", "4"], capsys, "sample.py"), args
 
+
+# -----------------------------------------------------------------------------
+# the export
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """{"moe" | "tied": (checkpoint path, export folder, the model)}."""
+    pytest.importorskip("safetensors")
+    root, out = tmp_path_factory.mktemp("export"), {}
+    for name, overrides in (("moe", dict(layout="smelt", n_passes=2, n_expert=4, top_k=2)), ("tied", {})):
+        model = make_model(**overrides)  # init="nanogpt" ties the lm head to wte
+        ckpt = save_checkpoint(model, root / f"{name}.pt", step=120)
+        assert sample.main(["--ckpt", ckpt, "--export", str(root / name)]) == 0
+        out[name] = (ckpt, str(root / name), model)
+    return out
+
+
+@pytest.mark.parametrize("name", ["moe", "tied"])
+def test_export_round_trip_gives_the_same_logits(exported, name):
+    from model import load_checkpoint
+    _, folder, model = exported[name]
+    loaded, info = load_checkpoint(folder)
+    idx = torch.randint(0, 4096, (2, 30), generator=torch.Generator().manual_seed(1))
+    for n_passes in (None, 1, 3):
+        with torch.no_grad():
+            assert torch.equal(model(idx, n_passes=n_passes)[0], loaded(idx, n_passes=n_passes)[0])
+    assert info == {"model_config": json.loads(json.dumps(dataclasses.asdict(model.config))),
+                    "tokenizer": "gpt2-4096", "step": 120}
+    assert sorted(os.listdir(folder)) == ["README.md", "config.json", "model.safetensors"]
+    readme = open(os.path.join(folder, "README.md")).read()
+    assert f"python sample.py --ckpt {name}" in readme and "gpt2-4096" in readme
+
+
+def test_export_stores_a_tied_weight_once(exported):
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+    from model import GPT, ModelConfig
+    _, folder, model = exported["tied"]
+    with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:
+        assert len({"lm_head.weight", "wte.weight"} & set(f.keys())) == 1
+    config = json.load(open(os.path.join(folder, "config.json")))
+    plain = GPT(ModelConfig(**config["model_config"]))  # the ecosystem's own loader restores the tie
+    load_model(plain, os.path.join(folder, "model.safetensors"))
+    assert plain.lm_head.weight is plain.wte.weight
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
+
+
+def test_every_tool_reads_the_export_as_it_reads_the_checkpoint(exported, tmp_path, capsys):
+    import eval_core
+    import probe
+    from data.prepare import prepare
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n<|endoftext|>\n".join(f"ROMEO: what light {i} through yonder window" for i in range(6)))
+    data = prepare([str(corpus)], str(tmp_path / "data"), val_fraction=0.5, seed=0, verbose=False)
+    ckpt, folder, _ = exported["moe"]
+    runs = [(sample.main, ["--num_samples", "1", "--max_new_tokens", "8", "--temperature", "0"]),
+            (eval_core.main, ["--bundle", BUNDLE, "--max_per_task", "2", "--json"]),
+            (probe.main, ["--data_dir", data, "--tokens", "64", "--json"])]
+    for main, argv in runs:
+        outputs = []
+        for path in (ckpt, folder):
+            assert main(["--ckpt", path] + argv) == 0, main
+            outputs.append(capsys.readouterr().out.replace(path, "CKPT"))
+        assert outputs[0] == outputs[1] and outputs[0].strip(), main
+
+
+def test_no_half_written_export_is_left(exported, tmp_path, monkeypatch):
+    import safetensors.torch
+    ckpt, _, _ = exported["moe"]
+
+    def full_disk(model, path):
+        open(path, "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_model", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        sample.main(["--ckpt", ckpt, "--export", str(tmp_path / "out")])
+    assert os.listdir(tmp_path) == []  # neither the export nor its temporary folder

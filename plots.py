@@ -1,0 +1,245 @@
+"""
+Figures: a run's loss curves from its log.jsonl, and the fits' plots (fit.py --plot, the ladders). matplotlib
+is optional (pip install -r requirements-plot.txt): without it every plot_* function prints one line and
+returns False. This file computes no fit: a fitted law comes in as an object or a callable.
+
+    python plots.py out/tiny/log.jsonl --out out/tiny/curves.png [--x flops]
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+NO_MATPLOTLIB = "matplotlib is not installed, so no figure was written (pip install -r requirements-plot.txt)"
+STYLES = ("-", "--", ":", "-.")
+
+
+def read_log(path):
+    """A train.py log.jsonl: one dict per eval (step, tokens, flops, train_loss, val_loss, ...)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def pyplot(path=None):
+    """matplotlib.pyplot (the Agg backend unless one is chosen), or None after one line on stderr."""
+    try:
+        import matplotlib
+        if "matplotlib.pyplot" not in sys.modules:
+            matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print(f"{path}: {NO_MATPLOTLIB}" if path else NO_MATPLOTLIB, file=sys.stderr)
+        return None
+
+
+def _figure(path, draw, ncols=1, figsize=(6, 4)):
+    """A figure of ncols axes filled by draw(fig, axes), saved to path: True, or False without matplotlib."""
+    plt = pyplot(path)
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, ncols, figsize=figsize)
+    try:
+        draw(fig, axes)
+        for ax in fig.axes:
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return True
+
+
+def _colours(names):
+    return {n: f"C{i % 10}" for i, n in enumerate(dict.fromkeys(names))}
+
+
+def plot_log(log, path, x="tokens", title=None):
+    """A run's train and validation loss (read_log's records) vs tokens or training FLOPs; the validation
+    loss per source dashed."""
+    def draw(fig, ax):
+        for key, fmt in (("train_loss", "-"), ("val_loss", "o-")):  # train_loss is null at step 0
+            pts = [(r[x], r[key]) for r in log if r.get(key) is not None] or [(np.nan, np.nan)]
+            ax.plot(*zip(*pts), fmt, ms=3, label=key.replace("_", " "))
+        sources = dict.fromkeys(s for r in log for s in r.get("val_loss_by_source") or {})
+        for k, s in enumerate(sources):
+            pts = [(r[x], r["val_loss_by_source"][s]) for r in log
+                   if (r.get("val_loss_by_source") or {}).get(s) is not None]
+            ax.plot(*zip(*pts), "--", lw=1, color=f"C{(k + 2) % 10}", label=f"val loss on {s}")
+        ax.set(xlabel="tokens trained" if x == "tokens" else "training FLOPs", ylabel="loss (nats/token)",
+               title=title or "loss curves")
+    return _figure(path, draw)
+
+
+# -----------------------------------------------------------------------------
+# [X5]-[X7] power laws and compute multipliers
+
+def _loss_vs_compute(ax, runs, fits, colours):
+    shared = len({round(f.E, 12) for f in fits.values()}) == 1
+    for arch, (C, L) in runs.items():
+        C, f = np.asarray(C, dtype=float), fits.get(arch)
+        ax.plot(C, L, "o", ms=4, alpha=0.8, color=colours[arch], label=None if f else f"{arch} (no fit)")
+        if f:
+            grid = np.geomspace(C.min(), C.max(), 100)
+            ax.plot(grid, f.loss(grid), color=colours[arch],
+                    label=f"{arch}: γ={f.gamma:.3f}, A={f.A:.3g}" + ("" if shared else f", E={f.E:.3f}"))
+    E = f", shared E = {next(iter(fits.values())).E:.3f} [X7]" if shared else ", E per arch"
+    ax.set(xscale="log", xlabel="training compute C (FLOPs)", ylabel="loss (nats/token)",
+           title=r"[X5] $L = E + A\,(C/C_0)^{-\gamma}$" + E)
+
+
+def _per_budget(ref_C, values, reduce):
+    """reduce() of the finite values at each distinct budget (repeated seeds), nan where there are none."""
+    ref_C, values = np.asarray(ref_C, dtype=float), np.asarray(values, dtype=float)
+    xs = np.unique(ref_C)
+    groups = [values[(ref_C == x) & np.isfinite(values)] for x in xs]
+    return xs, np.array([reduce(v) if len(v) else np.nan for v in groups])
+
+
+def _multipliers(ax, ref_C, multipliers, bands, ref, colours):
+    ax.axhline(1.0, color="0.5", ls="--", lw=1, label="1 = no difference")
+    for arch, m in multipliers.items():
+        if arch == ref:
+            continue
+        if bands and arch in bands:
+            xs, lo = _per_budget(ref_C, bands[arch][0], np.min)
+            hi = _per_budget(ref_C, bands[arch][1], np.max)[1]
+            ax.fill_between(xs, lo, hi, color=colours[arch], alpha=0.2)
+        ax.plot(ref_C, m, ".", ms=4, alpha=0.6, color=colours[arch])  # every seed; the line joins their means
+        ax.plot(*_per_budget(ref_C, m, np.mean), "o-", ms=4, color=colours[arch], label=arch)
+    ax.set(xscale="log", xlabel=f"{ref} training compute C (FLOPs)", ylabel="multiplier C_ref / C_arch",
+           title=f"[X6] compute multiplier vs {ref} at equal loss")
+
+
+def plot_loss_vs_compute(runs, fits, path, title=None):
+    """[X5] loss vs training FLOPs, runs {arch: (C, loss)}, with each arch's fitted law (fits {arch: law})."""
+    def draw(fig, ax):
+        _loss_vs_compute(ax, runs, fits, _colours(runs))
+        ax.set_title(title or ax.get_title(), fontsize=9)
+    return _figure(path, draw)
+
+
+def plot_multipliers(ref_C, multipliers, path, bands=None, ref="vanilla", title=None):
+    """[X6] C_ref / C_arch at equal loss vs the reference's budgets ref_C, multipliers {arch: array} (nan:
+    a gap); bands {arch: (lo, hi)} shaded. Repeated budgets (seeds): the line joins their means."""
+    def draw(fig, ax):
+        _multipliers(ax, ref_C, multipliers, bands, ref, _colours([ref, *multipliers]))
+        ax.set_title(title or ax.get_title(), fontsize=9)
+    return _figure(path, draw)
+
+
+def plot_power_laws(runs, fits, multipliers, ref, path, title=None, budgets=None):
+    """`fit.py power --plot`: the laws (left), the multipliers at `budgets` (right), a colour per arch."""
+    def draw(fig, axes):
+        colours = _colours([ref, *runs])
+        _loss_vs_compute(axes[0], runs, fits, colours)
+        _multipliers(axes[1], runs[ref][0] if budgets is None else budgets, multipliers, None, ref, colours)
+        fig.suptitle(title or "")
+    return _figure(path, draw, ncols=2, figsize=(11, 4))
+
+
+# -----------------------------------------------------------------------------
+# [S4]-[S5] frontiers and CE Gain; loss curves; the data-constrained ladders
+
+def plot_ce_gain(budgets, sparsities, gain, path, lo=None, hi=None, title=None):
+    """[S5] CE Gain vs budget, a line per sparsity; gain, lo, hi: (budgets, sparsities) arrays."""
+    order = np.argsort(budgets)
+    C = np.asarray(budgets, dtype=float)[order]
+
+    def draw(fig, ax):
+        ax.axhline(0.0, color="0.5", ls="--", lw=1, label="0 = no difference")
+        for j, S in enumerate(sparsities):
+            if lo is not None:
+                ax.fill_between(C, np.asarray(lo)[order, j], np.asarray(hi)[order, j],
+                                color=f"C{j}", alpha=0.2)
+            ax.plot(C, np.asarray(gain)[order, j], "o-", ms=4, color=f"C{j}", label=f"S = {S:g}")
+        ax.set(xscale="log", xlabel="compute budget C (FLOPs)", ylabel="CE Gain = 1 - C_target / C_ref")
+        ax.set_title(title or "[S5] CE Gain on the compute-optimal frontier", fontsize=9)
+    return _figure(path, draw)
+
+
+def plot_surface_frontiers(frontiers, sparsities, path, C_range=(1e18, 1e23), title=None):
+    """[S4] L*(C, S) - E = f(S) C^-gamma, a colour per arch, a style per sparsity; frontiers {arch: (gamma,
+    excess(C, S))} as fit.frontier_curves gives them."""
+    C, colours = np.geomspace(*C_range, 200), _colours(frontiers)
+
+    def draw(fig, ax):
+        for arch, (gamma, excess) in frontiers.items():
+            for k, S in enumerate(sparsities):
+                ax.plot(C, excess(C, S), color=colours[arch], ls=STYLES[k % 4],
+                        label=f"{arch}, S={S:g} (γ={gamma:.3f})")
+        ax.set(xscale="log", yscale="log", xlabel="training compute C = F D (FLOPs)", ylabel="L*(C, S) - E")
+        ax.set_title(title or "[S4] iso-sparsity frontiers", fontsize=9)
+    return _figure(path, draw)
+
+
+def plot_loss_curves(curves, path, title=None, xlabel="tokens"):
+    """Loss curves {label: (x, loss)}; labels equal but for their last word share a colour, a style each."""
+    groups = {label: label.rsplit(" ", 1)[0] for label in curves}
+    colours, seen = _colours(groups.values()), {}
+
+    def draw(fig, ax):
+        for label, (x, y) in curves.items():
+            k = seen[groups[label]] = seen.get(groups[label], -1) + 1
+            ax.plot(x, y, lw=1.2, color=colours[groups[label]], ls=STYLES[k % 4], label=label)
+        ax.set(xlabel=xlabel, ylabel="loss (nats/token)")
+        ax.set_title(title or "loss curves", fontsize=9)
+    return _figure(path, draw)
+
+
+def plot_repeat_frontier(frontier, points, l_star, path, title=None):
+    """Loss vs compute per K: frontier {K: [(C, mean loss)]}, points {(K, depth): (C, [loss per seed])} with
+    the seed spread as error bars, the best K = 1 loss l_star a dashed line."""
+    colours = _colours(sorted(frontier))
+
+    def draw(fig, ax):
+        for k in sorted(frontier):
+            ax.plot(*zip(*sorted(frontier[k])), "-", lw=1.2, color=colours[k], label=f"K={k}")
+            for (kk, _), (c, losses) in points.items():
+                if kk == k:
+                    err = np.std(losses, ddof=1) if len(losses) > 1 else 0.0
+                    ax.errorbar(c, np.mean(losses), yerr=err, fmt="o", ms=4, color=colours[k], capsize=2)
+        ax.axhline(l_star, color="0.5", ls="--", lw=1, label=f"best K=1 loss {l_star:.4f}")
+        ax.set(xscale="log", xlabel="training compute C (FLOPs)", ylabel="validation loss (nats/token)")
+        ax.set_title(title or "loss vs compute per K", fontsize=9)
+    return _figure(path, draw)
+
+
+def plot_wd_curves(curves, path, title=None):
+    """Validation loss vs weight decay: a panel per group, a line per member; curves {group: {member: [(wd,
+    loss)]}}."""
+    def draw(fig, axes):
+        axes = np.atleast_1d(axes)
+        for ax, (g, members) in zip(axes, curves.items()):
+            for m, pts in members.items():
+                if pts:
+                    ax.plot(*zip(*sorted(pts)), "o-", ms=3, lw=1, label=f"d{m}")
+            ax.set(xscale="log", xlabel="weight decay", title=str(g))
+        axes[0].set_ylabel("validation loss (nats/token)")
+        fig.suptitle(title or "loss vs weight decay")
+    return _figure(path, draw, ncols=len(curves), figsize=(3 * len(curves), 3.5))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="plots.py", usage=argparse.SUPPRESS, description="A run's loss "
+                                     "curves (train and validation loss) from its log.jsonl (matplotlib).")
+    parser.add_argument("log", help="a train.py log.jsonl, e.g. out/tiny/log.jsonl")
+    parser.add_argument("--out", help="the figure, .png / .pdf / .svg (default: curves.png beside the log)")
+    parser.add_argument("--x", choices=("tokens", "flops"), default="tokens", help="the x axis")
+    args = parser.parse_args(argv)
+    out = args.out or os.path.join(os.path.dirname(args.log), "curves.png")
+    try:
+        written = plot_log(read_log(args.log), out, x=args.x, title=args.log)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # no file, not JSON, not a train.py log
+        parser.error(str(e) if isinstance(e, OSError) else f"{args.log}: {type(e).__name__}: {e}")
+    if not written:
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
