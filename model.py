@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 NORM_EPS = 1e-6
@@ -84,8 +85,10 @@ def flex_block_mask(docs):
     def causal_same_document(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
-    B, T = docs.shape
-    return create_block_mask(causal_same_document, B, None, T, T, device=docs.device, _compile=docs.is_cuda)
+    B, T = docs.shape  # eager CUDA compiles the mask's construction; inside a compiled model dynamo traces
+    #   it as it is (_compile=True would call warnings.warn, a graph break)
+    compile_mask = docs.is_cuda and not torch.compiler.is_compiling()
+    return create_block_mask(causal_same_document, B, None, T, T, device=docs.device, _compile=compile_mask)
 
 
 _compiled_flex = None
@@ -94,7 +97,7 @@ _compiled_flex = None
 def flex_attention(q, k, v, block_mask):
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention as flex
-    if q.is_cuda:  # compiled once: the fused kernel
+    if q.is_cuda and not torch.compiler.is_compiling():  # eager: compiled once, the fused kernel
         _compiled_flex = _compiled_flex or torch.compile(flex, dynamic=False)
         flex = _compiled_flex
     return flex(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
@@ -117,8 +120,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:  # QK-norm before RoPE (the same as after it when norms have no gain)
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:  # QK-norm before RoPE (the same as after it when norms have no gain);
+            #   CUDA autocast runs rms_norm in fp32 (CPU's does not): q and k come back to v's dtype
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         return apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin), v
 
     def forward(self, x, ctx):
@@ -193,6 +197,9 @@ def run_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None):
     expert's SwiGLU (its hidden activation scaled by the row's router weight) and is added back to its
     token. Matmuls in autocast's dtype when it is on; the result in x's dtype."""
     dtype = compute_dtype(x.device.type, x.dtype)
+    if x.is_cuda and dtype != torch.bfloat16:  # F.grouped_mm in others: a host read, a matmul per expert
+        raise ValueError("an MoE on CUDA runs its experts in bf16: call the model under "
+                         "torch.autocast('cuda', dtype=torch.bfloat16)")
     offs = counts.cumsum(0).int()
     n_embd, unit = x.size(1), 16 // dtype.itemsize  # grouped GEMM rows must be 16-byte aligned: zero
     e, h = -n_embd % unit, -w_gate.size(1) % unit  # columns pad them (exact, and none in most shapes)
@@ -478,38 +485,51 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.block_size)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", torch.empty(cfg.block_size, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.block_size, cfg.head_dim // 2), persistent=False)
         self.plan = execution_plan(cfg)
         self.activation_checkpointing = False  # recompute each executed block in the backward
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self):
+        """Every parameter and buffer from scratch. A sharded parameter (FSDP2's DTensor: train.py builds a
+        sharded model on the meta device, then materialises it) is drawn whole, one at a time, and cut to
+        this process's shard: the same weights on any number of processes."""
+        cos, sin = rope_tables(self.config.head_dim, self.config.block_size)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        for name, p in self.init_order():
+            if isinstance(p, DTensor):
+                whole = self.init_parameter(name, torch.empty(p.shape, dtype=p.dtype, device=p.device))
+                p.copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))
+            else:
+                self.init_parameter(name, p)
+
+    def init_order(self):
+        """(name, parameter) in the order of their draws: named_parameters', but with the x init each MoE's
+        router before its experts (the order every run so far started from)."""
+        params = list(self.named_parameters())
+        group = {}  # an FFN's parameters keep the place of its first one
+        for i, (name, _) in enumerate(params):
+            group.setdefault(name.rsplit(".ffn.", 1)[0], i)
+        first = lambda name: ".router." not in name if self.config.init == "x" else 0  # noqa: E731
+        return sorted(params, key=lambda item: (group[item[0].rsplit(".ffn.", 1)[0]], first(item[0])))
+
+    def init_parameter(self, name, w):
+        """Draw parameter `name` into w in place (and return it)."""
         cfg = self.config
-        if cfg.init == "x":  # [X]: zero out-projections and lm head, normal embedding, uniform inputs
-            bound = cfg.uniform_init_scale / math.sqrt(cfg.n_embd)
-            nn.init.normal_(self.wte.weight, std=cfg.embed_init_std)
-            nn.init.zeros_(self.lm_head.weight)
-            for block in self.blocks:
-                a, f = block.attn, block.ffn
-                for w in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight):
-                    nn.init.uniform_(w, -bound, bound)
-                nn.init.zeros_(a.o_proj.weight)
-                moe = isinstance(f, MoE)
-                for w in (f.router.weight, f.w_gate, f.w_up) if moe else (f.w_gate.weight, f.w_up.weight):
-                    nn.init.uniform_(w, -bound, bound)
-                nn.init.zeros_(f.w_down if moe else f.w_down.weight)
-        else:  # nanoGPT: normal(0.02), out-projections scaled down with the executed depth
-            out_std = 0.02 / math.sqrt(2 * cfg.executed_layers())
-            for name, p in self.named_parameters():
-                is_out = name.endswith(("o_proj.weight", "w_down.weight", "w_down"))
-                if p.dim() >= 2:
-                    nn.init.normal_(p, std=out_std if is_out else 0.02)
-        for m in self.modules():
-            if isinstance(m, RMSNorm) and m.weight is not None:
-                nn.init.ones_(m.weight)
+        out = name.endswith(("o_proj.weight", "w_down.weight", "w_down"))  # the writes to the residual stream
+        if w.dim() < 2:  # RMSNorm gains
+            return nn.init.ones_(w)
+        if cfg.init == "nanogpt":  # normal(0.02), out-projections scaled down with the executed depth
+            return nn.init.normal_(w, std=0.02 / math.sqrt(2 * cfg.executed_layers()) if out else 0.02)
+        if name == "wte.weight":  # [X]: a normal embedding, zero out-projections and head, uniform inputs
+            return nn.init.normal_(w, std=cfg.embed_init_std)
+        if out or name == "lm_head.weight":
+            return nn.init.zeros_(w)
+        bound = cfg.uniform_init_scale / math.sqrt(cfg.n_embd)
+        return nn.init.uniform_(w, -bound, bound)
 
     def forward(self, idx, targets=None, n_passes=None, cache=None, return_stats=False):
         """idx (B, T) -> (logits, loss or None) [, stats {"ce", and for an MoE "balance", "z_loss",

@@ -218,7 +218,8 @@ def run_probes(model, idx, visits=(1, 2), n_passes=None, batch_size=8, attn_topk
 
     for start in range(0, idx.size(0), batch_size):
         x = idx[start:start + batch_size].to(device)
-        with record_blocks(model) as records:
+        with record_blocks(model) as records, torch.autocast(device.type, dtype=torch.bfloat16,
+                                                             enabled=device.type == "cuda"):  # as trained
             final_logits, _ = model(x, n_passes=n_passes)
         executed = [(r["block"], r["visit"]) for r in records]
         layers = [blk for blk, v in executed if v == b and (blk, a) in executed]  # the loop layers

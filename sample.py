@@ -60,7 +60,8 @@ def sample_texts(model, tokenizer, start="", num_samples=1, max_new_tokens=200, 
     model.eval()
     texts = []
     for _ in range(num_samples):
-        new = generate_windowed(model, prompt, max_new_tokens, temperature, top_k, n_passes, generator)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):  # as trained
+            new = generate_windowed(model, prompt, max_new_tokens, temperature, top_k, n_passes, generator)
         ids = prompt[0, 1:].tolist() + new[0].tolist()
         texts.append(tokenizer.decode([i for i in ids if i < tokenizer.n_vocab]))
     model.train(was_training)

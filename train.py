@@ -271,6 +271,21 @@ def shard(model, config, bf16):
     return model
 
 
+def build_model(model_config, config, bf16, device, sharded):
+    """FSDP2: built on the meta device, sharded, materialised on `device`, then every parameter drawn whole,
+    one at a time, and cut to this rank's shard: no process holds the whole model, and any number of
+    processes starts from the same weights (as torchtitan). DDP keeps a whole copy on every GPU anyway:
+    built on the CPU and moved."""
+    if not sharded:
+        return GPT(model_config).to(device)
+    with torch.device("meta"):
+        model = GPT(model_config)
+    model = shard(model, config, bf16)
+    model.to_empty(device=device)
+    model.reset_parameters()
+    return model
+
+
 def wrap(model, config, world, device):
     """The module a step calls: DDP around the model (several processes), then torch.compile. Random
     passes may leave an untied core without a gradient: DDP is told."""
@@ -366,9 +381,7 @@ def train(overrides=None):
 
     # the model and its optimizers: fresh, or from the checkpoint a resume, fork or branch continues
     torch.manual_seed(config.seed)
-    model = GPT(model_config).to(device)
-    if sharded:
-        model = shard(model, config, bf16)
+    model = build_model(model_config, config, bf16, device, sharded)
     optimizers = build_optimizers(model, config, bf16)
     state = dict(step=0, tokens=0, flops=0.0, flops_by_passes={}, data_position=0, branch_start=None,
                  grown=False, window=[], passes=[])  # window, passes: the train losses and K since the eval

@@ -86,3 +86,10 @@ def test_a_gpt_with_kernels_trains_as_the_plain_one_in_bf16(layout, extra):
     for (name, a), b in zip(plain.named_parameters(), fast.parameters()):
         assert torch.isfinite(b.grad).all(), name
         assert (a.grad - b.grad).norm() <= 0.05 * a.grad.norm() + 1e-6, name
+
+
+def test_an_moe_in_fp32_on_cuda_is_refused_in_one_line():
+    """Outside bf16, F.grouped_mm on CUDA reads the group sizes back and runs a matmul per expert."""
+    gpt = model.GPT(model.ModelConfig(vocab_size=64, block_size=16, n_embd=32, n_head=2, n_expert=4, top_k=2))
+    with pytest.raises(ValueError, match="runs its experts in bf16"):
+        gpt.cuda()(torch.randint(0, 63, (2, 16), device="cuda"))

@@ -21,6 +21,9 @@ JOBS = {
     "fsdp_grow_tied": dict(PCC, n_passes=1, grow_at=2.0, parallel="fsdp"),
     "fsdp_grow_untied": dict(PCC, layout="pcc_untied", n_passes=1, grow_at=2.0, parallel="fsdp"),
 }
+BUILDS = {"x_init_smelt": dict(layout="smelt", n_passes=2, n_expert=4, top_k=2, n_layer=4, n_embd=64, n_head=2,
+                               vocab_size=512),
+          "nanogpt_init_untied": dict(PCC, layout="pcc_untied", init="nanogpt", n_embd=64, vocab_size=511)}
 TOL = dict(rel=1e-5, abs=1e-6)  # fp32: gradient sums in another order
 
 
@@ -33,6 +36,7 @@ def two(tmp_path_factory, data_dir, torchrun):
     root = tmp_path_factory.mktemp("parallel")
     jobs = [dict(name=name, settings=SMALL | s | dict(data_dir=data_dir, out_dir=str(root / name)))
             for name, s in JOBS.items()]
+    jobs += [dict(build=BUILDS[name], path=str(root / f"{name}.pt")) for name in BUILDS]
     jobs.append(dict(name="fsdp_resumed", settings=SMALL | dict(parallel="fsdp", decay_fraction=0.0, max_steps=2,
                      data_dir=data_dir, out_dir=str(root / "fsdp_resumed")), then=[dict(max_steps=4)]))
     (root / "jobs.json").write_text(json.dumps(jobs))
@@ -43,7 +47,7 @@ def two(tmp_path_factory, data_dir, torchrun):
 @pytest.mark.parametrize("name", JOBS)
 def test_two_processes_train_what_one_process_trains(two, tmp_path, data_dir, name):
     settings = SMALL | JOBS[name] | dict(data_dir=data_dir, out_dir=str(tmp_path), global_batch=8)
-    one = train.train(settings | dict(parallel="ddp"))
+    one = train.train(settings)  # FSDP2 in one process: the meta-built model's weights
     (result,) = two[0][name]
     assert result["train_losses"] == pytest.approx(one["train_losses"], **TOL)
     assert result["val_loss"] == pytest.approx(one["val_loss"], **TOL)
@@ -66,3 +70,40 @@ def test_a_sharded_run_resumes_exactly_on_two_processes_and_on_one(two, tmp_path
     more = train.train(dict(out_dir=str(root / "fsdp_resumed"), init_from="resume", max_steps=6))
     again = train.train(dict(out_dir=str(tmp_path / "a"), init_from="resume", max_steps=6))
     assert more["train_losses"] == pytest.approx(again["train_losses"], **TOL)
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_a_model_built_sharded_on_two_processes_is_drawn_as_one_process_draws_it(two, tmp_path, name):
+    """Built on the meta device, sharded on 2 processes, each parameter drawn whole and cut: the same weights
+    as one process builds that way, and per parameter the distribution of a model built whole (same zeros
+    and ones, the same bound of a uniform, the same std within sampling noise)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from model import GPT, ModelConfig
+    sharded = torch.load(two[1] / f"{name}.pt", weights_only=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        one = train.build_model(ModelConfig(**BUILDS[name]), train.TrainConfig(parallel="fsdp"), False,
+                                torch.device("cpu"), True)
+        one = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in one.state_dict().items()}
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(0)
+    cfg = ModelConfig(**BUILDS[name])
+    whole = GPT(cfg).state_dict()
+    assert sharded.keys() == one.keys() == whole.keys()
+    for k, w in whole.items():
+        assert torch.equal(sharded[k], one[k]), k
+        assert sharded[k].shape == w.shape, k
+        if w.abs().max() == w.abs().min():  # zeros, ones, or a constant
+            assert torch.equal(sharded[k], w), k
+        else:
+            if cfg.init == "x" and k != "wte.weight":  # U(-bound, bound)
+                bound = cfg.uniform_init_scale / cfg.n_embd ** 0.5
+                assert sharded[k].abs().max() <= bound and w.abs().max() <= bound, k
+            noise = 5 / (2 * w.numel()) ** 0.5  # 5 sigma of a sample std's relative error
+            assert sharded[k].std().item() == pytest.approx(w.std().item(), rel=noise), k
+            assert abs(sharded[k].mean().item()) < 4 * w.std().item() / w.numel() ** 0.5, k
+            assert not torch.equal(sharded[k], w), k  # other draws, not a copy

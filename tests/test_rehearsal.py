@@ -223,3 +223,45 @@ def test_fsdp_bf16_policy_keeps_the_residual_stream_fp32(layout):
         assert set(inputs) == {torch.float32}, (name, inputs)
         assert set(weights) == {torch.bfloat16 if name == "fsdp" else torch.float32}
     assert losses["fsdp"].item() == pytest.approx(losses["ddp"].item(), rel=2e-2)
+
+
+def test_the_flex_attention_path_compiles_to_one_graph(monkeypatch):
+    """CUDA's attention path (FlexAttention with the document block mask, GQA) compiled with fullgraph=True:
+    the mask is built inside the graph, later batches with other boundaries make no new graph, and the
+    logits are the SDPA path's. Forward only: FlexAttention has no backward on a CPU."""
+    import warnings
+    import torch._dynamo
+    import torch._dynamo.utils
+    import model as model_module
+    model = build(dict(layout="smelt", n_passes=2, n_kv_head=1, norms="x", n_expert=4, top_k=2))
+    batches = []
+    for step in range(3):
+        idx = tokens(B=2, T=32)
+        idx[:, 5 + 4 * step] = EOT
+        batches.append(idx)
+    with torch.no_grad():
+        sdpa = [model(idx)[0] for idx in batches]
+    monkeypatch.setattr(model_module, "FLEX_DEVICES", ("cuda", "cpu"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for idx, expected in zip(batches, sdpa):
+            torch.testing.assert_close(compiled(idx)[0], expected, rtol=1e-4, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_qk_norm_output_keeps_the_attention_dtype_when_autocast_runs_it_in_fp32(monkeypatch):
+    """CUDA autocast runs rms_norm in fp32 (from PyTorch 2.12; CPU autocast does not): forced here, q, k
+    and v still share autocast's bf16."""
+    import torch.nn.functional as F
+    rms_norm = F.rms_norm
+    monkeypatch.setattr(F, "rms_norm", lambda x, *args: rms_norm(x.float(), *args))
+    model = build(dict(norms="x", n_kv_head=1))
+    attn = model.blocks[0].attn
+    ctx = type("Ctx", (), dict(cos=model.rope_cos[:24], sin=model.rope_sin[:24]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attn.q_norm(torch.randn(1, 2, 24, 16).bfloat16()).dtype == torch.float32  # forced
+        q, k, v = attn.qkv(torch.randn(2, 24, 32), ctx)
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16
