@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 import configurator  # the config file format (nanoGPT's): train.py reads the same files
-from model import GPT, ModelConfig, execution_plan
+from model import CE_CHUNK, GPT, ModelConfig, execution_plan
 
 # ----------------------------------------------------------------------------------------------------
 # Accounting
@@ -373,7 +373,10 @@ def activation_bytes(cfg, micro_batch, mixed_precision=True, checkpointing=False
       MoE FFN   = norm(H) + a H + f (2 E + 2) + top_k [routed + 3 i + f + a], routed = c a H + 5 a hidden
                   + f H on the PyTorch path (model.run_experts), a (3 H + 2 hidden) with the kernel
       saved     = i [+ norm(H) embed_norm] + executed x (attention + FFN) + norm(H) per boundary [X3]
-                  + the head: norm(H) + a H + f V + i;  logits_grad = 2 f V (cross-entropy's backward)
+                  + the head: norm(H) + a H + l + i, l = f V (the fp32 logits the loss keeps), or a V past
+                  CE_CHUNK logits (model.cross_entropy keeps the logits; a chunk's fp32 copy is recomputed)
+      logits_grad = 2 f V [+ a V: its cast], or past CE_CHUNK a V (the chunks' gradients) + 3 f CE_CHUNK
+                  (one chunk's fp32 recompute) in all (cross-entropy's backward)
     Checkpointing keeps only each executed block's input (f H) and recomputes one block at a time."""
     a, f, i = (2 if mixed_precision else 4), 4, 8
     H, V, E, k = cfg.n_embd, cfg.vocab_size, cfg.n_expert, cfg.top_k
@@ -393,11 +396,14 @@ def activation_bytes(cfg, micro_batch, mixed_precision=True, checkpointing=False
     plan = execution_plan(cfg, n_passes)
     executed = sum(s.kind == "block" for s in plan)
     boundaries = sum(norm for s in plan if s.kind == "boundary" and s.norm)
-    outside = i + norm * cfg.embed_norm + boundaries + norm + a * H + f * V + i
     block, tokens = attention + ffn, micro_batch * cfg.block_size
+    chunked = tokens * V > CE_CHUNK
+    logits = a * V if chunked else f * V
+    outside = i + norm * cfg.embed_norm + boundaries + norm + a * H + logits + i
     saved = tokens * (outside + executed * (f * H if checkpointing else block))
     recompute = tokens * block if checkpointing else 0
-    logits_grad, head = tokens * 2 * f * V, tokens * (norm + a * H + f * V + i)  # the head's are freed first
+    logits_grad = tokens * a * V + 3 * f * CE_CHUNK if chunked else tokens * (2 * f + (a < f) * a) * V
+    head = tokens * (norm + a * H + logits + i)  # the head's are freed first
     return dict(saved=saved, recompute=recompute, logits_grad=logits_grad, head=head,
                 per_block=tokens * block, tokens=tokens, total=saved + max(logits_grad, recompute - head))
 

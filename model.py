@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 NORM_EPS = 1e-6
 BALANCE_LOSS_COEF = 0.01  # weight of the Switch load-balancing loss
 Z_LOSS_COEF = 0.001  # weight of the router z-loss (ST-MoE)
+CE_CHUNK = 2 ** 24  # logits per chunk of the loss (64 MiB in fp32)
 MAX_PASSES = 64  # 4 x the 16 test-time passes the papers go to
 FLEX_DEVICES = ("cuda",)  # FlexAttention with a block mask here; elsewhere SDPA with a boolean mask
 #   (FlexAttention has no backward on a CPU; a test adds "cpu" to compare the two paths)
@@ -247,6 +248,20 @@ def _grouped_mm_backward(ctx, grad):
 
 _grouped_mm_op.register_autograd(_grouped_mm_backward,
                                  setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+def cross_entropy(logits, targets):
+    """Mean cross-entropy in fp32 over the targets that are not -1. Past CE_CHUNK logits it runs chunk by
+    chunk of tokens, each chunk's fp32 copy recomputed in the backward: no fp32 copy of all the logits
+    (50,304 x 4 bytes a token) is ever kept."""
+    logits, targets = logits.flatten(0, -2), targets.reshape(-1)
+    rows = max(1, CE_CHUNK // logits.size(1))
+    if logits.size(0) <= rows:
+        return F.cross_entropy(logits.float(), targets, ignore_index=-1)
+    chunk = lambda x, t: F.cross_entropy(x.float(), t, ignore_index=-1, reduction="sum")  # noqa: E731
+    total = sum(checkpoint(chunk, x, t, use_reentrant=False)
+                for x, t in zip(logits.split(rows), targets.split(rows)))
+    return total / (targets != -1).sum()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -578,7 +593,7 @@ class GPT(nn.Module):
             logits = logits[..., :cfg.n_logits]
         loss, stats = None, {}
         if targets is not None:
-            ce = F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1), ignore_index=-1)
+            ce = cross_entropy(logits, targets)
             loss, stats = ce, {"ce": ce.detach()}
             routers = [r for r in routers if r is not None]
             if routers:

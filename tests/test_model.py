@@ -567,3 +567,21 @@ print("ok")
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_the_chunked_cross_entropy_equals_the_whole_one(monkeypatch):
+    """Past CE_CHUNK logits the loss runs chunk by chunk (an fp32 copy of one chunk at a time): the same
+    loss and logits' gradient as one cross-entropy over everything, to fp32 rounding, ignored targets
+    and a last chunk shorter than the others included."""
+    logits = torch.randn(3, 37, 50, dtype=torch.float64).float().requires_grad_()
+    targets = torch.randint(0, 50, (3, 37))
+    targets[0, :5] = -1
+    whole = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+    (grad_whole,) = torch.autograd.grad(whole, logits)
+    monkeypatch.setattr(model_module, "CE_CHUNK", 50 * 8)  # 8 tokens a chunk: 14 chunks, the last of 7
+    chunked = model_module.cross_entropy(logits, targets)
+    (grad_chunked,) = torch.autograd.grad(chunked, logits)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad_chunked, grad_whole, rtol=1e-5, atol=1e-8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 logits: each chunk's loss in fp32
+        assert model_module.cross_entropy(logits.bfloat16(), targets).dtype == torch.float32
