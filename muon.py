@@ -7,9 +7,10 @@ matrices of a transformer. Imports only torch: copy it into any project.
 
 Two variants, each one function (original_update, x_update). Stacked experts are orthogonalised per expert;
 `opt.gram` (None: x @ x.mT) is the iteration's Gram product, which kernels.apply sets to a Triton kernel.
-FSDP2: parameters may be DTensors sharded on dim 0 of a 1-D mesh. Momentum is elementwise and stays
-sharded; each (out, in) matrix split across ranks is orthogonalised whole by one owner rank (owners()),
-which gathers the shards and scatters the result; experts sharded on E are whole where they are.
+FSDP2: parameters may be DTensors sharded on dim 0 of a 1-D mesh, or of the shard dim of a 2-D (replicate,
+shard) mesh (HSDP: each replica group steps alike). Momentum is elementwise and stays sharded; each
+(out, in) matrix split across ranks is orthogonalised whole by one owner rank (owners()), which gathers the
+shards and scatters the result; experts sharded on E are whole where they are.
 """
 
 import contextlib
@@ -126,14 +127,23 @@ def local(x):
     return x.to_local() if is_dtensor(x) else x  # a view: in-place ops update the DTensor
 
 
+def sharding(p):
+    """(the 1-D mesh a DTensor p is sharded over, the dim it is cut along): FSDP2's mesh, or the shard dim
+    of HSDP's 2-D (replicate, shard) mesh."""
+    cut = [i for i, placement in enumerate(p.placements) if placement.is_shard()]
+    if len(cut) != 1 or not all(pl.is_shard() or pl.is_replicate() for pl in p.placements):
+        raise NotImplementedError(f"Muon: DTensors sharded along one mesh dim only (FSDP2, HSDP), not "
+                                  f"{p.placements}")
+    mesh = p.device_mesh if p.device_mesh.ndim == 1 else p.device_mesh[p.device_mesh.mesh_dim_names[cut[0]]]
+    return mesh, p.placements[cut[0]].dim
+
+
 def split_dim(p):
     """The dim along which p's (out, in) matrices are split across ranks; None when this rank holds whole
     matrices (a plain tensor, or stacked experts sharded on E)."""
     if not is_dtensor(p):
         return None
-    if p.device_mesh.ndim != 1 or not p.placements[0].is_shard():
-        raise NotImplementedError(f"Muon: DTensors sharded on a 1-D mesh only (FSDP2), not {p.placements}")
-    dim = p.placements[0].dim
+    dim = sharding(p)[1]
     return dim if dim >= p.ndim - 2 else None
 
 
@@ -152,7 +162,7 @@ def second_moment_zeros(p):
     wide_split = split_dim(p) is not None and p.shape[-2] < p.shape[-1]
     piece = shape if wide_split else (local(p).shape[0], *shape[1:])
     zeros = torch.zeros(piece, dtype=p.dtype, device=local(p).device)
-    placements = [Replicate()] if wide_split else p.placements
+    placements = [Replicate()] * p.device_mesh.ndim if wide_split else p.placements
     return DTensor.from_local(zeros, p.device_mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
 
@@ -199,7 +209,7 @@ class Muon(torch.optim.Optimizer):
                 self.state[p] = self.state[p] or self.empty_state(p)
                 state = {name: local(buffer) for name, buffer in self.state[p].items()}
                 split_here = split_dim(p) is not None
-                reduce = split_here and functools.partial(all_reduce_sum, group=p.device_mesh.get_group())
+                reduce = split_here and functools.partial(all_reduce_sum, group=sharding(p)[0].get_group())
                 update = VARIANTS[self.variant]["update"](local(p), local(p.grad), state, group, p.shape,
                                                           reduce)
                 direction = next(update)
@@ -233,7 +243,8 @@ class Muon(torch.optim.Optimizer):
         cost = [newton_schulz_cost(p.shape) for p in matrices]
         owners, work = [None] * len(matrices), {}
         for i in sorted(range(len(matrices)), key=lambda i: -cost[i]):
-            load = work.setdefault(matrices[i].device_mesh, [0] * matrices[i].device_mesh.size())
+            mesh = sharding(matrices[i])[0]
+            load = work.setdefault(mesh, [0] * mesh.size())
             owners[i] = load.index(min(load))
             load[owners[i]] += cost[i]
         return owners
@@ -245,7 +256,7 @@ class Muon(torch.optim.Optimizer):
         owner_of = dict(zip(self.split_matrices(), self.owners()))
         shards, pieces, handles = [], [], []
         for p, group, direction, _ in split:
-            mesh, dim = p.device_mesh, split_dim(p)
+            mesh, dim = sharding(p)
             shard = pad(direction.to(self.ns_dtype or newton_schulz_dtype(direction)), dim,
                         -(-p.shape[dim] // mesh.size()))
             shards.append(shard)
@@ -257,7 +268,7 @@ class Muon(torch.optim.Optimizer):
             handle.wait()
         results, handles = [], []
         for (p, group, direction, _), shard, gathered in zip(split, shards, pieces):
-            mesh, dim = p.device_mesh, split_dim(p)
+            mesh, dim = sharding(p)
             if gathered is not None:  # the owner: the whole matrix, without the padding, then cut again
                 whole = torch.cat(gathered, dim).narrow(dim, 0, p.shape[dim])
                 whole = pad(self.orthogonalize(whole, group["ns_steps"]), dim, mesh.size() * shard.size(dim))

@@ -69,7 +69,8 @@ class TrainConfig:
     n_passes_choices: list = ()  # e.g. [1, 2, 3]: each step's K (or r), drawn seeded by the step
     grow_at: float = 0.0  # [X] growth to twice the passes at this step (>= 1) or fraction (< 1)
     parallel: str = "ddp"  # under torchrun: ddp; fsdp (FSDP2, activations checkpointed); fsdp_grad_op (each
-    #   block kept gathered from its forward to its backward: fewer all-gathers, more memory)
+    #   block kept gathered from its forward to its backward: fewer all-gathers, more memory); hsdp (FSDP2
+    #   sharded within a node, replicated across nodes: several nodes)
     compile: bool = False  # torch.compile the model
     triton: bool = False  # the Triton kernels in the model and Muon (kernels/, opt-in)
     wandb_log: bool = False  # log the evals to Weights & Biases
@@ -260,13 +261,22 @@ def keep_freed_memory():
 
 
 def shard(model, config, bf16):
-    """FSDP2: every stored block sharded on its own, then the root; bf16 gathered copies on CUDA."""
+    """FSDP2: every stored block sharded on its own, then the root; bf16 gathered copies on CUDA. HSDP: a
+    2-D mesh (nodes, processes per node), shards within a node, gradients all-reduced across nodes: the
+    all-gathers of every micro-batch stay on the node's links (torchtitan's data_parallel_replicate)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                   cast_forward_inputs=False) if bf16 else MixedPrecisionPolicy()
+    mesh = None
+    if config.parallel == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        mesh = init_device_mesh("cuda" if bf16 else "cpu", (dist.get_world_size() // per_node, per_node),
+                                mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:  # a looped block's gradients accumulate over its visits, reduced once
-        fully_shard(block, mp_policy=policy, reshard_after_forward=config.parallel == "fsdp")
-    fully_shard(model)
+        fully_shard(block, mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=config.parallel != "fsdp_grad_op")
+    fully_shard(model, mesh=mesh)
     model.activation_checkpointing = True  # keep each executed block's input, recompute the rest
     return model
 
@@ -334,9 +344,10 @@ def train(overrides=None):
     settings, source, source_path, branch = resolve_settings(overrides or {})
     resume = (overrides or {}).get("init_from") == "resume"
     config = TrainConfig(**{k: settings[k] for k in DEFAULTS if k not in MODEL_SETTINGS})
-    if config.optimizer not in MATRIX_LR or config.parallel not in ("ddp", "fsdp", "fsdp_grad_op"):
-        raise ValueError(f"optimizer={config.optimizer!r} (muon, muon_x, adamw) or "
-                         f"parallel={config.parallel!r} (ddp, fsdp, fsdp_grad_op) is not one of its values")
+    parallels = ("ddp", "fsdp", "fsdp_grad_op", "hsdp")
+    if config.optimizer not in MATRIX_LR or config.parallel not in parallels:
+        raise ValueError(f"optimizer={config.optimizer!r} ({', '.join(MATRIX_LR)}) or parallel={config.parallel!r} "
+                         f"({', '.join(parallels)}) is not one of its values")
     ckpt_path = os.path.join(config.out_dir, "ckpt.dcp" if config.parallel != "ddp" else "ckpt.pt")
     log_path = os.path.join(config.out_dir, "log.jsonl")
     if not resume and os.path.exists(log_path):

@@ -27,6 +27,7 @@ if __name__ == "__main__":
             if dist.get_rank() == 0:
                 torch.save(weights, job["path"])
             continue
+        os.environ["LOCAL_WORLD_SIZE"] = str(job.get("per_node", os.environ["LOCAL_WORLD_SIZE"]))  # nodes of so many
         summaries = [train.train(job["settings"])]
         for more in job.get("then", []):
             summaries.append(train.train(dict(out_dir=job["settings"]["out_dir"], init_from="resume") | more))

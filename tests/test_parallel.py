@@ -107,3 +107,17 @@ def test_a_model_built_sharded_on_two_processes_is_drawn_as_one_process_draws_it
             assert sharded[k].std().item() == pytest.approx(w.std().item(), rel=noise), k
             assert abs(sharded[k].mean().item()) < 4 * w.std().item() / w.numel() ** 0.5, k
             assert not torch.equal(sharded[k], w), k  # other draws, not a copy
+
+
+def test_hsdp_on_two_nodes_of_two_processes_trains_what_one_process_trains(tmp_path, data_dir, torchrun):
+    """--parallel=hsdp on 4 processes taken as 2 nodes of 2 (LOCAL_WORLD_SIZE=2): shards within a node,
+    replicas across them; Muon's x variant orthogonalises on the shard dim of the 2-D mesh. The same losses
+    as one process with the same global batch."""
+    settings = SMALL | dict(optimizer="muon_x", batch_size=2, global_batch=8, data_dir=data_dir)
+    jobs = [dict(name="hsdp", per_node=2, settings=settings | dict(parallel="hsdp", out_dir=str(tmp_path / "h")))]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    torchrun(["tests/dist_driver.py", str(tmp_path / "jobs.json"), str(tmp_path / "results.json")], nproc=4)
+    (hsdp,) = json.loads((tmp_path / "results.json").read_text())["hsdp"]
+    one = train.train(settings | dict(parallel="fsdp", out_dir=str(tmp_path / "one")))
+    assert hsdp["train_losses"] == pytest.approx(one["train_losses"], **TOL)
+    assert hsdp["val_loss"] == pytest.approx(one["val_loss"], **TOL)
