@@ -196,7 +196,8 @@ class MoE(nn.Module):
 def run_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None):
     """Expert e owns the sorted rows [offs[e-1], offs[e]): each row copies its token of x, runs the
     expert's SwiGLU (its hidden activation scaled by the row's router weight) and is added back to its
-    token. Matmuls in autocast's dtype when it is on; the result in x's dtype."""
+    token. In autocast's dtype when it is on (x cast once, before the gather; summed back in that dtype:
+    on a CPU one rounding of the result, as a dense layer's output), else in x's; the result in x's dtype."""
     dtype = compute_dtype(x.device.type, x.dtype)
     if x.is_cuda and dtype != torch.bfloat16:  # F.grouped_mm in others: a host read, a matmul per expert
         raise ValueError("an MoE on CUDA runs its experts in bf16: call the model under "
@@ -205,14 +206,14 @@ def run_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None):
     n_embd, unit = x.size(1), 16 // dtype.itemsize  # grouped GEMM rows must be 16-byte aligned: zero
     e, h = -n_embd % unit, -w_gate.size(1) % unit  # columns pad them (exact, and none in most shapes)
     pad = lambda t, p: F.pad(t, p) if any(p) else t  # noqa: E731 (F.pad would copy)
-    rows = pad(x, (0, e)).index_select(0, token_of)
+    rows = pad(x.to(dtype), (0, e)).index_select(0, token_of)
     gate, up = (pad(w, (0, e, 0, h)).to(dtype).transpose(-2, -1) for w in (w_gate, w_up))
     down = pad(w_down, (0, h, 0, e)).to(dtype).transpose(-2, -1)
-    h = F.silu(grouped_mm(rows.to(dtype), gate, offs)) * grouped_mm(rows.to(dtype), up, offs)
+    h = F.silu(grouped_mm(rows, gate, offs)) * grouped_mm(rows, up, offs)
     if row_weights is not None:
         h = h * row_weights.unsqueeze(1).to(h.dtype)
-    y = grouped_mm(h, down, offs)[:, :n_embd].to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, y)
+    y = grouped_mm(h, down, offs)[:, :n_embd]
+    return x.new_zeros(x.shape, dtype=dtype).index_add_(0, token_of, y).to(x.dtype)
 
 
 def compute_dtype(device_type, dtype):

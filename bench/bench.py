@@ -12,6 +12,8 @@ Stages (both sides of a ratio run in turn in the same rounds, so they see the sa
               of_peak = over a large matmul's (fp32 2048^3 on a CPU, bf16 8192^3 on CUDA).
   moe         the MoE layer (64 experts, top-8, sort by expert + grouped GEMM) forward + backward vs a dense
               SwiGLU of equal active FLOPs (hidden = top_k x expert_hidden): ratio = moe / dense.
+  moe_bytes   the bytes one MoE layer's forward + backward moves per token at the [S] 200M twin's widths
+              (bf16 autocast, bf16 weights, 16k tokens; shapes only), and its grouped GEMMs' FLOP/byte.
   kernels     each Triton kernel vs its PyTorch twin, forward + backward: on CUDA their times (speedup =
               twin / kernel); on a CPU the interpreter's largest difference only (its speed says nothing).
 """
@@ -22,6 +24,8 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -137,6 +141,50 @@ def moe_vs_dense(size, device, rounds, n_expert=64, top_k=8):
          n_expert=n_expert, top_k=top_k, expert_hidden=expert_hidden, dense_hidden=cfg.mlp_hidden)
 
 
+class ByteCounter(TorchDispatchMode):
+    """Bytes every op reads and writes (its tensor inputs and outputs; a view or a query moves none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_op = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        views = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        if not outs or views:
+            return out
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        moved = sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs if all(t is not i for i in ins))
+        self.by_op[func.__name__] = self.by_op.get(func.__name__, 0) + moved
+        return out
+
+
+def moe_bytes(size, device, rounds, tokens=16384):
+    """One MoE layer's forward + backward at the [S] 200M twin's widths (config/smelt_200m_s95.py) on
+    `tokens` tokens, under bf16 autocast with bf16 weights (what FSDP2 gathers): the bytes its ops move per
+    token and the grouped GEMMs' FLOPs per byte. Shapes only (FakeTensorMode): the count is the CUDA path's,
+    made in seconds on any machine."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cfg = ModelConfig(n_embd=1056, n_head=12, head_dim=88, n_expert=288, top_k=8, expert_hidden=352)
+    with FakeTensorMode():
+        torch.set_default_dtype(torch.bfloat16)
+        moe = MoE(cfg)
+        torch.set_default_dtype(torch.float32)
+        x = torch.randn(tokens, cfg.n_embd, requires_grad=True)
+        with ByteCounter() as counter:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out, _ = moe(x)
+            out.float().sum().backward()
+    moved = sum(counter.by_op.values()) / tokens
+    flops = 3 * 3 * 2 * cfg.top_k * cfg.n_embd * cfg.expert_hidden  # 3 GEMMs, forward + 2 in the backward
+    top = sorted(counter.by_op.items(), key=lambda kv: -kv[1])[:4]
+    emit(stage="moe_bytes", mb_per_token=round(moved / 1e6, 3), gemm_flop_per_byte=round(flops / moved, 1),
+         gemm_mflop_per_token=round(flops / 1e6, 1), tokens=tokens, n_embd=cfg.n_embd,
+         n_expert=cfg.n_expert, top_k=cfg.top_k, expert_hidden=cfg.expert_hidden,
+         top_ops_kb_per_token={name: round(b / tokens / 1e3, 1) for name, b in top})
+
+
 def kernel_cases(size, device):
     """name -> (kernel, twin, inputs): the norms over (rows, n_embd), SwiGLU 4 n_embd wide, the experts over
     the rows routed top-8 to `experts` experts of n_embd / 4, the Gram product of 16 (n_embd / 4, n_embd)."""
@@ -180,7 +228,7 @@ def kernel_vs_twin(size, device, rounds):
         emit(**row)
 
 
-STAGES = {"efficiency": efficiency, "moe": moe_vs_dense, "kernels": kernel_vs_twin}
+STAGES = {"efficiency": efficiency, "moe": moe_vs_dense, "moe_bytes": moe_bytes, "kernels": kernel_vs_twin}
 
 
 def main(argv=None):

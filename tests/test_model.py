@@ -342,8 +342,8 @@ def test_moe_sparse_dispatch_equals_naive_reference():
 @pytest.mark.parametrize("counts", [[7, 0, 13, 1, 16], [37, 0, 0, 0, 0], [0, 0, 0, 0, 37]])
 def test_grouped_experts_equal_the_per_expert_loop(counts, width, hidden):
     """model.run_experts (grouped GEMMs, no host read) against conftest.loop_experts (one expert at a time):
-    outputs and every gradient, in fp32 within rounding and under bf16 autocast within one bf16 rounding,
-    experts with 0 and 1 tokens among them."""
+    outputs and every gradient, in fp32 within rounding and under bf16 autocast within one bf16 rounding (the
+    input's gradient two), experts with 0 and 1 tokens among them."""
     from conftest import loop_experts
     from model import run_experts
     g = torch.Generator().manual_seed(sum(counts) + width)
@@ -361,10 +361,13 @@ def test_grouped_experts_equal_the_per_expert_loop(counts, width, hidden):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 y = experts(x, token_of, torch.tensor(counts), *weights, row_weights)
             results.append([y, *torch.autograd.grad(y, [x, *weights, row_weights], upstream)])
-        for reference, grouped in zip(*results):
+        for i, (reference, grouped) in enumerate(zip(*results)):
             assert grouped.dtype == reference.dtype == torch.float32
             scale = reference.abs().max().item() + 1e-12
-            assert (grouped - reference).abs().max().item() <= scale * (2 ** -8 if bf16 else 1e-6)
+            # x is cast to bf16 once, before the gather: its gradient (i = 1) is summed in bf16 (the gate and
+            #   up GEMMs', then a token's rows'), within two roundings (measured up to 1.17)
+            bound = 1e-6 if not bf16 else 2 ** -7 if i == 1 else 2 ** -8
+            assert (grouped - reference).abs().max().item() <= scale * bound
 
 
 def test_balance_loss_minimum_for_uniform_router():
