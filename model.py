@@ -107,7 +107,7 @@ def flex_attention(q, k, v, block_mask):
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, int(cfg.n_kv_head), int(cfg.head_dim)
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
@@ -226,12 +226,15 @@ def grouped_mm(a, b, offs):
     """Row group g of a times b[g]: one dropless grouped GEMM (torchtitan's MoE kernel on CUDA in bf16;
     a loop of matmuls inside on a CPU), never a host read. Other dtypes go through a custom op, because
     torch.compile knows F.grouped_mm's output shape only in bf16."""
-    return F.grouped_mm(a, b, offs=offs) if a.dtype == torch.bfloat16 else _grouped_mm_op(a, b, offs)
+    return GROUPED_MM(a, b, offs=offs) if a.dtype == torch.bfloat16 else _grouped_mm_op(a, b, offs)
+
+
+GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm  # an older torch has only the private one
 
 
 @torch.library.custom_op(f"{__name__.replace('.', '_')}::grouped_mm", mutates_args=())
 def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return F.grouped_mm(a, b, offs=offs)
+    return GROUPED_MM(a, b, offs=offs)
 
 
 @_grouped_mm_op.register_fake
@@ -361,7 +364,8 @@ def core_split(depth):
 
 
 class Derived(int):
-    """A size derived from others (given as 0): dataclasses.replace() derives it again from the new ones."""
+    """A size derived from others (given as 0): dataclasses.replace() derives it again from the new ones.
+    The model reads it through int(): torch.compile breaks its graph on an int subclass."""
 
 
 def derive(given, value, unset=0):
@@ -557,7 +561,7 @@ class GPT(nn.Module):
         if start + T > cfg.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size={cfg.block_size}")
         # the document mask [S], always built (asking whether a batch holds an eot would read the host)
-        docs = document_ids(idx, cfg.eot_token) if cfg.document_mask else torch.zeros_like(idx)
+        docs = document_ids(idx, int(cfg.eot_token)) if cfg.document_mask else torch.zeros_like(idx)
         mask = block_mask = None
         if cache is not None:  # the new tokens' documents continue the cached ones
             docs = docs + (cache.doc_ids[:, -1:] if cache.doc_ids is not None else 0)

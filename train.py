@@ -346,8 +346,8 @@ def train(overrides=None):
     config = TrainConfig(**{k: settings[k] for k in DEFAULTS if k not in MODEL_SETTINGS})
     parallels = ("ddp", "fsdp", "fsdp_grad_op", "hsdp")
     if config.optimizer not in MATRIX_LR or config.parallel not in parallels:
-        raise ValueError(f"optimizer={config.optimizer!r} ({', '.join(MATRIX_LR)}) or parallel={config.parallel!r} "
-                         f"({', '.join(parallels)}) is not one of its values")
+        raise ValueError(f"optimizer={config.optimizer!r} ({', '.join(MATRIX_LR)}) or "
+                         f"parallel={config.parallel!r} ({', '.join(parallels)}) is not one of its values")
     ckpt_path = os.path.join(config.out_dir, "ckpt.dcp" if config.parallel != "ddp" else "ckpt.pt")
     log_path = os.path.join(config.out_dir, "log.jsonl")
     if not resume and os.path.exists(log_path):

@@ -228,7 +228,209 @@ def kernel_vs_twin(size, device, rounds):
         emit(**row)
 
 
-STAGES = {"efficiency": efficiency, "moe": moe_vs_dense, "moe_bytes": moe_bytes, "kernels": kernel_vs_twin}
+# ----------------------------------------------------------------------------------------------------
+# What a first GPU run must return (bench/gpu_check.sh): the machine's ceilings, the real shapes, a profile
+
+GPU_SHAPES = {  # the [S] 200M twin's MoE layer and attention (config/smelt_200m_s95.py), the [X] d8 loss
+    "cuda": dict(tokens=16384, n_embd=1056, n_expert=288, expert_hidden=352, seq=4096, heads=12, kv_heads=2,
+                 loss_tokens=32768, vocab=50304, copy_mb=1024),
+    "dry": dict(tokens=256, n_embd=64, n_expert=8, expert_hidden=16, seq=64, heads=4, kv_heads=2,
+                loss_tokens=512, vocab=256, copy_mb=4),
+}
+CEILING = {}  # the matmul's TFLOP/s, once measured: the profile's MFU is against it
+
+
+def shape_size(size):
+    return GPU_SHAPES["dry" if size is SIZES["dry"] else "cuda"]
+
+
+def ceilings(size, device, rounds):
+    """The machine's own ceilings: a large matmul (bf16 on CUDA) and a device-to-device copy."""
+    mm = matmul(size["mm"], device)
+    src = torch.empty(shape_size(size)["copy_mb"] * 2 ** 18, device=device)
+    dst = torch.empty_like(src)
+    median = interleaved({"matmul": mm, "copy": lambda: dst.copy_(src)}, rounds, device, "ceilings")
+    CEILING["tflops"] = mm.flops / median["matmul"] / 1e12
+    emit(stage="ceilings", matmul_tflops=round(CEILING["tflops"], 1), matmul_n=size["mm"],
+         copy_gb_s=round(2 * src.nbytes / median["copy"] / 1e9, 1), copy_mb=src.nbytes // 2 ** 20)
+
+
+def shapes(size, device, rounds):
+    """Forward + backward at the real shapes, each row's sides timed in turn: the MoE layer vs its bare
+    grouped GEMMs (the same rows, sorted) vs a dense SwiGLU of equal active FLOPs; FlexAttention with the
+    document mask at the twins' head sizes 88 and 56 vs 128 and 64, and SDPA's causal kernel (CUDA only:
+    flex has no CPU backward); the loss over loss_tokens x vocab logits in bf16: fp32 whole vs
+    model.cross_entropy's chunks vs compiled."""
+    import torch.nn.functional as F
+    import model
+    z, dtype = shape_size(size), torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = ModelConfig(n_embd=z["n_embd"], n_head=4, n_expert=z["n_expert"], top_k=8,
+                      expert_hidden=z["expert_hidden"], mlp_hidden=8 * z["expert_hidden"])
+    moe, dense = MoE(cfg).to(device, dtype), MLP(cfg).to(device, dtype)
+    for p in [*moe.parameters(), *dense.parameters()]:
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(z["tokens"], cfg.n_embd, device=device, requires_grad=True)
+    rows = torch.randn(8 * z["tokens"], cfg.n_embd, device=device, dtype=dtype, requires_grad=True)
+    counts = torch.full((cfg.n_expert,), 8 * z["tokens"] // cfg.n_expert, device=device)
+    counts[0] += 8 * z["tokens"] - counts.sum()
+    bare = lambda: model.run_experts(rows, torch.arange(len(rows), device=device), counts,  # noqa: E731
+                                     moe.w_gate, moe.w_up, moe.w_down).float().sum().backward()
+    cases = {"moe": {"moe_layer": fwd_bwd(moe, x[None]), "grouped_gemms": bare,
+                     "dense_swiglu": fwd_bwd(dense, x[None])}}
+    if device == "cuda":
+        docs = torch.arange(z["seq"], device=device)[None] // 512  # documents of 512 tokens
+        mask = model.flex_block_mask(docs)
+
+        def attention(head_dim, flex):
+            q = torch.randn(1, z["heads"], z["seq"], head_dim, device=device, dtype=dtype, requires_grad=True)
+            kv = [torch.randn(1, z["kv_heads"], z["seq"], head_dim, device=device, dtype=dtype,
+                              requires_grad=True) for _ in range(2)]
+            run = (lambda: model.flex_attention(q, *kv, mask)) if flex else (  # noqa: E731
+                lambda: F.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=True))
+            return lambda: run().float().sum().backward()
+        cases["attention"] = {f"flex_d{d}": attention(d, True) for d in (88, 128, 56, 64)}  # twins: 88, 56
+        cases["attention"]["sdpa_d128"] = attention(128, False)
+    logits = torch.randn(z["loss_tokens"], z["vocab"], device=device, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, z["vocab"], (z["loss_tokens"],), device=device)
+    whole = lambda lg, t: F.cross_entropy(lg.float(), t)  # noqa: E731
+    compiled = torch.compile(whole, backend="inductor" if device == "cuda" else "aot_eager")
+    cases["loss"] = {name: (lambda fn=fn: fn(logits, targets).backward())
+                     for name, fn in (("fp32_whole", whole), ("chunked", model.cross_entropy),
+                                      ("compiled", compiled))}
+    for case, fns in cases.items():
+        median = interleaved(fns, rounds, device, case)
+        first = next(iter(fns))
+        emit(stage="shapes", case=case, **{f"{name}_ms": round(1e3 * t, 3) for name, t in median.items()},
+             **{f"{name}_vs_{first}": round(t / median[first], 3) for name, t in median.items()
+                if name != first})
+
+
+def run_config(path, dry, **dry_shape):
+    """(ModelConfig, TrainConfig) of a config file, as train.py reads it; dry: at a toy shape."""
+    import configurator
+    import train
+    settings = {**train.DEFAULTS, **configurator.read_config(path), **(dry_shape if dry else {})}
+    if "x_d8" in path:
+        settings["vocab_size"] = 256 if dry else 50304  # the GPT-2 vocabulary padded, as train.py pads it
+    model_config = ModelConfig(**{k: settings[k] for k in train.MODEL_SETTINGS},
+                               **{"vocab_size": settings.get("vocab_size", 4096)})
+    return model_config, train.TrainConfig(**{k: settings[k] for k in train.DEFAULTS
+                                              if k not in train.MODEL_SETTINGS})
+
+
+def training_steps(model, config, device, batch, steps):
+    """A function running `steps` training steps (forward, backward, every optimizer) as train.py does."""
+    import train
+    optimizers = train.build_optimizers(model, config, device == "cuda")
+    x = torch.randint(0, model.config.vocab_size - 1, (batch, model.config.block_size), device=device)
+    x[:, ::512] = model.config.eot_token  # documents of 512 tokens: the document mask is on
+    step_model = torch.compile(model, backend="inductor" if device == "cuda" else "aot_eager") \
+        if config.compile else model
+
+    def run(n=steps):
+        for _ in range(n):
+            with autocast(device):
+                loss = step_model(x, x)[1]
+            loss.backward()
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return run
+
+
+def profile_d8(size, device, rounds):
+    """[X] d8 Loop-2 (config/x_d8_loop2.py, vocabulary 50,304, its micro-batch of 16 x 2048) stepped as
+    train.py steps it, eager then compiled: seconds per step, tokens/s, MFU (against this run's matmul),
+    peak memory against the planner's, host syncs in a step (torch.cuda.set_sync_debug_mode), dynamo's
+    graphs and graph breaks, and a torch.profiler trace of 2 steps: the 30 kernels with the most time."""
+    import warnings
+    import torch._dynamo.utils
+    from torch.profiler import ProfilerActivity, profile
+    dry = size is SIZES["dry"]
+    cfg, config = run_config("config/x_d8_loop2.py", dry, n_embd=64, n_head=2, block_size=128, batch_size=2)
+    tokens = config.batch_size * cfg.block_size
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        config.compile = compiled
+        torch.manual_seed(0)
+        model = GPT(cfg).to(device)
+        run = training_steps(model, config, device, config.batch_size, 1)
+        run(2)  # warm-up (and the compile)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = interleaved({"step": run}, rounds, device, "d8")["step"]
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        flops = match.flops_per_token(cfg) * tokens
+        planned = match.memory_plan(cfg, 1, config.batch_size, config.optimizer)["ddp"]["total_gb"]
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
+        counters = torch._dynamo.utils.counters
+        emit(stage="profile_d8", compiled=compiled, step_s=round(step, 4), tokens_per_s=round(tokens / step),
+             mfu=round(flops / step / 1e12 / CEILING["tflops"], 3) if CEILING else None,
+             peak_gb=peak and round(peak, 2), planned_gb=round(planned, 2), host_syncs=syncs,
+             graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
+             tokens_per_step=tokens)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            run(2)
+        attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+        top = sorted(prof.key_averages(), key=lambda e: -getattr(e, attr, 0))[:30]
+        emit(stage="profile_d8_kernels", compiled=compiled,
+             top_ms_per_step=[[e.key[:90], round(getattr(e, attr, 0) / 2e3, 3)] for e in top])
+
+
+def sharded_s95(size, device, rounds):
+    """The [S] 200M twin (config/smelt_200m_s95.py, 3.9B parameters) built sharded in one process as train.py
+    builds it (meta device, FSDP2, each parameter drawn in place): build seconds, forward + backward and the
+    optimizer step timed apart, peak memory against the planner's (fsdp on one GPU)."""
+    import torch.distributed as dist
+    import train
+    dry = size is SIZES["dry"]
+    cfg, config = run_config("config/smelt_200m_s95.py", dry, n_embd=64, n_head=2, head_dim=32, n_kv_head=1,
+                             n_expert=8, expert_hidden=16, block_size=128, batch_size=1)
+    config.parallel = "fsdp"
+    dist.init_process_group("cuda:nccl,cpu:gloo" if device == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
+    try:
+        t0 = seconds(lambda: None, device) and time.perf_counter()
+        torch.manual_seed(0)
+        model = train.build_model(cfg, config, device == "cuda", torch.device(device), True)
+        built = time.perf_counter() - t0
+        optimizers = train.build_optimizers(model, config, device == "cuda")
+        x = torch.randint(0, cfg.vocab_size - 1, (config.batch_size, cfg.block_size), device=device)
+
+        def forward_backward():
+            with autocast(device):
+                loss = model(x, x)[1]
+            loss.backward()
+
+        def optimizer_step():
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        forward_backward()
+        optimizer_step()  # the optimizer state exists from here on
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        median = interleaved({"forward_backward": forward_backward, "optimizer": optimizer_step}, rounds,
+                             device, "s95")
+        planned = match.memory_plan(cfg, 1, config.batch_size, config.optimizer)["fsdp"]["total_gb"]
+        emit(stage="s95_sharded", build_s=round(built, 2),
+             forward_backward_s=round(median["forward_backward"], 4),
+             optimizer_s=round(median["optimizer"], 4), params=sum(p.numel() for p in model.parameters()),
+             peak_gb=round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if device == "cuda" else None,
+             planned_gb=round(planned, 2), tokens=x.numel())
+    finally:
+        dist.destroy_process_group()
+
+
+STAGES = {"efficiency": efficiency, "moe": moe_vs_dense, "moe_bytes": moe_bytes, "kernels": kernel_vs_twin,
+          "ceilings": ceilings, "shapes": shapes, "profile_d8": profile_d8, "s95_sharded": sharded_s95}
 
 
 def main(argv=None):

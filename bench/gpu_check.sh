@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first run on a lent CUDA machine (one H200; its image: python3 3.12, torch 2.11, triton 3.6):
+# The first run on a lent CUDA machine (one H200; its image: python3 3.12, torch 2.11, triton 3.6, no registry):
 #
 #   bash bench/gpu_check.sh             # every stage, 7 minutes at most; $OUT/summary.jsonl, $OUT/logs.tar.gz
 #   bash bench/gpu_check.sh --dry-run   # this CPU, toy sizes, train.py left out: the plumbing (tests)
@@ -7,10 +7,19 @@
 # Each stage runs under its cap (seconds; all within DEADLINE) with its output in a log; a failed or stopped
 # (rc 124) stage does not stop the next. summary.jsonl: the JSON lines the stages print (bench.py's
 # measurements), then {"stage", "rc", "seconds"} per stage; the same lines go to stdout. Two files in all.
-#   env      versions and the GPU                                                            cap  60
-#   tests    tests/test_cuda.py and tests/test_kernels.py, the kernels compiled              cap 180
-#   bench    bench.py --gpu: the layouts' GFLOP/s, MoE vs dense, the kernels vs their twins  cap 180
-#   train_*  the tiny default through train.py, 30 steps: eager, --triton, --compile         cap  90 each
+#   env       versions, the GPU, and the APIs this code uses that are newer than some torch (found or not)  20
+#   shapes    bench.py: the matmul and copy ceilings; MoE layer vs grouped GEMMs vs dense, FlexAttention
+#             at head size 88 vs 128 vs SDPA, the loss eager vs chunked vs compiled (s95 / d8 shapes);
+#             the MoE layer's bytes per token                                                          90
+#   tests     tests/test_cuda.py                                                                       60
+#   profile   bench.py profile_d8: [X] d8 Loop-2 stepped eager then compiled (tokens/s, MFU, peak memory
+#             vs the planner, host syncs, graphs and breaks; TORCH_LOGS in the log), top 30 kernels     150
+#   s95       bench.py s95_sharded: the [S] 200M twin built sharded on the GPU, forward + backward and
+#             the optimizer timed apart, peak memory vs the planner                                      60
+#   train     train.py itself, config/x_d8_loop2.py on the embedded corpus (GPT-2 tokens), compiled        90
+# Not checked here (no CUDA on the machine that wrote this): whether torch 2.11 has F.grouped_mm (model.py
+# falls back to torch._grouped_mm), distribute_tensor's src_data_rank and dist.gather's group_dst; env
+# prints what it finds.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
@@ -32,19 +41,30 @@ stage() {  # stage NAME CAP COMMAND...
     echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" | tee -a "$OUT/summary.jsonl"
 }
 
-stage env 60 python3 -c 'import json, sys, torch, triton; cuda = torch.cuda.is_available(); print(json.dumps(dict(
-    python=sys.version.split()[0], torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-    gpu=torch.cuda.get_device_name() if cuda else None)))'
+stage env 20 python3 -c 'import inspect, json, sys, torch, triton, torch.nn.functional as F
+import torch.distributed as dist
+from torch.distributed.tensor import distribute_tensor
+cuda = torch.cuda.is_available()
+print(json.dumps(dict(python=sys.version.split()[0], torch=torch.__version__, triton=triton.__version__,
+    cuda=torch.version.cuda, gpu=torch.cuda.get_device_name() if cuda else None, features=dict(
+    F_grouped_mm=hasattr(F, "grouped_mm"), torch_grouped_mm=hasattr(torch, "_grouped_mm"),
+    src_data_rank="src_data_rank" in inspect.signature(distribute_tensor).parameters,
+    gather_group_dst="group_dst" in inspect.signature(dist.gather).parameters))))'
 if [ "$DRY" = "--dry-run" ]; then  # (train.py's settings below are checked by tests/test_bench.py)
-    stage tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
-    stage bench 120 python3 bench/bench.py --dry-run moe kernels
+    stage shapes 120 python3 bench/bench.py --dry-run ceilings shapes moe_bytes
+    stage tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+    stage profile 120 python3 bench/bench.py --dry-run profile_d8
+    stage s95 60 python3 bench/bench.py --dry-run s95_sharded
 else
-    stage tests 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py
-    stage bench 180 python3 bench/bench.py --gpu
-    for run in eager:--triton=False triton:--triton=True compiled:--compile=True; do
-        stage "train_${run%%:*}" 90 python3 train.py --max_steps=30 --eval_interval=30 "${run#*:}" \
-            --out_dir="$LOGS/${run%%:*}"
-    done
+    stage shapes 90 python3 bench/bench.py --gpu ceilings shapes moe_bytes
+    stage tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+    TORCH_LOGS=graph_breaks,recompiles stage profile 150 python3 bench/bench.py --gpu ceilings profile_d8
+    stage s95 60 python3 bench/bench.py --gpu s95_sharded
+    python3 data/prepare.py data/corpus/shakespeare.jsonl --tokenizer gpt2 --out "$LOGS/shakespeare_gpt2" \
+        > "$LOGS/prepare.txt" 2>&1
+    stage train 90 python3 train.py config/x_d8_loop2.py --data_dir="$LOGS/shakespeare_gpt2" --compile=True \
+        --global_batch=16 --max_steps=12 --eval_interval=12 --eval_tokens=65536 --out_dir="$LOGS/train"
 fi
 find "$LOGS" -name '*.pt' -delete  # checkpoints stay behind: the logs travel
+rm -rf "$LOGS/shakespeare_gpt2"
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . && rm -rf "$LOGS"

@@ -265,3 +265,16 @@ def test_qk_norm_output_keeps_the_attention_dtype_when_autocast_runs_it_in_fp32(
         assert attn.q_norm(torch.randn(1, 2, 24, 16).bfloat16()).dtype == torch.float32  # forced
         q, k, v = attn.qkv(torch.randn(2, 24, 32), ctx)
     assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+
+
+def test_a_config_with_derived_sizes_compiles_to_one_graph():
+    """eot_token, n_kv_head, head_dim and the hidden sizes left to be derived (model.Derived, an int subclass
+    dynamo cannot trace a comparison with): one graph, forward and backward."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    model = GPT(ModelConfig(vocab_size=64, block_size=32, n_embd=32, n_head=2, layout="smelt", n_passes=2,
+                            n_expert=4, top_k=2))
+    assert isinstance(model.config.eot_token, type(model.config.head_dim)) and model.config.eot_token == 63
+    idx = torch.randint(0, 63, (2, 32))
+    idx[:, 5] = 63
+    torch.compile(model, fullgraph=True, backend="aot_eager")(idx, idx)[1].backward()
