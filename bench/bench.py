@@ -347,7 +347,8 @@ def profile_d8(size, device, rounds):
     import torch._dynamo.utils
     from torch.profiler import ProfilerActivity, profile
     dry = size is SIZES["dry"]
-    cfg, config = run_config("config/x_d8_loop2.py", dry, n_embd=64, n_head=2, block_size=128, batch_size=2)
+    cfg, config = run_config("config/x_d8_loop2.py", dry, n_layer=3, n_embd=32, n_head=2, block_size=64,
+                             batch_size=2)
     tokens = config.batch_size * cfg.block_size
     for compiled in (False, True):
         torch._dynamo.reset()

@@ -2,7 +2,7 @@
 # The first run on a lent CUDA machine (one H200; its image: python3 3.12, torch 2.11, triton 3.6, no registry):
 #
 #   bash bench/gpu_check.sh             # every stage, 7 minutes at most; $OUT/summary.jsonl, $OUT/logs.tar.gz
-#   bash bench/gpu_check.sh --dry-run   # this CPU, toy sizes, train.py left out: the plumbing (tests)
+#   bash bench/gpu_check.sh --dry-run   # this CPU, toy sizes, bench.py's stages in one process (tests)
 #
 # Each stage runs under its cap (seconds; all within DEADLINE) with its output in a log; a failed or stopped
 # (rc 124) stage does not stop the next. summary.jsonl: the JSON lines the stages print (bench.py's
@@ -51,10 +51,8 @@ print(json.dumps(dict(python=sys.version.split()[0], torch=torch.__version__, tr
     src_data_rank="src_data_rank" in inspect.signature(distribute_tensor).parameters,
     gather_group_dst="group_dst" in inspect.signature(dist.gather).parameters))))'
 if [ "$DRY" = "--dry-run" ]; then  # (train.py's settings below are checked by tests/test_bench.py)
-    stage shapes 120 python3 bench/bench.py --dry-run ceilings shapes moe_bytes
+    stage bench 180 python3 bench/bench.py --dry-run ceilings shapes moe_bytes profile_d8 s95_sharded
     stage tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
-    stage profile 120 python3 bench/bench.py --dry-run profile_d8
-    stage s95 60 python3 bench/bench.py --dry-run s95_sharded
 else
     stage shapes 90 python3 bench/bench.py --gpu ceilings shapes moe_bytes
     stage tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py

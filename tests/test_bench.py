@@ -73,7 +73,7 @@ def test_gpu_check_dry_run_writes_its_summary_and_logs(tmp_path):
     summary = [json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines()]
     assert run.stdout.splitlines() == [json.dumps(row) for row in summary]
     status = {row["stage"]: row["rc"] for row in summary if "rc" in row}
-    assert status == dict(env=0, shapes=0, tests=0, profile=0, s95=0), run.stdout
+    assert status == dict(env=0, bench=0, tests=0), run.stdout
     stages = {row.get("stage") for row in summary}
     assert {"ceilings", "shapes", "moe_bytes", "profile_d8", "profile_d8_kernels", "s95_sharded"} <= stages
     assert summary[0]["torch"] == __import__("torch").__version__ and summary[0]["gpu"] is None

@@ -272,8 +272,7 @@ def test_a_config_with_derived_sizes_compiles_to_one_graph():
     dynamo cannot trace a comparison with): one graph, forward and backward."""
     import torch._dynamo
     torch._dynamo.reset()
-    model = GPT(ModelConfig(vocab_size=64, block_size=32, n_embd=32, n_head=2, layout="smelt", n_passes=2,
-                            n_expert=4, top_k=2))
+    model = GPT(ModelConfig(vocab_size=64, block_size=32, n_embd=32, n_head=2, n_layer=1))
     assert isinstance(model.config.eot_token, type(model.config.head_dim)) and model.config.eot_token == 63
     idx = torch.randint(0, 63, (2, 32))
     idx[:, 5] = 63
