@@ -91,12 +91,13 @@ def rows(specs, results):
     return out
 
 
-def envelope(points, budget):
+def envelope(points, budget, interpolate=True):
     """The best loss a family reaches with at most `budget` FLOPs: its points (C, L) (one per stored size),
-    log-C linear between neighbouring sizes; inf below its smallest compute."""
+    log-C linear between neighbouring sizes (interpolate=False: the sizes trained only); inf below its
+    smallest compute."""
     C, L = (np.array(v, dtype=float) for v in zip(*sorted(points)))
     best = np.min(L[C <= budget * (1 + 1e-9)], initial=np.inf)
-    if C[0] <= budget <= C[-1] and len(C) > 1:
+    if interpolate and C[0] <= budget <= C[-1] and len(C) > 1:
         best = min(best, float(np.interp(np.log(budget), np.log(C), L)))
     return best
 
@@ -108,12 +109,12 @@ def reach_compute(points, target):
     return float(C[0]) if L[0] <= target else float(1.0 / fit.compute_multiplier([1.0], [target], C, L)[0])
 
 
-def analysis(frontier, budgets):
+def analysis(frontier, budgets, interpolate=True):
     """frontier {K: [(C, L)]} -> (the best K per budget (None: none affordable), K = 1's best loss L* and
     its C*, the least compute at which a looped K reaches L*)."""
     best = []
     for b in budgets:
-        env = {k: envelope(p, b) for k, p in frontier.items()}
+        env = {k: envelope(p, b, interpolate) for k, p in frontier.items()}
         k = min(env, key=env.get)
         best.append(k if np.isfinite(env[k]) else None)
     c_star, l_star = min(frontier[1], key=lambda p: p[1])
@@ -146,7 +147,8 @@ def points(preset, rows):
             top[r["K"], r["depth"]] = r
     pts = {}
     for p, b in top.items():
-        reps = [r for r in rows if (r["K"], r["depth"], r["wd"], r["lr"]) == (*p, b["wd"], b["lr"])]
+        reps = sorted((r for r in rows if (r["K"], r["depth"], r["wd"], r["lr"]) == (*p, b["wd"], b["lr"])),
+                      key=lambda r: r["seed"] != preset["seeds"][0])  # the seed it was chosen on first
         pts[p] = (float(np.mean([r["C"] for r in reps])), [r["loss"] for r in reps])
     return first, top, pts
 
@@ -224,8 +226,10 @@ def lr_lines(first, top):
     if len({n for n, _ in inside}) >= 3:
         line, t = scipy_stats.linregress(*np.log(inside).T), scipy_stats.t.ppf(0.975, len(inside) - 2)
         slope, se = line.slope, line.stderr
+        tpp = [first[0]["D"] / n for n, _ in inside]
         lines.append(f"  LR* ~ N_s^{slope:.2f} +- {se:.2f} [{slope - t * se:.2f}, {slope + t * se:.2f}] over "
-                     f"the {len(inside)} points whose best is inside")
+                     f"the {len(inside)} points whose best is inside, at fixed tokens: {max(tpp):.3g} down "
+                     f"to {min(tpp):.3g} tokens per stored parameter ([X16]'s beta holds them fixed)")
     return lines
 
 
@@ -240,10 +244,13 @@ def budget_lines(preset, pts, sigma, dof):
                   if sum(np.isfinite(envelope(p, b)) for p in frontier.values()) > 1), len(budgets) - 1)
     switch = next((i for i in range(start, len(budgets)) if best[i] > 1), None)
     switches = [next((i for i in range(start, len(budgets)) if row[i] > 1), None) for row in draws]
-    lines = [f"best K per training budget (the lowest loss any size of it reaches with at most that "
-             f"compute); of {n} seed-bootstrap draws, agree = the share with the same best K, K > 1 = the "
-             "share where a looped K is best", "  budget  " + " ".join(f"{b:>8.3g}" for b in budgets),
+    measured = analysis(frontier, budgets, interpolate=False)[0]
+    lines = [f"best K per training budget: the lowest loss any size of it reaches with at most that compute, "
+             f"log-C linear between the sizes trained (measured: those sizes only); of {n} seed-bootstrap "
+             "draws (of the first rule), agree = the share with the same best K, K > 1 = the share where a "
+             "looped K is best", "  budget  " + " ".join(f"{b:>8.3g}" for b in budgets),
              "  best K  " + " ".join(f"{'-' if k is None else k:>8}" for k in best),
+             "  measured" + " ".join(f"{'-' if k is None else k:>8}" for k in measured),
              "  agree   " + " ".join(f"{s:>8.3f}" for s in agreement(draws, [np.nan if k is None else k
                                                                           for k in best])),
              "  K > 1   " + " ".join(f"{s:>8.3f}" for s in (draws > 1).mean(axis=0)),
@@ -272,12 +279,14 @@ def budget_lines(preset, pts, sigma, dof):
                     f"{fmt(hi, '.2f')}; reached in {np.mean(np.isfinite(ratios)):.2f} of the draws]"]
 
 
-def looping_gain(pts):
-    """K = 1's lowest seed-mean loss (its best stored size) minus the best looped K's -> (gain, K, the seeds
-    of both points)."""
-    lowest = lambda ks: min((p for p in pts if p[0] in ks), key=lambda p: np.mean(pts[p][1]))  # noqa: E731
+def looping_gain(pts, chosen_on=slice(None), reported_on=slice(None)):
+    """K = 1's lowest seed-mean loss (its best stored size) minus the best looped K's -> (gain, K, the losses
+    of both points): the sizes and K chosen on the seeds `chosen_on`, the losses those of `reported_on`."""
+    lowest = lambda ks: min((p for p in pts if p[0] in ks),  # noqa: E731
+                            key=lambda p: np.mean(pts[p][1][chosen_on]))
     k1, loop = lowest({1}), lowest({k for k, _ in pts if k > 1})
-    return np.mean(pts[k1][1]) - np.mean(pts[loop][1]), loop[0], pts[k1][1], pts[loop][1]
+    a, b = pts[k1][1][reported_on], pts[loop][1][reported_on]
+    return np.mean(a) - np.mean(b), loop[0], a, b
 
 
 def across_lines(preset, sections):
@@ -293,9 +302,11 @@ def across_lines(preset, sections):
     draws = {}
     for i, (arm, pts) in enumerate(sections):
         best = np.array([np.nan if k is None else k for k in analysis(frontier_of(pts), budgets)[0]])
+        measured = analysis(frontier_of(pts), budgets, interpolate=False)[0]
         drawn = draws[arm[0]] = drawn_best(pts, budgets, sigma, dof, n, 1337 + 1 + i)[0]
         low = np.mean(np.nan_to_num(drawn, nan=1).max(axis=1) <= 2)
         lines += [f"  {arm[0]:>8} best K  " + " ".join(f"{'-' if np.isnan(k) else int(k):>8}" for k in best),
+                  f"  {'':>8} measured" + " ".join(f"{'-' if k is None else k:>8}" for k in measured),
                   f"  {'':>8} agree   " + " ".join(f"{s:>8.3f}" for s in agreement(drawn, best)),
                   f"  {'':>8} K <= 2 at every budget in {low:.3f} of the draws; the largest K tried "
                   f"({top}) at the largest budget in {np.mean(drawn[:, -1] == top):.3f}"]
@@ -305,10 +316,25 @@ def across_lines(preset, sections):
     gains = {arm[0]: looping_gain(pts) for arm, pts in sections}
     lines.append("  looping gain (K = 1's lowest loss minus the best looped K's, each at its best stored "
                  "size): " + ", ".join(f"{a} {g:+.4f} (K = {k})" for a, (g, k, *_) in gains.items()))
-    (_, _, r1, rk), (_, _, f1, fk) = gains[repeated], gains[fresh]
-    e = contrast([(s, np.mean(v), len(v)) for s, v in ((1, r1), (-1, rk), (-1, f1), (1, fk))], sigma, dof)
-    return lines + [f"  the gain with {repeated} minus the gain with {fresh}: {e['diff']:+.4f} nats [95% "
-                    f"t-interval {e['lo']:+.4f}, {e['hi']:+.4f}], p = {e['p']:.3f}"]
+    lines += gain_differences(gains, fresh, repeated, sigma, dof)
+    if preset.get("tune"):  # every choice made on the first seed: the same read on the others alone
+        held = {arm[0]: looping_gain(pts, slice(0, 1), slice(1, None)) for arm, pts in sections}
+        lines += [f"  held out: LR, weight decay, each K's size and the best looped K chosen on seed "
+                  f"{preset['seeds'][0]}, the losses of the other seeds: looping gain "
+                  + ", ".join(f"{a} {g:+.4f} (K = {k})" for a, (g, k, *_) in held.items())]
+        lines += gain_differences(held, fresh, repeated, sigma, dof, "  held out: ")
+    return lines
+
+
+def gain_differences(gains, fresh, repeated, sigma, dof, prefix="  "):
+    """Each repeated budget's looping gain minus the fresh one's, the most repeated first."""
+    lines = []
+    for arm in [repeated] + [a for a in gains if a not in (fresh, repeated)]:
+        (_, _, r1, rk), (_, _, f1, fk) = gains[arm], gains[fresh]
+        e = contrast([(s, np.mean(v), len(v)) for s, v in ((1, r1), (-1, rk), (-1, f1), (1, fk))], sigma, dof)
+        lines.append(f"{prefix}the gain with {arm} minus the gain with {fresh}: {e['diff']:+.4f} nats [95% "
+                     f"t-interval {e['lo']:+.4f}, {e['hi']:+.4f}], p = {e['p']:.3f}")
+    return lines
 
 
 def report(preset, rows, sweep):

@@ -204,6 +204,24 @@ def test_budgets_compared_recover_known_answers():
     lo, hi = scipy_stats.t.interval(0.95, 24, 0.21, sigma)
     assert f"+0.2100 nats [95% t-interval {lo:+.4f}, {hi:+.4f}]" in text
     assert re.search(r"larger with 1kx10 than with 1kx1 in 1.000", text)
+    assert "held out" not in text
+    # every choice made on the first seed (v - 1e-3), read on the second alone (v + 1e-3): the same gains
+    tuned = "\n".join(repeat.across_lines(dict(bootstrap=200, passes=[1, 2, 4], tune=True, seeds=[7, 8]),
+                                          [fresh, rep]))
+    assert "chosen on seed 7, the losses of the other seeds: looping gain 1kx1 -0.0300 (K = 2), 1kx10 " \
+        "+0.1800 (K = 4)" in tuned
+    lo, hi = scipy_stats.t.interval(0.95, 24, 0.21, math.sqrt(2) * 1e-3 * 2)  # four means of one seed
+    assert f"held out: the gain with 1kx10 minus the gain with 1kx1: +0.2100 nats [95% t-interval {lo:+.4f}, " \
+        f"{hi:+.4f}]" in tuned
+
+
+def test_the_best_k_envelope_interpolates_between_sizes_or_reads_the_sizes_trained():
+    points = [(1e11, 2.0), (4e11, 1.0)]
+    assert repeat.envelope(points, 2e11) == pytest.approx(1.5)  # log-C halfway between the two sizes
+    assert repeat.envelope(points, 2e11, interpolate=False) == 2.0  # only the size affordable at 2e11
+    assert repeat.envelope(points, 0.5e11) == repeat.envelope(points, 0.5e11, interpolate=False) == math.inf
+    frontier = {1: [(1e11, 2.0), (4e11, 1.0)], 2: [(1.5e11, 1.8)]}
+    assert repeat.analysis(frontier, [2e11])[0] == [1] and repeat.analysis(frontier, [2e11], False)[0] == [2]
 
 
 def synthetic_rows(scales):
