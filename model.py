@@ -21,7 +21,6 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 NORM_EPS = 1e-6
@@ -520,7 +519,8 @@ class GPT(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for name, p in self.init_order():
-            if isinstance(p, DTensor):
+            if hasattr(p, "device_mesh"):  # a DTensor
+                from torch.distributed.tensor import distribute_tensor
                 whole = self.init_parameter(name, torch.empty(p.shape, dtype=p.dtype, device=p.device))
                 p.copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))
             else:
