@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first run on a lent CUDA machine (one H200; its image: python3 3.12, torch 2.11, triton 3.6, no registry):
+# The first run on a lent CUDA machine (one H200; its image: python3 3.12, torch 2.11, triton 3.6, offline):
 #
 #   bash bench/gpu_check.sh             # every stage, 7 minutes at most; $OUT/summary.jsonl, $OUT/logs.tar.gz
 #   bash bench/gpu_check.sh --dry-run   # this CPU, toy sizes, bench.py's stages in one process (tests)
@@ -51,7 +51,7 @@ print(json.dumps(dict(python=sys.version.split()[0], torch=torch.__version__, tr
     src_data_rank="src_data_rank" in inspect.signature(distribute_tensor).parameters,
     gather_group_dst="group_dst" in inspect.signature(dist.gather).parameters))))'
 if [ "$DRY" = "--dry-run" ]; then  # (train.py's settings below are checked by tests/test_bench.py)
-    stage bench 180 python3 bench/bench.py --dry-run ceilings shapes moe_bytes profile_d8 s95_sharded
+    stage bench 180 python3 bench/bench.py --dry-run ceilings shapes profile_d8 s95_sharded  # (moe_bytes: a test)
     stage tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 else
     stage shapes 90 python3 bench/bench.py --gpu ceilings shapes moe_bytes

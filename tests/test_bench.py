@@ -75,7 +75,7 @@ def test_gpu_check_dry_run_writes_its_summary_and_logs(tmp_path):
     status = {row["stage"]: row["rc"] for row in summary if "rc" in row}
     assert status == dict(env=0, bench=0, tests=0), run.stdout
     stages = {row.get("stage") for row in summary}
-    assert {"ceilings", "shapes", "moe_bytes", "profile_d8", "profile_d8_kernels", "s95_sharded"} <= stages
+    assert {"ceilings", "shapes", "profile_d8", "profile_d8_kernels", "s95_sharded"} <= stages
     assert summary[0]["torch"] == __import__("torch").__version__ and summary[0]["gpu"] is None
     with tarfile.open(tmp_path / "logs.tar.gz") as logs:
         assert {os.path.basename(n) for n in logs.getnames()} >= {f"{stage}.txt" for stage in status}
