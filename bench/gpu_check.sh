@@ -51,7 +51,7 @@ print(json.dumps(dict(python=sys.version.split()[0], torch=torch.__version__, tr
     src_data_rank="src_data_rank" in inspect.signature(distribute_tensor).parameters,
     gather_group_dst="group_dst" in inspect.signature(dist.gather).parameters))))'
 if [ "$DRY" = "--dry-run" ]; then  # (train.py's settings below are checked by tests/test_bench.py)
-    stage bench 180 python3 bench/bench.py --dry-run ceilings shapes profile_d8 s95_sharded  # (moe_bytes: a test)
+    stage bench 180 python3 bench/bench.py --dry-run ceilings shapes profile_d8 s95_sharded
     stage tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 else
     stage shapes 90 python3 bench/bench.py --gpu ceilings shapes moe_bytes
