@@ -20,11 +20,11 @@ from tqdm import tqdm
 
 import fit
 from data.loader import read_meta
-from ladders import repeat, smelt, x
+from ladders import decompose, repeat, smelt, x
 from ladders.presets import PRESETS
 from ladders.runs import data_dir, load_results, train_runs, write_csv
 
-PROTOCOLS = {"smelt": smelt, "x": x, "repeat": repeat}
+PROTOCOLS = {"smelt": smelt, "x": x, "repeat": repeat, "decompose": decompose}
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "ladder")
 
 

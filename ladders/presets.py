@@ -87,6 +87,19 @@ PRESETS = {
                    data_dir=GPU_DATA),
         lr=dict(key="matrix_lr", values=[1.5e-3, 3e-3, 6e-3], extend=2, seeds=1, every_point=False),
         seeds=SEEDS[:1], workers=8),
+    "smelt-cpu-decompose": dict(
+        SMELT, kind="decompose",
+        about="SMELT's deficit decomposed: 3 scales x 2 token budgets x 5 arms (baseline, the twin's shape "
+              "unlooped, the twin, the baseline looped, a deeper baseline), 2 seeds",
+        scales={"L4w32": dict(n_layer=4, n_embd=32, expert_hidden=16),
+                "L4w48": dict(n_layer=4, n_embd=48, expert_hidden=24),
+                "L6w48": dict(n_layer=6, n_embd=48, expert_hidden=24)},
+        cells=[("L4w32", 16), ("L4w48", 16), ("L6w48", 16)], budget_tpp=[4, 16],
+        train=dict(optimizer="adamw", batch_size=16, warmup_steps=10, eval_tokens=1 << 15),
+        # (baseline's, twin's) best matrix_lr at each scale in smelt-cpu-surface's sweeps
+        lr=dict(key="matrix_lr", values=[0.006], arms={"L4w32": (0.006, 0.012), "L4w48": (0.006, 0.006),
+                                                       "L6w48": (0.003, 0.006)}),
+        budget="written before the run: 60 runs, 2.31e13 FLOPs, about 25 min on 2 workers, at most 40"),
     "x-cpu-mini": dict(
         X, about="[X] in miniature: 6 architectures x depths 3..6 at width 8 x depth, each with its [X] "
                  "recipe, TPP and [X16] LR rule, no data repetition, 3 seeds each",

@@ -366,3 +366,39 @@ def test_list_shows_every_preset_and_the_plan_meets_its_budget(capsys):
     with pytest.raises(SystemExit) as e:  # one line naming the missing file, exit status 2
         ladder.main(["--preset", "smelt-micro", "--report_only", "--out", "/nonexistent"])
     assert e.value.code == 2 and "/nonexistent/runs.csv" in capsys.readouterr().err
+
+
+def test_the_decomposition_plans_five_arms_on_the_same_tokens():
+    from ladders import decompose
+    p = dict(PRESETS["smelt-cpu-decompose"], name="smelt-cpu-decompose")
+    specs, _ = decompose.plan(p, {})
+    assert len(specs) == 3 * 2 * 5 * 2
+    point = [s for s in specs if s.meta["cell"] == "L4w48-e16" and s.meta["tpp"] == 16 and s.meta["seed"] == 1337]
+    by = {s.meta["arm"]: s for s in point}
+    assert len({s.settings["max_steps"] for s in point}) == 1  # every arm reads the same tokens
+    a, b, c, d, e = (by[k].settings for k in "ABCDE")
+    assert (a["layout"], c["layout"], d["layout"], b["layout"], e["layout"]) == ("plain", "smelt", "smelt", "plain",
+                                                                                "plain")
+    assert b["n_embd"] == c["n_embd"] < a["n_embd"] == d["n_embd"] == e["n_embd"]
+    assert b["n_expert"] == c["n_expert"] and d["n_expert"] == e["n_expert"] == a["n_expert"]
+    assert e["n_layer"] == 6 and d["n_passes"] == c["n_passes"] == 2  # E as deep as D executes (4 + 2)
+    assert [by[k].meta["lr"] for k in "ABCDE"] == [0.006] * 5  # L4w48: both arms' sweeps found 0.006
+
+
+def test_the_decomposition_reads_its_rule_on_known_losses():
+    """Made-up losses (two seeds each, +-1e-3): narrowing costs 0.05, the loop adds nothing to the narrow
+    model and costs 0.01 at full width, depth nothing: the contrasts, their sigma, the rule's reading."""
+    from ladders import decompose
+    rows = [dict(cell=cell, tpp=tpp, arm=arm, seed=seed, loss=loss + e) for cell in ("L4w32-e16", "L4w48-e16")
+            for tpp in (4, 16) for arm, loss in dict(A=2.0, B=2.05, C=2.05, D=2.01, E=2.0).items()
+            for seed, e in ((1, -1e-3), (2, 1e-3))]
+    text = "\n".join(decompose.report(dict(PRESETS["smelt-cpu-decompose"], name="d"), rows))
+    sigma = math.sqrt(2) * 1e-3  # a contrast of two 2-seed means: sigma; averaged over 4 points: sigma / 2
+    lo, hi = scipy_stats.t.interval(0.95, 20, 0.05, sigma / 2)
+    assert f"B - A (narrowing to the twin's shape): +0.0500 nats [{lo:+.4f}, {hi:+.4f}] = +70.7 sigma" in text
+    assert "C - B (the loop on the narrow model): +0.0000" in text and "D - A (the loop at full width): +0.0100" in text
+    assert text.endswith("the deficit is the narrowing (B - A above +2 sigma, C - B within 2 sigma of 0)")
+    z = {"B-A": 0.0, "C-B": 0.0, "C-A": 0.0, "D-A": 0.0, "E-A": 0.0}
+    assert decompose.reading(dict(z, **{"C-B": -2.5})).startswith("the loop helps")
+    assert decompose.reading(dict(z, **{"E-A": -3.0})).startswith("depth helps but the loop does not")
+    assert decompose.reading(z) == "no reading of the rule holds"

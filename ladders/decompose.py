@@ -1,0 +1,113 @@
+"""SMELT's deficit decomposed (kind "decompose"): at every (scale, token budget) five arms read the same
+tokens, each seed once: A the MoE baseline, B the SMELT twin's shape run once (no loop), C the SMELT twin,
+D the baseline looped as SMELT (r = 2: 1.5x its FLOPs, unmatched), E a plain baseline as deep as D executes.
+The report: each contrast with its interval against the pooled seed noise, per point and averaged, and the
+reading the decision rule written before the run picks (docs/ladder.md)."""
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+import match
+from ladders.runs import RunSpec
+from ladders.smelt import cells, compute_active, model_settings
+from ladders.stats import contrast, pooled_std
+
+ARMS = {"A": "the baseline", "B": "the twin's shape, no loop", "C": "the SMELT twin",
+        "D": "the baseline looped (r = 2)", "E": "the baseline as deep as D runs"}
+CONTRASTS = [("B", "A", "narrowing to the twin's shape"), ("C", "B", "the loop on the narrow model"),
+             ("C", "A", "SMELT minus its baseline"), ("D", "A", "the loop at full width"),
+             ("E", "A", "more depth at full width")]
+COLUMNS = ("arm", "cell", "tpp", "seed", "F", "D", "C", "loss", "N", "n_layer", "n_embd", "layout", "lr",
+           "run_id", "seconds")
+
+
+def arms(base, twin):
+    return dict(A=base, B=replace(twin, layout="plain", n_passes=1), C=twin,
+                D=replace(base, layout="smelt", n_passes=2),
+                E=replace(base, n_layer=base.n_layer + base.loop_span))
+
+
+def plan(preset, results, train_tokens=None):
+    """Every run: per cell, token budget (tpp x the baseline's N, the same tokens for every arm), arm and
+    seed one WSD run; A, D and E at the baseline's LR of the scale, B and C at the twin's."""
+    t, block = preset["train"], preset["model"]["block_size"]
+    seqs = t.get("global_batch") or t["batch_size"]
+    specs = []
+    for cell, scale, base, twin, _ in cells(preset):
+        for tpp in preset["budget_tpp"]:
+            steps = max(2, math.ceil(tpp * compute_active(base) / (seqs * block)))
+            for arm, cfg in arms(base, twin).items():
+                lr = preset["lr"]["arms"][scale][arm in "BC"]
+                for seed in preset["seeds"]:
+                    meta = dict(arm=arm, cell=cell, tpp=tpp, seed=seed, F=match.flops_per_token(cfg),
+                                N=compute_active(base), n_layer=cfg.n_layer, n_embd=cfg.n_embd,
+                                layout=cfg.layout, lr=lr, grid_lr=lr)
+                    specs.append(RunSpec(f"{arm}-{cell}-t{tpp:g}-s{seed}",
+                                         dict(t, **model_settings(cfg), seed=seed, max_steps=steps,
+                                              eval_interval=steps, **{preset["lr"]["key"]: lr}), meta))
+    return specs, None
+
+
+def rows(specs, results):
+    """runs.csv: a row per finished run (F, D and C as train.py counted them)."""
+    out = []
+    for s in specs:
+        r = results.get(s.run_id)
+        if r:
+            row = dict(s.meta, D=r["tokens"], C=r["flops"], F=r["flops"] / r["tokens"], loss=r["val_loss"],
+                       run_id=s.run_id, seconds=r["seconds"])
+            out.append({k: row[k] for k in COLUMNS})
+    return out
+
+
+def reading(z):
+    """The decision rule written before the run, on the averaged contrasts' z (difference / its sigma)."""
+    if z["D-A"] < -2 or z["C-B"] < -2:
+        return "the loop helps here (D - A or C - B below -2 sigma)"
+    if z["E-A"] < -2 and z["D-A"] >= -2:
+        return "depth helps but the loop does not: the loop's implementation is in question"
+    if z["B-A"] > 2 and abs(z["C-B"]) <= 2:
+        return "the deficit is the narrowing (B - A above +2 sigma, C - B within 2 sigma of 0)"
+    return "no reading of the rule holds"
+
+
+def report(preset, rows, sweep=None):
+    """The arms' losses per point, each contrast per point and averaged over the points, the rule's
+    reading."""
+    losses = {}
+    for r in rows:
+        losses.setdefault((r["cell"], r["tpp"], r["arm"]), []).append(r["loss"])
+    sigma, dof = pooled_std(list(losses.values()))
+    points = sorted({(c, t) for c, t, _ in losses}, key=lambda p: (p[1], p[0]))
+    mean = lambda p, a: float(np.mean(losses[(*p, a)]))  # noqa: E731
+    n = lambda p, a: len(losses[(*p, a)])  # noqa: E731
+    lines = [f"== {preset['name']}: [S] SMELT's deficit decomposed; every arm of a point reads the same "
+             f"tokens (tpp x the baseline's N), seeds {', '.join(map(str, preset['seeds']))}",
+             "  " + "; ".join(f"{a} {what}" for a, what in ARMS.items()),
+             f"pooled seed std {sigma:.4f} nats ({dof} dof); a contrast's interval: 95% t with it",
+             f"  {'point':<16} " + " ".join(f"{a:>7}" for a in ARMS) + " " + " ".join(
+                 f"{x + '-' + y:>22}" for x, y, _ in CONTRASTS)]
+    for p in points:
+        cells_ = []
+        for x, y, _ in CONTRASTS:
+            c = contrast([(1, mean(p, x), n(p, x)), (-1, mean(p, y), n(p, y))], sigma, dof)
+            cells_.append(f"{c['diff']:+.4f} [{c['lo']:+.3f},{c['hi']:+.3f}]")
+        lines.append(f"  {p[0] + ' t' + format(p[1], 'g'):<16} "
+                     + " ".join(f"{mean(p, a):7.4f}" for a in ARMS) + " "
+                     + " ".join(f"{c:>22}" for c in cells_))
+    lines.append(f"averaged over the {len(points)} points (each point weighs the same):")
+    z = {}
+    for x, y, what in CONTRASTS:
+        terms = [t for p in points for t in ((1, mean(p, x), n(p, x)), (-1, mean(p, y), n(p, y)))]
+        c = contrast(terms, sigma, dof)
+        z[f"{x}-{y}"] = c["z"]
+        k = len(points)
+        lines.append(f"  {x} - {y} ({what}): {c['diff'] / k:+.4f} nats [{c['lo'] / k:+.4f}, "
+                     f"{c['hi'] / k:+.4f}] = {c['z']:+.1f} sigma, p = {c['p']:.3f}")
+    return lines + [f"the decision rule's reading: {reading(z)}"]
+
+
+def figures(preset, rows, path, out=None):
+    return []
