@@ -12,7 +12,7 @@ import numpy as np
 import match
 from ladders.runs import RunSpec
 from ladders.smelt import cells, compute_active, model_settings
-from ladders.stats import contrast, pooled_std
+from ladders.stats import contrast, difference, pooled_std
 
 ARMS = {"A": "the baseline", "B": "the twin's shape, no loop", "C": "the SMELT twin",
         "D": "the baseline looped (r = 2)", "E": "the baseline as deep as D runs"}
@@ -92,7 +92,7 @@ def report(preset, rows, sweep=None):
     for p in points:
         cells_ = []
         for x, y, _ in CONTRASTS:
-            c = contrast([(1, mean(p, x), n(p, x)), (-1, mean(p, y), n(p, y))], sigma, dof)
+            c = difference(mean(p, x), n(p, x), mean(p, y), n(p, y), sigma, dof)
             cells_.append(f"{c['diff']:+.4f} [{c['lo']:+.3f},{c['hi']:+.3f}]")
         lines.append(f"  {p[0] + ' t' + format(p[1], 'g'):<16} "
                      + " ".join(f"{mean(p, a):7.4f}" for a in ARMS) + " "
