@@ -7,7 +7,8 @@ Both papers' experiments in miniature, end to end: grid -> match -> train -> fit
     python ladder.py --preset x-cpu-mini --report_only --plot   # docs/ladder/x-cpu-mini-report.txt from CSVs
 
 A preset (ladders/presets.py) is run by its protocol: ladders/smelt.py [S], ladders/x.py [X] and
-ladders/repeat.py [X] data-constrained. After Ctrl-C rerun the same command: finished runs are kept.
+ladders/repeat.py [X] data-constrained, ladders/decompose.py and
+ladders/hops.py SMELT's arms. After Ctrl-C rerun the same command: finished runs are kept.
 """
 
 import argparse
@@ -20,11 +21,11 @@ from tqdm import tqdm
 
 import fit
 from data.loader import read_meta
-from ladders import decompose, repeat, smelt, x
+from ladders import decompose, hops, repeat, smelt, x
 from ladders.presets import PRESETS
 from ladders.runs import data_dir, load_results, train_runs, write_csv
 
-PROTOCOLS = {"smelt": smelt, "x": x, "repeat": repeat, "decompose": decompose}
+PROTOCOLS = {"smelt": smelt, "x": x, "repeat": repeat, "decompose": decompose, "hops": hops}
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "ladder")
 
 
@@ -62,7 +63,10 @@ def run(preset, out, train_fn=None, workers=None, plot=False):
         return done | train_runs(rest, out, train_fn or train.train, data, workers or preset["workers"], bar)
     specs, sweep, results = resolve(preset, train_or_load, train_tokens(data[None]))
     bar.close()
-    write_csv(os.path.join(out, "runs.csv"), PROTOCOLS[preset["kind"]].rows(specs, results))
+    protocol = PROTOCOLS[preset["kind"]]
+    if hasattr(protocol, "evaluate"):  # a task's score, from each run's checkpoint
+        results = protocol.evaluate(preset, specs, results, out)
+    write_csv(os.path.join(out, "runs.csv"), protocol.rows(specs, results))
     if sweep:
         write_csv(os.path.join(out, "lr_sweep.csv"), sweep)
     return report(preset, os.path.join(out, ""), plot, out)

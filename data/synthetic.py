@@ -1,7 +1,7 @@
 """
 Synthetic structured tasks, as seeded generators of eval items {"context", "continuation"} (score
 log p(continuation | context), the DCLM / llm-foundry format) and of training documents: Dyck languages
-(balanced brackets, nesting up to max_depth), a+b= arithmetic, copying.
+(balanced brackets, nesting up to max_depth), a+b= arithmetic, copying, k-hop pointer chasing.
 
     dyck_items(2, seed=0)  -> [{"context": "[ ] { } [", "continuation": " ]"}, ...]
 
@@ -17,6 +17,7 @@ import itertools
 import random
 
 BRACKETS = [("(", ")"), ("[", "]"), ("{", "}"), ("<", ">")]
+HOP_SYMBOLS = "abcdefghijklmnopqrstuvwxyz"
 BIGBENCH_DYCK_PROMPT = ("Complete the rest of the sequence, making sure that the parentheses are closed "
                         "properly. Input: ")
 
@@ -99,6 +100,30 @@ def copy_items(n, seed, min_length=3, max_length=8, alphabet="abcdefghij"):
         symbols = " ".join(rng.choice(alphabet) for _ in range(rng.randint(min_length, max_length)))
         items.append({"context": f"copy {symbols} :", "continuation": f" {symbols}"})
     return items
+
+
+def hops_document(rng, n_symbols=8, max_hops=4, n_queries=12):
+    """A pointer-chasing document: n_symbols letters in a random chain x1 -> x2 -> ... (no cycle, so that no
+    answer repeats its start) written as pairs "xy" (y follows x) in a random order, "|", then n_queries
+    queries "kxz": z lies k links after x, k drawn from 1..max_hops, x from the letters k links from the end
+    or more. A query of k hops composes k lookups: without writing the steps out, a model needs depth.
+        "fa bd ef ac|2ea 1bd 3ec"  ->  the text, and [(offset of each query's z, k), ...]"""
+    chain = rng.sample(HOP_SYMBOLS[:n_symbols], n_symbols)
+    text, answers = " ".join(chain[i] + chain[i + 1] for i in rng.sample(range(n_symbols - 1), n_symbols - 1)), []
+    text += "|"
+    for q in range(n_queries):
+        k = rng.randint(1, min(max_hops, n_symbols - 1))
+        i = rng.randrange(n_symbols - k)
+        text += (" " if q else "") + f"{k}{chain[i]}"
+        answers.append((len(text), k))
+        text += chain[i + k]
+    return text, answers
+
+
+def hops_corpus_text(n_docs, seed, n_symbols=8, max_hops=4):
+    """n_docs pointer-chasing documents (hops_document)."""
+    rng = random.Random(seed)
+    return [hops_document(rng, n_symbols, max_hops)[0] for _ in range(n_docs)]
 
 
 def main(argv=None):
