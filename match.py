@@ -515,8 +515,10 @@ def preset_baseline(name):
 def read_config(path, vocab_size=4096):
     """A config file -> (ModelConfig, its other settings, where the vocabulary came from). The vocabulary
     and mean document length (settings["mean_doc_len"], capped at block_size) come from data_dir/meta.json
-    as train.py takes them (n_vocab padded to a multiple of 64), else vocab_size."""
-    values = configurator.read_config(path)
+    as train.py takes them (n_vocab padded to a multiple of 64), else vocab_size. A model setting the file
+    leaves out is train.py's default: the model is the one `python train.py PATH` trains."""
+    import train
+    values = {**{k: train.DEFAULTS[k] for k in train.MODEL_SETTINGS}, **configurator.read_config(path)}
     model_fields = {f.name for f in fields(ModelConfig)}
     settings = {k: v for k, v in values.items() if k not in model_fields}
     meta_path = os.path.join(settings.get("data_dir") or "", "meta.json")

@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import match
 import model as model_module
+import train
 from match import accounting, flops_per_token, fully_activated, run_flops, sparsity
 from model import GPT, KVCache, ModelConfig
 
@@ -345,9 +346,12 @@ def test_cli_takes_the_vocabulary_and_document_length_from_the_data(tmp_path, ca
     assert (out["vocab_size"], out["attended"]) == (50304, 50.0)
     path.write_text("n_layer = 2\nn_embd = 64\nn_head = 2\ndata_dir = 'no/such/folder'\n")
     assert match.read_config(str(path), vocab_size=320)[0].vocab_size == 320
+    path.write_text("n_layer = 2\nn_embd = 64\nn_head = 2\nn_expert = 16\n")  # the rest: train.py's defaults
+    assert match.read_config(str(path))[0] == ModelConfig(**dict(
+        {k: train.DEFAULTS[k] for k in train.MODEL_SETTINGS}, n_layer=2, n_embd=64, n_head=2, n_expert=16))
 
 
-SMALL_CONFIG = "n_layer = 4\nn_embd = 64\nn_head = 2\n"
+SMALL_CONFIG = "n_layer = 4\nn_embd = 64\nn_head = 2\nblock_size = 256\nlayout = 'plain'\nn_expert = 0\n"
 
 
 @pytest.mark.parametrize("config, argv, message", [
