@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 import configurator  # the config file format (nanoGPT's): train.py reads the same files
-from model import CE_CHUNK, GPT, ModelConfig, execution_plan
+from model import CE_CHUNK, GPT, TINY, ModelConfig, execution_plan
 
 # ----------------------------------------------------------------------------------------------------
 # Accounting
@@ -517,8 +517,7 @@ def read_config(path, vocab_size=4096):
     and mean document length (settings["mean_doc_len"], capped at block_size) come from data_dir/meta.json
     as train.py takes them (n_vocab padded to a multiple of 64), else vocab_size. A model setting the file
     leaves out is train.py's default: the model is the one `python train.py PATH` trains."""
-    import train
-    values = {**{k: train.DEFAULTS[k] for k in train.MODEL_SETTINGS}, **configurator.read_config(path)}
+    values = {**TINY, **configurator.read_config(path)}
     model_fields = {f.name for f in fields(ModelConfig)}
     settings = {k: v for k, v in values.items() if k not in model_fields}
     meta_path = os.path.join(settings.get("data_dir") or "", "meta.json")

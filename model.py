@@ -456,6 +456,11 @@ class ModelConfig:
         return {k: int(v) if isinstance(v, Derived) else v for k, v in asdict(self).items()}
 
 
+# the model `python train.py` trains where nothing else is said (train.py's and match.py's defaults)
+TINY = dict(block_size=128, n_layer=4, n_embd=128, n_head=4, n_expert=8, top_k=2, expert_hidden=256,
+            layout="smelt", n_passes=2)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The model
 

@@ -208,8 +208,9 @@ class Muon(torch.optim.Optimizer):
                     continue
                 self.state[p] = self.state[p] or self.empty_state(p)
                 state = {name: local(buffer) for name, buffer in self.state[p].items()}
-                split_here = split_dim(p) is not None
-                reduce = split_here and functools.partial(all_reduce_sum, group=sharding(p)[0].get_group())
+                split_here = p in self.split_layout
+                reduce = split_here and functools.partial(all_reduce_sum,
+                                                          group=self.split_layout[p][0].get_group())
                 update = VARIANTS[self.variant]["update"](local(p), local(p.grad), state, group, p.shape,
                                                           reduce)
                 direction = next(update)
@@ -236,6 +237,12 @@ class Muon(torch.optim.Optimizer):
     def split_matrices(self):
         return [p for group in self.param_groups for p in group["params"] if split_dim(p) is not None]
 
+    @functools.cached_property
+    def split_layout(self):
+        """{split matrix: (its 1-D mesh, the dim it is cut along, its owner rank)}: fixed once the optimizer
+        is built over sharded parameters, so worked out at its first step only."""
+        return {p: (*sharding(p), owner) for p, owner in zip(self.split_matrices(), self.owners())}
+
     def owners(self):
         """The rank that orthogonalises each split matrix: largest Newton-Schulz work first, each to the
         least-loaded rank. From shapes only: every rank computes the same owners."""
@@ -253,28 +260,27 @@ class Muon(torch.optim.Optimizer):
         """This rank's shard of each split matrix's orthogonalised direction: every rank gathers its shard
         (padded to ceil(rows / world), as torch.chunk cuts; in the Newton-Schulz dtype) to the owner, which
         orthogonalises the whole matrix and scatters it back. All gathers in flight, then all scatters."""
-        owner_of = dict(zip(self.split_matrices(), self.owners()))
         shards, pieces, handles = [], [], []
         for p, group, direction, _ in split:
-            mesh, dim = sharding(p)
+            mesh, dim, owner = self.split_layout[p]
             shard = pad(direction.to(self.ns_dtype or newton_schulz_dtype(direction)), dim,
                         -(-p.shape[dim] // mesh.size()))
             shards.append(shard)
             pieces.append([torch.empty_like(shard) for _ in range(mesh.size())]
-                          if mesh.get_local_rank() == owner_of[p] else None)
-            handles.append(dist.gather(shard, pieces[-1], group=mesh.get_group(), group_dst=owner_of[p],
+                          if mesh.get_local_rank() == owner else None)
+            handles.append(dist.gather(shard, pieces[-1], group=mesh.get_group(), group_dst=owner,
                                        async_op=True))
         for handle in handles:
             handle.wait()
         results, handles = [], []
         for (p, group, direction, _), shard, gathered in zip(split, shards, pieces):
-            mesh, dim = sharding(p)
+            mesh, dim, owner = self.split_layout[p]
             if gathered is not None:  # the owner: the whole matrix, without the padding, then cut again
                 whole = torch.cat(gathered, dim).narrow(dim, 0, p.shape[dim])
                 whole = pad(self.orthogonalize(whole, group["ns_steps"]), dim, mesh.size() * shard.size(dim))
                 gathered = [piece.contiguous() for piece in whole.chunk(mesh.size(), dim)]
             result = torch.empty_like(shard)
-            handles.append(dist.scatter(result, gathered, group=mesh.get_group(), group_src=owner_of[p],
+            handles.append(dist.scatter(result, gathered, group=mesh.get_group(), group_src=owner,
                                         async_op=True))
             results.append(result.narrow(dim, 0, direction.size(dim)))
         for handle in handles:

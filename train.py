@@ -38,7 +38,8 @@ import grow
 import match
 from data.loader import BRANCH_FRACTION, load_data
 from loss_eval import evaluate
-from model import GPT, MLP, BoundaryOperator, ModelConfig, MoE, RMSNorm, execution_plan, load_checkpoint
+from model import (GPT, MLP, TINY, BoundaryOperator, ModelConfig, MoE, RMSNorm, execution_plan,
+                   load_checkpoint)
 from muon import Muon
 
 # --------------------------------------------------------------------------------------------------
@@ -81,10 +82,8 @@ class TrainConfig:
 MODEL_SETTINGS = ("block_size n_layer n_embd n_head n_kv_head head_dim n_expert top_k expert_hidden layout "
                   "n_passes boundary boundary_alpha norms residual_multiplier output_multiplier init "
                   "embed_init_std uniform_init_scale").split()
-TINY = dict(block_size=128, n_layer=4, n_embd=128, n_head=4, n_expert=8, top_k=2, expert_hidden=256,
-            layout="smelt", n_passes=2)
 DEFAULTS = {**{k: ModelConfig.__dataclass_fields__[k].default for k in MODEL_SETTINGS},
-            **{f.name: f.default for f in fields(TrainConfig)}, **TINY}
+            **{f.name: f.default for f in fields(TrainConfig)}, **TINY}  # TINY: model.py's tiny looped MoE
 DEFAULTS.update(save_steps=[], n_passes_choices=[])
 
 ADAM_BETAS, ADAM_EPS = (0.8, 0.95), 1e-10
