@@ -6,9 +6,9 @@ Both papers' experiments in miniature, end to end: grid -> match -> train -> fit
     python ladder.py --preset x-cpu-mini --plot      # train (or continue): out/ladder-x-cpu-mini/report.txt
     python ladder.py --preset x-cpu-mini --report_only --plot   # docs/ladder/x-cpu-mini-report.txt from CSVs
 
-A preset (ladders/presets.py) is run by its protocol: ladders/smelt.py [S], ladders/x.py [X] and
-ladders/repeat.py [X] data-constrained, ladders/decompose.py and
-ladders/hops.py SMELT's arms. After Ctrl-C rerun the same command: finished runs are kept.
+A preset (ladders/presets.py) is run by its protocol: ladders/smelt.py [S], ladders/x.py [X],
+ladders/repeat.py [X] data-constrained, ladders/decompose.py SMELT's deficit in arms, ladders/hops.py the same
+arms on a task that needs depth. After Ctrl-C rerun the same command: finished runs are kept.
 """
 
 import argparse
@@ -52,7 +52,9 @@ def resolve(preset, train, tokens=None):
 def run(preset, out, train_fn=None, workers=None, plot=False):
     """Train (or continue) a preset in OUT, then OUT/runs.csv, lr_sweep.csv, report.txt (and figures)."""
     import train
-    data = {None: data_dir(preset)} | {u: data_dir(preset, u) for u, _ in preset.get("arms", [])}
+    protocol = PROTOCOLS[preset["kind"]]
+    data = {None: getattr(protocol, "data_dir", data_dir)(preset)}  # a task's own documents, or the corpus
+    data |= {u: data_dir(preset, u) for u, _ in preset.get("arms", [])}
     bar = tqdm(total=0, unit="run", desc=preset["name"], disable=None)
 
     def train_or_load(todo):
@@ -63,7 +65,6 @@ def run(preset, out, train_fn=None, workers=None, plot=False):
         return done | train_runs(rest, out, train_fn or train.train, data, workers or preset["workers"], bar)
     specs, sweep, results = resolve(preset, train_or_load, train_tokens(data[None]))
     bar.close()
-    protocol = PROTOCOLS[preset["kind"]]
     if hasattr(protocol, "evaluate"):  # a task's score, from each run's checkpoint
         results = protocol.evaluate(preset, specs, results, out)
     write_csv(os.path.join(out, "runs.csv"), protocol.rows(specs, results))
@@ -80,7 +81,8 @@ def report(preset, prefix, plot=False, out=None):
     text = "\n".join(protocol.report(preset, rows, sweep)) + "\n"
     with open(prefix + "report.txt", "w") as f:
         f.write(text)
-    written = protocol.figures(preset, rows, lambda name: prefix + name, out) if plot else []
+    written = protocol.figures(preset, rows, lambda name: prefix + name, out) \
+        if plot and hasattr(protocol, "figures") else []
     print(text + "".join(f"wrote {p}\n" for p in [prefix + "report.txt"] + written), end="")
     return text
 

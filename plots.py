@@ -223,6 +223,24 @@ def plot_wd_curves(curves, path, title=None):
     return _figure(path, draw, ncols=len(curves), figsize=(3 * len(curves), 3.5))
 
 
+def plot_accuracy_panels(panels, path, title=None, chance=None):
+    """Accuracy curves side by side: panels [(x label, {label: [(x, accuracy)]})], a label one colour in
+    every panel; chance: a dotted line."""
+    colours = _colours(label for _, curves in panels for label in curves)
+
+    def draw(fig, axes):
+        axes = np.atleast_1d(axes)
+        for ax, (xlabel, curves) in zip(axes, panels):
+            for label, pts in curves.items():
+                ax.plot(*zip(*sorted(pts)), "o-", ms=3, lw=1.2, color=colours[label], label=label)
+            if chance:
+                ax.axhline(chance, color="0.5", ls=":", lw=1, label="a guess")
+            ax.set(xlabel=xlabel, ylim=(0, 1))
+        axes[0].set_ylabel("accuracy")
+        fig.suptitle(title or "accuracy", fontsize=9)
+    return _figure(path, draw, ncols=len(panels), figsize=(4.5 * len(panels), 3.5))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="plots.py", usage=argparse.SUPPRESS, description="A run's loss "
                                      "curves (train and validation loss) from its log.jsonl (matplotlib).")

@@ -109,8 +109,8 @@ def hops_document(rng, n_symbols=8, max_hops=4, n_queries=12):
     or more. A query of k hops composes k lookups: without writing the steps out, a model needs depth.
         "fa bd ef ac|2ea 1bd 3ec"  ->  the text, and [(offset of each query's z, k), ...]"""
     chain = rng.sample(HOP_SYMBOLS[:n_symbols], n_symbols)
-    text, answers = " ".join(chain[i] + chain[i + 1] for i in rng.sample(range(n_symbols - 1), n_symbols - 1)), []
-    text += "|"
+    links = rng.sample(range(n_symbols - 1), n_symbols - 1)  # the pairs' order
+    text, answers = " ".join(chain[i] + chain[i + 1] for i in links) + "|", []
     for q in range(n_queries):
         k = rng.randint(1, min(max_hops, n_symbols - 1))
         i = rng.randrange(n_symbols - k)
@@ -128,7 +128,8 @@ def hops_corpus_text(n_docs, seed, n_symbols=8, max_hops=4):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="synthetic.py", usage=argparse.SUPPRESS,
-                                     description="Print a few items of each task and a Dyck document.")
+                                     description="Print a few items of each task, a Dyck and a "
+                                                 "pointer-chasing document.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n_types", type=int, default=3, choices=range(1, len(BRACKETS) + 1),
                         help="Dyck bracket kinds")
@@ -141,6 +142,7 @@ def main(argv=None):
     for item in items:
         print(repr(item["context"]), "->", repr(item["continuation"]))
     print(dyck_corpus_text(1, args.seed, args.n_types, args.max_depth, words_per_doc=4)[0])
+    print(hops_corpus_text(1, args.seed)[0])
     return 0
 
 

@@ -107,7 +107,3 @@ def report(preset, rows, sweep=None):
         lines.append(f"  {x} - {y} ({what}): {c['diff'] / k:+.4f} nats [{c['lo'] / k:+.4f}, "
                      f"{c['hi'] / k:+.4f}] = {c['z']:+.1f} sigma, p = {c['p']:.3f}")
     return lines + [f"the decision rule's reading: {reading(z)}"]
-
-
-def figures(preset, rows, path, out=None):
-    return []

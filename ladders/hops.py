@@ -9,7 +9,6 @@ report: accuracy per arm and k with the contrasts' intervals, and the decision r
 (docs/ladder.md, written before the run)."""
 
 import json
-import math
 import os
 import random
 from dataclasses import replace
@@ -34,7 +33,8 @@ COLUMNS = ("arm", "cell", "seed", "F", "N_stored", "n_layer", "n_embd", "layout"
 
 
 def data_dir(preset):
-    """The task's documents, tokenized once (offline, seeded) into data/cache/hops-<n>x<hops>-<docs>."""
+    """The task's training documents (seed 0), tokenized once, offline, into data/cache/default-<tokenizer>-
+    hops<letters>x<hops>-<documents>."""
     t = preset["task"]
     out = f"{default_dir(preset['tokenizer'])}-hops{t['n_symbols']}x{t['max_hops']}-{t['train_docs']}"
     if not read_meta(out, preset["tokenizer"]):
@@ -44,7 +44,8 @@ def data_dir(preset):
         path = out + ".jsonl"
         with open(path, "w") as f:
             f.writelines(json.dumps(dict(text=doc)) + "\n" for doc in text)
-        prepare.prepare([path], out, preset["tokenizer"], val_fraction=0.02, verbose=False, keep_existing=True)
+        prepare.prepare([path], out, preset["tokenizer"], val_fraction=0.02, verbose=False,
+                        keep_existing=True)
         os.remove(path)
     return out
 
@@ -57,15 +58,15 @@ def all_arms(base, twin, passes):
 def accuracy(model, task, n_passes=None, seed=1, batch=64):
     """{k: (correct, queries)} of the greedy answers to every query of task["eval_docs"] held-out documents
     (a seed the training documents never use), one forward per batch of documents."""
-    eot = model.config.eot_token
+    eot, tok = int(model.config.eot_token), get_tokenizer(task["tokenizer"])
     rng = random.Random(f"hops-eval-{seed}")
-    docs = [synthetic.hops_document(rng, task["n_symbols"], task["max_hops"]) for _ in range(task["eval_docs"])]
-    tok = get_tokenizer(task["tokenizer"])
+    docs = [synthetic.hops_document(rng, task["n_symbols"], task["max_hops"])
+            for _ in range(task["eval_docs"])]
     out = {}
     for i in range(0, len(docs), batch):
-        rows = [[eot] + tok.encode(text) for text, _ in docs[i:i + batch]]
-        assert all(len(r) == len(rows[0]) for r in rows)  # one byte per character: every document alike
-        logits = model(torch.tensor(rows), n_passes=n_passes)[0]
+        rows = [[eot] + tok.encode(text) for text, _ in docs[i:i + batch]]  # a byte-level tokenizer: a
+        width = max(map(len, rows))  # character per token, so that a query's offset is its token's
+        logits = model(torch.tensor([r + [eot] * (width - len(r)) for r in rows]), n_passes=n_passes)[0]
         for r, (_, answers) in enumerate(docs[i:i + batch]):
             for offset, k in answers:  # the answer's token is offset + 1 (the eot first), predicted at offset
                 hit = int(logits[r, offset].argmax()) == rows[r][offset + 1]
@@ -81,9 +82,9 @@ def plan(preset, results, train_tokens=None):
     for cell, _, base, twin, _ in cells(preset):
         for arm, cfg in all_arms(base, twin, preset["pcc_passes"]).items():
             for seed in preset["seeds"]:
-                meta = dict(arm=arm, cell=cell, seed=seed, F=match.flops_per_token(cfg), N=compute_active(base),
-                            N_stored=match.accounting(cfg)["params_total"], n_layer=cfg.n_layer,
-                            n_embd=cfg.n_embd, layout=cfg.layout, lr=lr, grid_lr=lr,
+                meta = dict(arm=arm, cell=cell, seed=seed, F=match.flops_per_token(cfg),
+                            N=compute_active(base), N_stored=match.accounting(cfg)["params_total"],
+                            n_layer=cfg.n_layer, n_embd=cfg.n_embd, layout=cfg.layout, lr=lr, grid_lr=lr,
                             passes=cfg.n_passes)
                 specs.append(RunSpec(f"{arm}-{cell}-s{seed}", dict(
                     preset["train"], **model_settings(cfg), seed=seed, max_steps=preset["steps"],
@@ -91,28 +92,15 @@ def plan(preset, results, train_tokens=None):
     return specs, None
 
 
-def test_passes(spec, preset):
-    """The passes a run is evaluated at: as trained, and for a looped arm every count up to the most."""
-    return list(range(1, preset["test_passes"] + 1)) if spec.meta["arm"] in LOOPED else [spec.meta["passes"]]
-
-
 def evaluate(preset, specs, results, out):
-    """Each finished run's accuracy per k at its test passes, from its checkpoint (kept in accuracy.json
-    beside it) -> results with "accuracy": {passes: {k: (correct, queries)}}."""
-    from tqdm import tqdm
+    """Each finished run's accuracy per k from its checkpoint -> results with "accuracy": {passes: {k:
+    (correct, queries)}}, at the trained passes and for a looped arm at 1..test_passes."""
     from model import load_checkpoint
     task = dict(preset["task"], tokenizer=preset["tokenizer"])
-    for s in tqdm([s for s in specs if s.run_id in results], desc="accuracy", unit="run", disable=None):
-        path = os.path.join(folder(out, s.run_id), "accuracy.json")
-        if not os.path.exists(path):
-            model, _ = load_checkpoint(os.path.join(folder(out, s.run_id), "ckpt.pt"))
-            model.eval()
-            acc = {p: accuracy(model, task, p) for p in test_passes(s, preset)}
-            with open(path + ".tmp", "w") as f:
-                json.dump(acc, f)
-            os.replace(path + ".tmp", path)
-        with open(path) as f:
-            results[s.run_id]["accuracy"] = json.load(f)
+    for s in (s for s in specs if s.run_id in results):
+        model, _ = load_checkpoint(os.path.join(folder(out, s.run_id), "ckpt.pt"))
+        passes = range(1, preset["test_passes"] + 1) if s.meta["arm"] in LOOPED else [s.meta["passes"]]
+        results[s.run_id]["accuracy"] = {p: accuracy(model.eval(), task, p) for p in passes}
     return results
 
 
@@ -122,9 +110,9 @@ def rows(specs, results):
     for s in specs:
         r = results.get(s.run_id)
         for passes, by_k in (r or {}).get("accuracy", {}).items():
-            for k, (correct, queries) in sorted(by_k.items(), key=lambda kv: int(kv[0])):
-                row = dict(s.meta, passes=int(passes), hops=int(k), accuracy=correct / queries,
-                           queries=queries, loss=r["val_loss"], run_id=s.run_id, seconds=r["seconds"])
+            for k, (correct, queries) in sorted(by_k.items()):
+                row = dict(s.meta, passes=passes, hops=k, accuracy=correct / queries, queries=queries,
+                           loss=r["val_loss"], run_id=s.run_id, seconds=r["seconds"])
                 out.append({c: row[c] for c in COLUMNS})
     return out
 
@@ -138,13 +126,22 @@ CONTRASTS = [("C", "A", "SMELT: equal FLOPs, parameters and KV cache"),
              ("C", "B", "the loop on the narrow model")]
 
 
-def multi_hop(rows):
-    """{(cell, arm, seed, passes): the accuracy over k >= 2, each k weighing the same}."""
-    by = {}
+def trained_passes(preset, arm):
+    return preset["pcc_passes"] if arm == "P" else 2 if arm in "CD" else 1
+
+
+def accuracies(preset, rows, cell):
+    """({arm: {k: [accuracy per seed]}} at the trained passes, {arm: {passes: [multi-hop accuracy per
+    seed]}}): multi-hop is the mean over k >= 2, each k alike."""
+    by_k, multi = {}, {}
     for r in rows:
-        if r["hops"] >= 2:
-            by.setdefault((r["cell"], r["arm"], r["seed"], r["passes"]), []).append(r["accuracy"])
-    return {key: float(np.mean(v)) for key, v in by.items()}
+        if r["cell"] == cell and r["passes"] == trained_passes(preset, r["arm"]):
+            by_k.setdefault(r["arm"], {}).setdefault(r["hops"], []).append(r["accuracy"])
+        if r["cell"] == cell and r["hops"] >= 2:
+            multi.setdefault(r["arm"], {}).setdefault(r["passes"], {}).setdefault(r["seed"], []).append(
+                r["accuracy"])
+    return by_k, {a: {p: [float(np.mean(v)) for v in seeds.values()] for p, seeds in d.items()}
+                  for a, d in multi.items()}
 
 
 def reading(z, z_test):
@@ -158,67 +155,70 @@ def reading(z, z_test):
                "fresh depth at equal FLOPs"]
     else:
         out = ["depth pays (E - A above +2 sigma) but the loop does not (D - A and P - A within 2 sigma)"]
-    out.append("SMELT " + ("gains" if z["C-A"] > 2 else "loses" if z["C-A"] < -2 else "neither gains nor loses")
-               + " at matched compute (C - A " + ("above +2" if z["C-A"] > 2 else "below -2" if z["C-A"] < -2
-                                                 else "within 2") + " sigma)")
+    smelt = ("gains", "above +2") if z["C-A"] > 2 else ("loses", "below -2") if z["C-A"] < -2 else \
+        ("neither gains nor loses", "within 2")
     more = [a for a, v in z_test.items() if v > 2]
-    out.append(f"passes beyond the trained ones pay at test time for {', '.join(more)}" if more else
-               "passes beyond the trained ones do not pay at test time (no looped arm above +2 sigma)")
-    return out
+    return out + [f"SMELT {smelt[0]} at matched compute (C - A {smelt[1]} sigma)",
+                  f"passes beyond the trained ones pay at test time for {', '.join(more)}" if more else
+                  "passes beyond the trained ones do not pay at test time (no looped arm above +2 sigma)"]
 
 
 def report(preset, rows, sweep=None):
-    """Accuracy per arm and k, the contrasts of multi-hop accuracy with their intervals, test-time passes,
-    the rule's reading; per cell."""
-    trained = [r for r in rows if r["passes"] == (preset["pcc_passes"] if r["arm"] == "P" else
-                                                  2 if r["arm"] in "CD" else 1)]
-    acc = multi_hop(rows)
-    t = preset["task"]
+    """Per cell: accuracy per arm and k, the contrasts of multi-hop accuracy with their intervals, test-time
+    passes, the rule's reading."""
+    t, seeds = preset["task"], ", ".join(map(str, preset["seeds"]))
     lines = [f"== {preset['name']}: k-hop pointer chasing ({t['n_symbols']} letters, k = 1..{t['max_hops']}, "
-             f"chance 1/{t['n_symbols']}); every arm reads the same {preset['steps']} steps of tokens, seeds "
-             f"{', '.join(map(str, preset['seeds']))}; accuracy over {t['eval_docs']} held-out documents",
+             f"a guess among the letters 1/{t['n_symbols']}); every arm reads the same {preset['steps']} "
+             f"steps of tokens, seeds {seeds}; accuracy over {t['eval_docs']} held-out documents",
              "  " + "; ".join(f"{a} {what}" for a, what in ARMS.items())]
     for cell in dict.fromkeys(r["cell"] for r in rows):
-        mine = [r for r in trained if r["cell"] == cell]
-        groups = {}
-        for (c, arm, seed, passes), v in acc.items():
-            if c == cell and any(r["arm"] == arm and r["passes"] == passes for r in mine):
-                groups.setdefault(arm, []).append(v)
-        sigma, dof = pooled_std(list(groups.values()))
-        ks = sorted({r["hops"] for r in mine})
-        lines += [f"{cell}: accuracy at the trained passes, mean over seeds (multi-hop: k >= 2, each k alike)",
+        by_k, multi = accuracies(preset, rows, cell)
+        trained = {a: multi[a][trained_passes(preset, a)] for a in ARMS}
+        sigma, dof = pooled_std(list(trained.values()))
+        first = {r["arm"]: r for r in rows if r["cell"] == cell}
+        lines += [f"{cell}: accuracy at the trained passes, mean over seeds (multi-hop: k >= 2, each k "
+                  "alike)",
                   f"  {'arm':<4} {'F/token':>9} {'stored':>8} {'val loss':>8} " + " ".join(
-                      f"{'k=' + str(k):>6}" for k in ks) + f" {'multi-hop':>9}"]
-        for arm in ARMS:
-            a = [r for r in mine if r["arm"] == arm]
-            if not a:
-                continue
-            per_k = [np.mean([r["accuracy"] for r in a if r["hops"] == k]) for k in ks]
-            lines.append(f"  {arm:<4} {a[0]['F']:9.3g} {a[0]['N_stored']:8.0f} "
-                         f"{np.mean([r['loss'] for r in a]):8.4f} " + " ".join(f"{v:6.3f}" for v in per_k)
-                         + f" {np.mean(groups[arm]):9.3f}")
+                      f"{'k=' + str(k):>6}" for k in by_k["A"]) + f" {'multi-hop':>9}"]
+        for a in ARMS:
+            loss = np.mean([r["loss"] for r in rows if r["cell"] == cell and r["arm"] == a and r["hops"] == 1
+                            and r["passes"] == trained_passes(preset, a)])
+            lines.append(f"  {a:<4} {first[a]['F']:9.3g} {first[a]['N_stored']:8.0f} {loss:8.4f} " + " ".join(
+                f"{np.mean(v):6.3f}" for v in by_k[a].values()) + f" {np.mean(trained[a]):9.3f}")
         lines.append(f"pooled seed std of multi-hop accuracy {sigma:.4f} ({dof} dof); a contrast's interval: "
                      "95% t with it")
+        diff = lambda x, y: difference(np.mean(x), len(x), np.mean(y), len(y), sigma, dof)  # noqa: E731
         z = {}
         for x, y, what in CONTRASTS:
-            c = difference(np.mean(groups[x]), len(groups[x]), np.mean(groups[y]), len(groups[y]), sigma, dof)
+            c = diff(trained[x], trained[y])
             z[f"{x}-{y}"] = c["z"]
             lines.append(f"  {x} - {y} ({what}): {c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] = "
                          f"{c['z']:+.1f} sigma")
         lines.append("test-time passes: multi-hop accuracy, mean over seeds, at 1.. passes; (trained + 1) - "
                      "trained")
         z_test = {}
-        for arm in LOOPED:
-            at = {p: [v for (c, a, _, q), v in acc.items() if c == cell and a == arm and q == p]
-                  for p in sorted({q for (c, a, _, q) in acc if c == cell and a == arm})}
-            k = preset["pcc_passes"] if arm == "P" else 2
-            c = difference(np.mean(at[k + 1]), len(at[k + 1]), np.mean(at[k]), len(at[k]), sigma, dof)
-            z_test[arm] = c["z"]
-            lines.append(f"  {arm} (trained at {k}): " + " ".join(f"{p}: {np.mean(v):.3f}" for p, v in at.items())
+        for a in LOOPED:
+            k = trained_passes(preset, a)
+            c = diff(multi[a][k + 1], multi[a][k])
+            z_test[a] = c["z"]
+            lines.append(f"  {a} (trained at {k}): " + " ".join(f"{p}: {np.mean(v):.3f}" for p, v in
+                                                                multi[a].items())
                          + f"; {k + 1} - {k}: {c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]")
         lines += [f"the decision rule's reading ({cell}):"] + ["  " + s for s in reading(z, z_test)]
     return lines
 
 
 def figures(preset, rows, path, out=None):
-    return []
+    """Per cell: accuracy against k at the trained passes per arm, and multi-hop accuracy against the
+    passes run at test time for the looped arms (means over seeds)."""
+    import plots
+    written = []
+    for cell in dict.fromkeys(r["cell"] for r in rows):
+        by_k, multi = accuracies(preset, rows, cell)
+        curves = lambda d: {f"{a} {ARMS[a]}": [(x, np.mean(v)) for x, v in d[a].items()] for a in d}  # noqa
+        panels = [("hops k (at the trained passes)", curves(by_k)),
+                  ("passes at test time (multi-hop accuracy)", curves({a: multi[a] for a in LOOPED}))]
+        if plots.plot_accuracy_panels(panels, path(f"{cell}-accuracy.png"), f"{preset['name']} {cell}: k-hop "
+                                      "pointer chasing", chance=1 / preset["task"]["n_symbols"]):
+            written.append(path(f"{cell}-accuracy.png"))
+    return written

@@ -102,10 +102,11 @@ PRESETS = {
         budget="written before the run: 60 runs, 2.31e13 FLOPs, about 25 min on 2 workers, at most 40"),
     "smelt-cpu-hops": dict(
         SMELT, kind="hops",
-        about="a task that needs depth: k-hop pointer chasing (k = 1..4), 6 arms (baseline, the twin's shape, "
-              "the twin, the baseline looped, prelude-core-coda K = 2, a deeper baseline), 2 seeds, "
+        about="a task that needs depth: k-hop pointer chasing (k = 1..4), 6 arms (baseline, the twin's "
+              "shape, the twin, the baseline looped, prelude-core-coda K = 2, a deeper baseline), 2 seeds, "
               "test-time passes 1..4",
-        model=dict(SMELT_MODEL, block_size=128), scales={"L4w64": dict(n_layer=4, n_embd=64, expert_hidden=32)},
+        model=dict(SMELT_MODEL, block_size=128),
+        scales={"L4w64": dict(n_layer=4, n_embd=64, expert_hidden=32)},
         cells=[("L4w64", 16)], task=dict(n_symbols=8, max_hops=4, train_docs=100_000, eval_docs=512),
         steps=2000, pcc_passes=2, test_passes=4, seeds=SEEDS[1:],  # the LR was chosen on seed 1337
         train=dict(optimizer="adamw", batch_size=16, warmup_steps=10, eval_tokens=1 << 15),

@@ -57,9 +57,6 @@ def data_dir(preset, unique_tokens=0):
     first 90%, data/loader.py) holds that many."""
     if preset["train"].get("data_dir"):
         return preset["train"]["data_dir"]
-    if preset.get("task"):  # a synthetic task's documents
-        from ladders import hops
-        return hops.data_dir(preset)
     from data import loader, prepare
     if not unique_tokens:
         return prepare.prepare_default(None, preset["tokenizer"], verbose=False)

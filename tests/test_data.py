@@ -354,7 +354,7 @@ def test_arithmetic_copy_and_their_tokens():
 def test_synthetic_cli(capsys):
     synthetic.main([])
     out = capsys.readouterr().out
-    assert out.splitlines()[0] == "'[ ] { } [' -> ' ]'" and len(out.splitlines()) == 11
+    assert out.splitlines()[0] == "'[ ] { } [' -> ' ]'" and len(out.splitlines()) == 12
     assert "--max_depth must be >= 1" in cli_error(synthetic.main, ["--max_depth", "0"], capsys,
                                                    "synthetic.py")
     assert "invalid choice: 9" in cli_error(synthetic.main, ["--n_types", "9"], capsys, "synthetic.py")

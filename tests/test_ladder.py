@@ -24,7 +24,7 @@ from ladders.stats import (agreement, contrast, difference, interpolated_optimum
                            profile_interval, seed_draws, t_interval)
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ladder")
-KEPT = ["smelt-cpu-mini", "smelt-cpu-surface", "smelt-cpu-decompose", "x-cpu-mini", "x-cpu-mini-tuned",
+KEPT = ["smelt-cpu-mini", "smelt-cpu-surface", "smelt-cpu-decompose", "smelt-cpu-hops", "x-cpu-mini", "x-cpu-mini-tuned",
         "x-cpu-repeat", "x-cpu-repeat-tuned"]
 
 
@@ -44,6 +44,10 @@ REPEAT_TINY = preset("x-cpu-repeat", model=dict(block_size=32), depths=[3], pass
                      seeds=SEEDS[:1], train=dict(batch_size=4, eval_tokens=512), workers=1,
                      weight_decays=[0.1], wd_extend=0, seeded_passes=[], bootstrap=50,
                      lr=dict(key="matrix_lr", values=[0.04], extend=0, seeds=1, weight_decay=0.1))
+HOPS_TINY = preset("smelt-cpu-hops", scales={"L4w32": dict(n_layer=4, n_embd=32, expert_hidden=16)},
+                   cells=[("L4w32", 16)], task=dict(n_symbols=8, max_hops=4, train_docs=2000, eval_docs=8),
+                   steps=2, seeds=[1, 2], workers=1, train=dict(optimizer="adamw", batch_size=4, warmup_steps=1,
+                                                               eval_tokens=512))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -332,6 +336,14 @@ def test_tiny_presets_train_end_to_end(tmp_path):
     if importlib.util.find_spec("matplotlib"):  # its figures (without matplotlib: one line, no figure)
         assert all(open(os.path.join(out, f"2kx2-{f}.png"), "rb").read(4) == b"\x89PNG"
                    for f in ("frontier", "weight_decay"))
+    out = str(tmp_path / "hops")  # the accuracy, from each run's checkpoint: every query once per k and passes
+    ladder.run(HOPS_TINY, out)
+    rows = fit.read_runs(os.path.join(out, "runs.csv"))
+    for arm, passes in dict(A=[1], B=[1], C=[1, 2, 3, 4], D=[1, 2, 3, 4], P=[1, 2, 3, 4], E=[1]).items():
+        for seed in (1, 2):
+            mine = [r for r in rows if r["arm"] == arm and r["seed"] == seed]
+            assert sorted({r["passes"] for r in mine}) == passes and {r["hops"] for r in mine} == {1, 2, 3, 4}
+            assert all(sum(r["queries"] for r in mine if r["passes"] == p) == 8 * 12 for p in passes)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -353,6 +365,9 @@ def test_figures_from_the_committed_csvs(tmp_path):
     assert ladder.main(["--preset", "x-cpu-mini", "--report_only", "--plot", "--out", str(tmp_path)]) == 0
     for figure in ("loss_vs_compute.png", "multipliers.png"):
         assert open(tmp_path / figure, "rb").read(4) == b"\x89PNG"
+    shutil.copy(os.path.join(DOCS, "smelt-cpu-hops-runs.csv"), tmp_path / "runs.csv")
+    assert ladder.main(["--preset", "smelt-cpu-hops", "--report_only", "--plot", "--out", str(tmp_path)]) == 0
+    assert open(tmp_path / "L4w64-e16-accuracy.png", "rb").read(4) == b"\x89PNG"
 
 
 def test_list_shows_every_preset_and_the_plan_meets_its_budget(capsys):
@@ -403,3 +418,74 @@ def test_the_decomposition_reads_its_rule_on_known_losses():
     assert decompose.reading(dict(z, **{"C-B": -2.5})).startswith("the loop helps")
     assert decompose.reading(dict(z, **{"E-A": -3.0})).startswith("depth helps but the loop does not")
     assert decompose.reading(z) == "no reading of the rule holds"
+
+
+def test_the_hops_ladder_plans_six_arms_on_the_same_tokens():
+    from ladders import hops
+    specs, _ = hops.plan(dict(PRESETS["smelt-cpu-hops"], name="smelt-cpu-hops"), {})
+    assert len(specs) == 6 * 2 and {s.meta["seed"] for s in specs} == {1338, 1339}  # 1337 chose the LR
+    by = {s.meta["arm"]: s for s in specs if s.meta["seed"] == 1338}
+    assert len({s.settings["max_steps"] for s in specs}) == 1 and {s.meta["lr"] for s in specs} == {0.006}
+    m = {k: s.meta for k, s in by.items()}
+    assert 1 <= m["C"]["F"] / m["A"]["F"] <= 1.05 and abs(m["C"]["N_stored"] / m["A"]["N_stored"] - 1) < 0.05
+    assert m["D"]["N_stored"] == m["A"]["N_stored"] and m["P"]["N_stored"] - m["A"]["N_stored"] == 64  # BO gain
+    assert m["D"]["F"] == pytest.approx(m["E"]["F"], rel=0.01) == m["P"]["F"] and m["E"]["n_layer"] == 6
+    assert (by["P"].settings["layout"], by["P"].settings["n_passes"], by["D"].settings["layout"]) == ("pcc", 2,
+                                                                                                      "smelt")
+
+
+def test_hops_accuracy_reads_every_answer(monkeypatch):
+    """An oracle that knows each next token scores 1 at every k; a model that always says "a" scores the
+    share of answers that are "a"; every query is counted once."""
+    import random
+    import torch
+    from data import synthetic
+    from data.loader import get_tokenizer
+    from ladders import hops
+    task = dict(n_symbols=6, max_hops=3, eval_docs=40, tokenizer="gpt2-257")
+
+    class Oracle(torch.nn.Module):
+        config = type("C", (), dict(eot_token=256))
+
+        def forward(self, idx, n_passes=None):
+            return torch.nn.functional.one_hot(torch.cat([idx[:, 1:], idx[:, :1]], 1), 257).float(), None
+
+    class SaysA(Oracle):
+        def forward(self, idx, n_passes=None):
+            a = get_tokenizer("gpt2-257").encode("a")[0]
+            return torch.nn.functional.one_hot(torch.full_like(idx, a), 257).float(), None
+
+    acc = hops.accuracy(Oracle(), task, batch=16)
+    assert sorted(acc) == [1, 2, 3] and all(c == n for c, n in acc.values())
+    assert sum(n for _, n in acc.values()) == 40 * 12
+    rng = random.Random("hops-eval-1")
+    docs = [synthetic.hops_document(rng, 6, 3) for _ in range(40)]
+    a = sum(text[offset] == "a" for text, answers in docs for offset, _ in answers)
+    assert sum(c for c, _ in hops.accuracy(SaysA(), task, batch=7).values()) == a > 0
+
+
+def test_the_hops_report_reads_its_rule_on_known_accuracies():
+    """Made-up accuracies (two seeds, +-0.01): fresh depth and both loops gain 0.2 at k >= 2, SMELT 0.1, a
+    third pass 0.05 for P only: the contrasts and the rule's three readings."""
+    from ladders import hops
+    base = dict(A=0.2, B=0.15, C=0.3, D=0.4, P=0.4, E=0.4)
+    rows = []
+    for arm, v in base.items():
+        for seed, e in ((1, -0.01), (2, 0.01)):
+            for passes in ([1, 2, 3, 4] if arm in "CDP" else [1]):
+                extra = 0.05 if arm == "P" and passes == 3 else 0.0
+                for k in (1, 2, 3, 4):
+                    rows.append(dict(arm=arm, cell="L4w64-e16", seed=seed, F=1.0, N_stored=1, passes=passes,
+                                     hops=k, accuracy=(0.9 if k == 1 else v + e + extra), loss=1.0))
+    text = "\n".join(hops.report(dict(PRESETS["smelt-cpu-hops"], name="h"), rows))
+    sigma = math.sqrt(2) * 0.01  # per run: 0.01 off; a difference of two 2-seed means: sigma
+    lo, hi = scipy_stats.t.interval(0.95, 6, 0.1, sigma)
+    assert f"C - A (SMELT: equal FLOPs, parameters and KV cache): +0.100 [{lo:+.3f}, {hi:+.3f}] = +7.1 sigma" in text
+    assert "P (trained at 2): 1: 0.400 2: 0.400 3: 0.450 4: 0.400; 3 - 2: +0.050" in text
+    assert text.endswith("the second visit pays at equal stored parameters (D - A or P - A above +2 sigma), as "
+                         "much as fresh depth at equal FLOPs\n  SMELT gains at matched compute (C - A above +2 "
+                         "sigma)\n  passes beyond the trained ones pay at test time for P")
+    z = dict.fromkeys(["C-A", "D-A", "P-A", "E-A", "D-E", "P-E", "C-B"], 0.0)
+    assert hops.reading(z, {})[0].startswith("depth does not pay here")
+    assert hops.reading(dict(z, **{"E-A": 3.0}), {})[0].startswith("depth pays (E - A above +2 sigma) but the loop")
+    assert "less than fresh depth" in hops.reading(dict(z, **{"E-A": 5.0, "D-A": 3.0, "D-E": -2.5}), {})[0]

@@ -46,7 +46,7 @@ def test_the_project_is_small():
         assert max((len(line) for line in source.splitlines()), default=0) <= 110, path
         lines, chars = lines + len(kept), chars + sum(len(line.strip()) for line in kept)
         raises += sum(isinstance(n, ast.Raise) for n in ast.walk(ast.parse(source)))
-    assert lines <= 7500 and chars <= 450_000 and raises <= 150, (lines, chars, raises)
+    assert lines <= 7600 and chars <= 450_000 and raises <= 150, (lines, chars, raises)
     assert sum(1 for _ in open(os.path.join(REPO, "README.md"))) <= 220
 
 
