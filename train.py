@@ -232,9 +232,8 @@ def read_checkpoint(path):
 def load_state(source, model, optimizers):
     """Weights and optimizer state into a built (possibly sharded) model: DCP re-shards onto any world."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict,
-                                                         set_state_dict)
-    model_sd, optim_sd = source["model"] if "model" in source else None, source.get("optimizers")
+                                                         set_model_state_dict, set_state_dict)
+    model_sd, optim_sd = source.get("model"), source.get("optimizers")
     if "dcp" in source:
         import torch.distributed.checkpoint as dcp
         model_sd, optim_sd = get_state_dict(model, optimizers)
@@ -242,9 +241,6 @@ def load_state(source, model, optimizers):
     options = StateDictOptions(full_state_dict="dcp" not in source)
     if optim_sd is None:  # weights only (an export, a consolidated FSDP ckpt.pt): fresh optimizers
         set_model_state_dict(model, model_sd, options=options)
-    elif model_sd is None:  # growth: the grown model's optimizer state (its copies start fresh)
-        set_optimizer_state_dict(model, optimizers, optim_sd, options=StateDictOptions(full_state_dict=True,
-                                                                                       strict=False))
     else:
         set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=options)
@@ -293,6 +289,43 @@ def build_model(model_config, config, bf16, device, sharded):
     model.to_empty(device=device)
     model.reset_parameters()
     return model
+
+
+def grow_model(model, optimizers, config, bf16, device, sharded):
+    """[X] growth: (the model with twice the passes, pcc_untied's cores copied; its optimizers, each state
+    kept by name, a copy's fresh). FSDP2: the grown model is built sharded and each rank copies its shards
+    of every parameter's source (the same shapes and placements): no process gathers the whole model."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=not sharded, strict=False)  # strict: copies have no state
+    saved = get_optimizer_state_dict(model, optimizers, options=options)
+    if sharded:
+        with torch.device("meta"):
+            grown = GPT(model.config)
+            param_map = grow.grow(grown, 2 * model.config.n_passes)
+            grown = GPT(grown.config)
+        grown = shard(grown, config, bf16)
+        grown.to_empty(device=device)
+        source = dict(model.named_parameters())
+        with torch.no_grad():
+            grown.rope_cos.copy_(model.rope_cos), grown.rope_sin.copy_(model.rope_sin)
+            for name, p in grown.named_parameters():
+                p.to_local().copy_(source[param_map[name]].to_local())
+    else:
+        grown = GPT(model.config)
+        grown.load_state_dict(model.state_dict())
+        param_map = grow.grow(grown, 2 * model.config.n_passes)
+        grown = grown.to(device)
+    optimizers = build_optimizers(grown, config, bf16)
+    saved["state"] = grow.copy_optimizer_state(saved["state"], param_map)
+    saved["param_groups"] = get_optimizer_state_dict(grown, optimizers, options=options)["param_groups"]
+    set_optimizer_state_dict(grown, optimizers, saved, options=options)
+    copied = set(grow.copied_names(param_map))
+    copies = [p for name, p in grown.named_parameters() if name in copied]
+    for opt in optimizers:  # a copy starts fresh, as a new parameter (reading the state dict gave it a step)
+        for p in copies:
+            opt.state.pop(p, None)
+    return grown, optimizers
 
 
 def wrap(model, config, world, device):
@@ -474,17 +507,7 @@ def train(overrides=None):
         step = state["step"]
         # [X] growth, once: twice the passes (pcc_untied: copied cores), the optimizer state by name
         if step == grow_step and not state["grown"]:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-            full = StateDictOptions(full_state_dict=True)
-            weights, saved = get_state_dict(model, optimizers, options=full)
-            model = GPT(model.config)
-            model.load_state_dict(weights)
-            param_map = grow.grow(model, 2 * model.config.n_passes)
-            model = shard(model.to(device), config, bf16) if sharded else model.to(device)
-            optimizers = build_optimizers(model, config, bf16)
-            saved["state"] = grow.copy_optimizer_state(saved["state"], param_map)
-            saved["param_groups"] = get_state_dict(model, optimizers, options=full)[1]["param_groups"]
-            load_state(dict(optimizers=saved), model, optimizers)
+            model, optimizers = grow_model(model, optimizers, config, bf16, device, sharded)
             state["grown"], step_model = True, wrap(model, config, world, device)
             settings.update({k: model.config.to_dict()[k] for k in MODEL_SETTINGS})
             log(f"step {step}: grew to {model.config.n_passes} passes")

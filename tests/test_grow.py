@@ -420,3 +420,41 @@ def test_growth_step():
     assert grow.growth_step(1000, 0.82) == 820 and grow.growth_step(1000, 500) == 500
     with pytest.raises(ValueError, match="grow_at"):
         grow.growth_step(1000, 2000)
+
+
+@pytest.mark.parametrize("layout", ["pcc_untied", "pcc"])
+def test_sharded_growth_copies_what_growing_the_whole_model_copies(layout):
+    """train.grow_model under FSDP2 builds the grown model sharded and copies each rank's shards of every
+    parameter's source: after a step of AdamW, the same weights, optimizer state and logits as growing the
+    whole model (one process)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict)
+    import train
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=3, n_embd=32, n_head=2, layout=layout, n_passes=1)
+    config = train.TrainConfig(optimizer="adamw", parallel="fsdp")
+    full, cpu = StateDictOptions(full_state_dict=True), torch.device("cpu")
+    torch.manual_seed(0)
+    models = [GPT(cfg), train.build_model(cfg, config, False, cpu, True)]
+    set_model_state_dict(models[1], models[0].state_dict(), options=full)
+    idx = torch.randint(0, 64, (2, 16))
+    grown = []
+    for model, sharded in zip(models, (False, True)):
+        optimizers = train.build_optimizers(model, config, False)
+        model(idx, idx)[1].backward()
+        for opt in optimizers:
+            opt.step()
+        grown.append(train.grow_model(model, optimizers, config, False, cpu, sharded))
+    (whole, whole_opt), (shard, shard_opt) = grown
+    assert shard.config == whole.config and whole.config.n_passes == 2
+    weights = get_model_state_dict(shard, options=full)
+    assert weights.keys() == whole.state_dict().keys()
+    assert all(torch.equal(weights[k], v) for k, v in whole.state_dict().items())
+    state = [get_optimizer_state_dict(m, o, options=full)["state"] for m, o in grown]
+    assert state[0].keys() == state[1].keys()
+    assert all(torch.equal(torch.as_tensor(state[0][n][k]), torch.as_tensor(v)) for n in state[1]
+               for k, v in state[1][n].items())
+    with torch.no_grad():
+        assert torch.equal(shard(idx)[0], whole(idx)[0])
