@@ -107,7 +107,7 @@ def hops_document(rng, n_symbols=8, max_hops=4, n_queries=12):
     answer repeats its start) written as pairs "xy" (y follows x) in a random order, "|", then n_queries
     queries "kxz": z lies k links after x, k drawn from 1..max_hops, x from the letters k links from the end
     or more. A query of k hops composes k lookups: without writing the steps out, a model needs depth.
-        "fa bd ef ac|2ea 1bd 3ec"  ->  the text, and [(offset of each query's z, k), ...]"""
+        "fa cb ef ac|2ea 1cb 3ec"  ->  the text, and [(offset of each query's z, k), ...]"""
     chain = rng.sample(HOP_SYMBOLS[:n_symbols], n_symbols)
     links = rng.sample(range(n_symbols - 1), n_symbols - 1)  # the pairs' order
     text, answers = " ".join(chain[i] + chain[i + 1] for i in links) + "|", []
