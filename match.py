@@ -344,7 +344,7 @@ MODES = ("ddp", "fsdp", "fsdp_grad_op")
 
 def parameters(cfg):
     """(shape, "muon" or "adamw") of every parameter GPT(cfg) holds (built on the meta device: no memory),
-    grouped as train.py groups them: Muon takes the 2-D/3-D block matrices but the routers."""
+    grouped as train.py groups them: Muon takes the block matrices (2-D and stacked) but the routers."""
     with torch.device("meta"):
         named = list(GPT(cfg).named_parameters())
     outside = ("wte.", "lm_head.")

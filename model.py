@@ -162,12 +162,14 @@ class MoE(nn.Module):
         super().__init__()
         self.n_expert, self.top_k = cfg.n_expert, cfg.top_k
         self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
-        self.w_gate = nn.Parameter(torch.empty(cfg.n_expert, cfg.expert_hidden, cfg.n_embd))
-        self.w_up = nn.Parameter(torch.empty(cfg.n_expert, cfg.expert_hidden, cfg.n_embd))
+        # gate and up stacked (E, 2, hidden, n_embd): one grouped GEMM for both, and still two matrices
+        # per expert to Muon (it orthogonalises each (hidden, n_embd) alone) and to the init
+        self.w_gate_up = nn.Parameter(torch.empty(cfg.n_expert, 2, cfg.expert_hidden, cfg.n_embd))
         self.w_down = nn.Parameter(torch.empty(cfg.n_expert, cfg.n_embd, cfg.expert_hidden))
 
     def forward(self, x):
-        shape, x = x.shape, x.reshape(-1, x.size(-1))
+        shape = x.shape  # x cast once to the matmuls' dtype: the router and the experts read one copy,
+        x = x.reshape(-1, shape[-1]).to(compute_dtype(x.device.type, x.dtype))  # and out comes in it
         # 1. route: each token picks its top_k experts; their weights renormalised to sum to 1 (Mixtral)
         logits = self.router(x).float()
         probs = logits.softmax(dim=-1)
@@ -189,10 +191,10 @@ class MoE(nn.Module):
         return out.view(shape), router
 
     def experts(self, x, token_of, counts, weight_of):
-        return run_experts(x, token_of, counts, self.w_gate, self.w_up, self.w_down, weight_of)
+        return run_experts(x, token_of, counts, self.w_gate_up, self.w_down, weight_of)
 
 
-def run_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None):
+def run_experts(x, token_of, counts, w_gate_up, w_down, row_weights=None):
     """Expert e owns the sorted rows [offs[e-1], offs[e]): each row copies its token of x, runs the
     expert's SwiGLU (its hidden activation scaled by the row's router weight) and is added back to its
     token. In autocast's dtype when it is on (x cast once, before the gather; summed back in that dtype:
@@ -203,12 +205,13 @@ def run_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None):
                          "torch.autocast('cuda', dtype=torch.bfloat16)")
     offs = counts.cumsum(0).int()
     n_embd, unit = x.size(1), 16 // dtype.itemsize  # grouped GEMM rows must be 16-byte aligned: zero
-    e, h = -n_embd % unit, -w_gate.size(1) % unit  # columns pad them (exact, and none in most shapes)
+    e, h = -n_embd % unit, -w_down.size(2) % unit  # columns pad them (exact, and none in most shapes)
     pad = lambda t, p: F.pad(t, p) if any(p) else t  # noqa: E731 (F.pad would copy)
     rows = pad(x.to(dtype), (0, e)).index_select(0, token_of)
-    gate, up = (pad(w, (0, e, 0, h)).to(dtype).transpose(-2, -1) for w in (w_gate, w_up))
+    gate_up = pad(w_gate_up, (0, e, 0, h)).to(dtype).flatten(1, 2).transpose(-2, -1)  # (E, n_embd, 2 hidden)
     down = pad(w_down, (0, h, 0, e)).to(dtype).transpose(-2, -1)
-    h = F.silu(grouped_mm(rows, gate, offs)) * grouped_mm(rows, up, offs)
+    gate, up = grouped_mm(rows, gate_up, offs).chunk(2, dim=1)
+    h = F.silu(gate) * up
     if row_weights is not None:
         h = h * row_weights.unsqueeze(1).to(h.dtype)
     y = grouped_mm(h, down, offs)[:, :n_embd]
@@ -547,6 +550,9 @@ class GPT(nn.Module):
         out = name.endswith(("o_proj.weight", "w_down.weight", "w_down"))  # the writes to the residual stream
         if w.dim() < 2:  # RMSNorm gains
             return nn.init.ones_(w)
+        if w.dim() == 4:  # an MoE's stacked gate and up: drawn as two (E, hidden, n_embd), gate first
+            halves = [torch.empty(w[:, 0].shape, dtype=w.dtype, device=w.device) for _ in range(2)]
+            return w.copy_(torch.stack([self.init_parameter(name, half) for half in halves], 1))
         if cfg.init == "nanogpt":  # normal(0.02), out-projections scaled down with the executed depth
             return nn.init.normal_(w, std=0.02 / math.sqrt(2 * cfg.executed_layers()) if out else 0.02)
         if name == "wte.weight":  # [X]: a normal embedding, zero out-projections and head, uniform inputs
@@ -648,7 +654,7 @@ class GPT(nn.Module):
             if i not in used:
                 inactive += sum(p.numel() for p in block.parameters())
             elif isinstance(block.ffn, MoE):
-                inactive += (block.ffn.n_expert - block.ffn.top_k) * 3 * block.ffn.w_gate[0].numel()
+                inactive += (block.ffn.n_expert - block.ffn.top_k) * 3 * block.ffn.w_down[0].numel()
         return dict(embedding=embedding, non_embedding=total - embedding, total=total,
                     active=total - embedding - inactive)
 

@@ -2,10 +2,10 @@
 Muon: MomentUm Orthogonalized by Newton-Schulz (Keller Jordan; modded-nanogpt, nanochat) for the hidden
 matrices of a transformer. Imports only torch: copy it into any project.
 
-    opt = Muon(matrices, lr=0.02, momentum=0.95)    # 2-D (out, in) or stacked experts (E, out, in)
+    opt = Muon(matrices, lr=0.02, momentum=0.95)    # 2-D (out, in) or stacked (E, ..., out, in)
     opt = Muon(matrices, lr=0.04, variant="x", weight_decay=0.07)   # the [X] paper code's Muon
 
-Two variants, each one function (original_update, x_update). Stacked experts are orthogonalised per expert;
+Two variants, each one function (original_update, x_update). Stacked matrices are orthogonalised one by one;
 `opt.gram` (None: x @ x.mT) is the iteration's Gram product, which kernels.apply sets to a Triton kernel.
 FSDP2: parameters may be DTensors sharded on dim 0 of a 1-D mesh, or of the shard dim of a 2-D (replicate,
 shard) mesh (HSDP: each replica group steps alike). Momentum is elementwise and stays sharded; each

@@ -1,7 +1,7 @@
 """
 The bench: one JSON line per measurement, each ratio beside its two times (machine-dependent numbers).
 
-    python bench/bench.py                          # every stage on this CPU (~1 min, one thread)
+    python bench/bench.py                          # the CPU stages below (~2 min, one thread)
     python bench/bench.py moe kernels --rounds 9   # some stages
     python bench/bench.py --dry-run                # toy sizes, seconds (the tests run it)
     python3 bench/bench.py --gpu                   # CUDA, bf16 autocast, larger sizes (bench/gpu_check.sh)
@@ -142,7 +142,8 @@ def moe_vs_dense(size, device, rounds, n_expert=64, top_k=8):
 
 
 class ByteCounter(TorchDispatchMode):
-    """Bytes every op reads and writes (its tensor inputs and outputs; a view or a query moves none)."""
+    """Bytes every op reads and writes (its tensor inputs and outputs; a view or a query moves none, and
+    new_zeros-like ops read only their input's dtype and device)."""
 
     def __init__(self):
         super().__init__()
@@ -155,6 +156,7 @@ class ByteCounter(TorchDispatchMode):
         if not outs or views:
             return out
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        ins = [] if func._opname.startswith("new_") or func._opname.endswith("_like") else ins
         moved = sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs if all(t is not i for i in ins))
         self.by_op[func.__name__] = self.by_op.get(func.__name__, 0) + moved
         return out
@@ -172,10 +174,11 @@ def moe_bytes(size, device, rounds, tokens=16384):
         moe = MoE(cfg)
         torch.set_default_dtype(torch.float32)
         x = torch.randn(tokens, cfg.n_embd, requires_grad=True)
+        grad = torch.randn(tokens, cfg.n_embd)  # the output's gradient, fp32 as the residual stream gives it
         with ByteCounter() as counter:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out, _ = moe(x)
-            out.float().sum().backward()
+            out.backward(grad)
     moved = sum(counter.by_op.values()) / tokens
     flops = 3 * 3 * 2 * cfg.top_k * cfg.n_embd * cfg.expert_hidden  # 3 GEMMs, forward + 2 in the backward
     top = sorted(counter.by_op.items(), key=lambda kv: -kv[1])[:4]
@@ -274,7 +277,7 @@ def shapes(size, device, rounds):
     counts = torch.full((cfg.n_expert,), 8 * z["tokens"] // cfg.n_expert, device=device)
     counts[0] += 8 * z["tokens"] - counts.sum()
     bare = lambda: model.run_experts(rows, torch.arange(len(rows), device=device), counts,  # noqa: E731
-                                     moe.w_gate, moe.w_up, moe.w_down).float().sum().backward()
+                                     moe.w_gate_up, moe.w_down).float().sum().backward()
     cases = {"moe": {"moe_layer": fwd_bwd(moe, x[None]), "grouped_gemms": bare,
                      "dense_swiglu": fwd_bwd(dense, x[None])}}
     if device == "cuda":
@@ -432,12 +435,14 @@ def sharded_s95(size, device, rounds):
 
 STAGES = {"efficiency": efficiency, "moe": moe_vs_dense, "moe_bytes": moe_bytes, "kernels": kernel_vs_twin,
           "ceilings": ceilings, "shapes": shapes, "profile_d8": profile_d8, "s95_sharded": sharded_s95}
+DEFAULT_STAGES = ("efficiency", "moe", "moe_bytes", "kernels")  # the others at their real sizes need a GPU
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="bench/bench.py", usage=argparse.SUPPRESS,
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("stages", nargs="*", help=f"of {', '.join(STAGES)} (default: all)")
+    parser.add_argument("stages", nargs="*", help=f"of {', '.join(STAGES)} (default: "
+                        f"{', '.join(DEFAULT_STAGES)}; bench/gpu_check.sh names the others)")
     parser.add_argument("--gpu", action="store_true", help="on CUDA, bf16 autocast, larger sizes")
     parser.add_argument("--dry-run", action="store_true", help="toy sizes, one round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after a warm-up round")
@@ -451,7 +456,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import: the kernels' only CPU path
     size = SIZES["dry" if args.dry_run else device]
-    for stage in args.stages or STAGES:
+    for stage in args.stages or DEFAULT_STAGES:
         STAGES[stage](size, device, 1 if args.dry_run else args.rounds)
 
 

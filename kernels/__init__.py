@@ -87,7 +87,7 @@ class MoEKernel:
     def experts(self, x, token_of, counts, weight_of):
         """All experts in one launch over the expert-sorted copies of the tokens; each output row times its
         router weight (model.run_experts scales the hidden activation: the same, by linearity)."""
-        y = moe_experts(x[token_of], counts, self.w_gate, self.w_up, self.w_down)
+        y = moe_experts(x[token_of], counts, *self.w_gate_up.unbind(1), self.w_down)
         if weight_of is not None:
             y = y * weight_of.unsqueeze(1).to(y.dtype)
         return x.new_zeros(x.shape).index_add_(0, token_of, y)

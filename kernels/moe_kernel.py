@@ -42,15 +42,16 @@ def _dot(acc, a_ptrs, b_ptrs, a_mask, b_mask, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(X, WG, WU, HG, HU, ACT, TILES, n_experts, n_hidden, n_embd, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
+def _gate_up_kernel(X, WG, WU, HG, HU, ACT, TILES, n_experts, n_hidden, n_embd, stride_we,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    FP32_DOT: tl.constexpr):
     expert, rows, row_mask = _tile_rows(TILES, BLOCK_M)
     if expert >= n_experts:  # a spare tile
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = X + rows[:, None] * n_embd + ks[None, :]
-    w_offsets = expert * n_hidden * n_embd + cols[None, :] * n_embd + ks[:, None]  # a tile of W[e].T
+    w_offsets = expert * stride_we + cols[None, :] * n_embd + ks[:, None]  # a tile of W[e].T
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, n_embd, BLOCK_K):
@@ -157,10 +158,11 @@ class _MoEExperts(torch.autograd.Function):
         n_experts, n_hidden, n_embd = w_gate.shape
         block_m, block_n, block_k, options, fp32_dot = _config(x.device)
         tiles, rows = tile_map(counts, x.shape[0], block_m)
-        xc, wg, wu, wd = (t.to(dtype).contiguous() for t in (x, w_gate, w_up, w_down))  # no-ops when they are
+        xc, wd = (t.to(dtype).contiguous() for t in (x, w_down))  # no-ops when they are
+        wg, wu = matrices(w_gate.to(dtype), w_up.to(dtype))
         gate, up, act = (xc.new_empty(x.shape[0], n_hidden) for _ in range(3))
         _gate_up_kernel[(len(tiles), triton.cdiv(n_hidden, block_n))](
-            xc, wg, wu, gate, up, act, tiles, n_experts, n_hidden, n_embd,
+            xc, wg, wu, gate, up, act, tiles, n_experts, n_hidden, n_embd, wg.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=fp32_dot, **options)
         # y = act @ W_down[e].T, stored in x's dtype
         y = _grouped_mm(act, wd, (wd.stride(0), 1, n_hidden), tiles, n_embd, out_dtype=x.dtype)
@@ -172,7 +174,7 @@ class _MoEExperts(torch.autograd.Function):
     def backward(ctx, dy):
         xc, w_gate, w_up, w_down, gate, up, tiles, rows = ctx.saved_tensors
         n_embd, n_hidden = w_down.shape[1:]
-        wg, wu, wd = (w.to(xc.dtype).contiguous() for w in (w_gate, w_up, w_down))
+        (wg, wu), wd = matrices(w_gate.to(xc.dtype), w_up.to(xc.dtype)), w_down.to(xc.dtype).contiguous()
         dy = dy.to(xc.dtype).contiguous()
         d_act = _grouped_mm(dy, wd, (wd.stride(0), n_hidden, 1), tiles, n_hidden)  # dy @ W_down[e]
         d_gate, d_up = swiglu_backward(gate, up, d_act)
@@ -180,6 +182,14 @@ class _MoEExperts(torch.autograd.Function):
         dw_down = _wgrad(dy, swiglu_forward(gate, up), rows, w_down.dtype)  # act recomputed, not saved
         dw_gate, dw_up = _wgrad(d_gate, xc, rows, w_gate.dtype), _wgrad(d_up, xc, rows, w_up.dtype)
         return dx, None, dw_gate, dw_up, dw_down, None
+
+
+def matrices(w_gate, w_up):
+    """Both (E, hidden, d) with each expert's matrix contiguous and one stride between experts: as given
+    when they are views of one stacked tensor (model.MoE's w_gate_up[:, 0] and [:, 1]), else copies."""
+    if all(w.stride()[1:] == (w.size(2), 1) for w in (w_gate, w_up)) and w_gate.stride(0) == w_up.stride(0):
+        return w_gate, w_up
+    return w_gate.contiguous(), w_up.contiguous()
 
 
 def moe_experts(x_sorted, counts, w_gate, w_up, w_down):

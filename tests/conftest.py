@@ -17,14 +17,14 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 
-def loop_experts(x, token_of, counts, w_gate, w_up, w_down, row_weights=None):
+def loop_experts(x, token_of, counts, w_gate_up, w_down, row_weights=None):
     """The reference twin of model.run_experts: each expert in a Python loop over its own tokens (the loop
     reads the tokens per expert to the host, which model.run_experts never does)."""
     sizes = counts.tolist()
     out, x_sorted = torch.zeros_like(x), x[token_of]
     weights = torch.split(row_weights, sizes) if row_weights is not None else [None] * len(sizes)
     for x_e, rows, weight, gate, up, down in zip(torch.split(x_sorted, sizes), torch.split(token_of, sizes), weights,
-                                                 w_gate, w_up, w_down):
+                                                 *w_gate_up.unbind(1), w_down):
         h = torch.nn.functional.silu(x_e @ gate.t()) * (x_e @ up.t())
         if weight is not None:
             h = h * weight.unsqueeze(1).to(h.dtype)

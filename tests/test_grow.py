@@ -340,7 +340,7 @@ def test_param_counts_agree_with_the_model():
         per_block = {i: sum(p.numel() for p in b.parameters()) for i, b in enumerate(model.blocks)}
         if cfg.n_expert:
             f = model.blocks[0].ffn
-            inactive = (cfg.n_expert - cfg.top_k) * (f.w_gate[0].numel() + f.w_up[0].numel() + f.w_down[0].numel())
+            inactive = (cfg.n_expert - cfg.top_k) * (f.w_gate_up[0].numel() + f.w_down[0].numel())
             per_block = {i: n - inactive for i, n in per_block.items()}
         direct = sum(per_block[s.block] for s in model.plan if s.kind == "block") + model.lm_head.weight.numel()
         assert grow.compute_active_params(cfg) == direct

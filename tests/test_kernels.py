@@ -229,7 +229,8 @@ def test_moe_twin_is_model_run_experts(autocast):
     matmuls: within one bf16 rounding."""
     x, counts, *w = moe_inputs([7, 0, 13, 1, 16])  # F.grouped_mm: rows of 16-byte multiples
     rows = torch.arange(len(x), device=DEVICE)
-    fn = lambda x, *w: model.run_experts(x, rows, counts, *w)  # noqa: E731
+    fn = lambda x, gate, up, w_down: model.run_experts(  # noqa: E731
+        x, rows, counts, torch.stack([gate, up], 1), w_down)
     twin = lambda x, *w: moe_kernel.moe_experts_reference(x, counts, *w)  # noqa: E731
     if not autocast:
         return assert_same(fn, twin, (x, *w), MOE_TOL)

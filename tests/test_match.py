@@ -63,7 +63,7 @@ def touched_nonembedding(model):
     for name, p in model.named_parameters():
         if name.startswith(("wte.", "lm_head.")) or p.grad is None:
             continue
-        if name.endswith(("ffn.w_gate", "ffn.w_up", "ffn.w_down")):  # (n_expert, ., .): count used experts
+        if name.endswith(("ffn.w_gate_up", "ffn.w_down")):  # (n_expert, ...): count used experts
             touched += int((p.grad.flatten(1) != 0).any(dim=1).sum()) * p[0].numel()
         elif (p.grad != 0).any():
             touched += p.numel()

@@ -315,7 +315,7 @@ def naive_moe(moe, x, renormalize):
         acc = torch.zeros_like(flat[t])
         for j in range(moe.top_k):
             e = ids[t, j]
-            h = F.silu(moe.w_gate[e] @ flat[t]) * (moe.w_up[e] @ flat[t])
+            h = F.silu(moe.w_gate_up[e, 0] @ flat[t]) * (moe.w_gate_up[e, 1] @ flat[t])  # gate, up
             acc = acc + w[t, j] * (moe.w_down[e] @ h)
         rows.append(acc)
     return torch.stack(rows).view_as(x)
@@ -349,8 +349,7 @@ def test_grouped_experts_equal_the_per_expert_loop(counts, width, hidden):
     g = torch.Generator().manual_seed(sum(counts) + width)
     n, n_tokens = sum(counts), 20
     x = torch.randn(n_tokens, width, generator=g, requires_grad=True)
-    weights = [torch.randn(5, hidden, width, generator=g, requires_grad=True),
-               torch.randn(5, hidden, width, generator=g, requires_grad=True),
+    weights = [torch.randn(5, 2, hidden, width, generator=g, requires_grad=True),  # gate and up
                torch.randn(5, width, hidden, generator=g, requires_grad=True)]
     token_of = torch.randint(0, n_tokens, (n,), generator=g)
     row_weights = torch.rand(n, generator=g, requires_grad=True)
@@ -373,7 +372,7 @@ def test_grouped_experts_equal_the_per_expert_loop(counts, width, hidden):
 def test_balance_loss_minimum_for_uniform_router():
     moe = MoE(tiny(n_expert=8, top_k=2, expert_hidden=8))
     torch.nn.init.zeros_(moe.router.weight)  # uniform router probabilities
-    torch.nn.init.normal_(moe.w_gate)
+    torch.nn.init.normal_(moe.w_gate_up)
     _, router = moe(torch.randn(3, 5, 32))
     assert router["balance"].item() == pytest.approx(1.0, abs=1e-6)  # E * sum f_e / E = 1
     assert router["z_loss"].item() == pytest.approx(math.log(8) ** 2, rel=1e-5)
@@ -408,7 +407,7 @@ def test_gradients_reach_every_pass_and_every_used_expert():
         used = [s for s in model.plan if s.kind == "block" and s.block == i]
         rows = [n for n, s in enumerate([s for s in model.plan if s.kind == "block"]) if s.block == i]
         received = counts[rows].sum(0) > 0
-        got_grad = block.ffn.w_gate.grad.flatten(1).abs().sum(1) > 0
+        got_grad = block.ffn.w_gate_up.grad.flatten(1).abs().sum(1) > 0
         assert used and torch.equal(received, got_grad)
 
 

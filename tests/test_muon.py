@@ -102,6 +102,25 @@ def test_muon_step_is_the_formula(nesterov):
         torch.testing.assert_close(a, e)
 
 
+@pytest.mark.parametrize("variant", ["original", "x"])
+def test_stacked_gate_and_up_step_as_two_matrices(variant):
+    """model.MoE stores gate and up as one (E, 2, hidden, n_embd) parameter: Muon steps it exactly as it
+    steps the two (E, hidden, n_embd) halves given apart (each matrix orthogonalised, scaled and
+    second-moment normalised alone)."""
+    g = torch.Generator().manual_seed(0)
+    stacked = torch.randn(3, 2, 5, 8, generator=g)
+    grads = [torch.randn(stacked.shape, generator=g) for _ in range(2)]
+    halves = [h.clone() for h in stacked.unbind(1)]
+    opts = [Muon(params, lr=0.05, weight_decay=0.1, variant=variant) for params in ([stacked], halves)]
+    for grad in grads:
+        stacked.grad = grad.clone()
+        for h, hg in zip(halves, grad.unbind(1)):
+            h.grad = hg.clone()
+        for opt in opts:
+            opt.step()
+    torch.testing.assert_close(stacked, torch.stack(halves, 1), rtol=0, atol=1e-6)
+
+
 def x_muon_reference(params, grads, lr, momentum, wd, beta2):
     """The [X] paper code's Muon step (models/optimizer.py, muon_step_fused) written out per matrix, in
     fp32, with its own tall / wide Polar Express formulas."""

@@ -171,8 +171,7 @@ def test_moe_experts_with_zero_or_one_token_do_not_recompile():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     run = torch.compile(model_module.run_experts, fullgraph=True, backend="aot_eager")
-    w = [torch.randn(4, 16, 32, requires_grad=True), torch.randn(4, 16, 32, requires_grad=True),
-         torch.randn(4, 32, 16, requires_grad=True)]
+    w = [torch.randn(4, 2, 16, 32, requires_grad=True), torch.randn(4, 32, 16, requires_grad=True)]
     x = torch.randn(6, 32, requires_grad=True)
     token_of = torch.arange(12) % 6
     for counts in ([3, 3, 3, 3], [12, 0, 0, 0], [0, 1, 11, 0], [1, 1, 1, 9]):
