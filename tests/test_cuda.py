@@ -9,18 +9,10 @@ import torch
 
 import kernels
 import model
+from conftest import loop_experts  # the twin of model.run_experts: a Python loop over the experts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 COUNTS = {"mixed": [0, 1, 40, 0, 1, 7, 130, 3], "one-and-many": [1, 0, 0, 0, 0, 0, 0, 181]}
-
-
-def loop_experts(x, token_of, counts, w_gate_up, w_down, row_weights):
-    """The twin of model.run_experts: each expert in a Python loop over its own rows (a host read)."""
-    (w_gate, w_up), out, sizes = w_gate_up.unbind(1), torch.zeros_like(x), counts.tolist()
-    for e, (rows, weight) in enumerate(zip(torch.split(token_of, sizes), torch.split(row_weights, sizes))):
-        h = torch.nn.functional.silu(x[rows] @ w_gate[e].t()) * (x[rows] @ w_up[e].t())
-        out.index_add_(0, rows, ((h * weight[:, None].to(h.dtype)) @ w_down[e].t()).to(x.dtype))
-    return out
 
 
 def kernel_experts(x, token_of, counts, w_gate_up, w_down, row_weights):
