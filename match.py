@@ -370,9 +370,9 @@ def activation_bytes(cfg, micro_batch, mixed_precision=True, checkpointing=False
       attention = norm(H) + c a H + a (q + 2 kv) + a q + f n_head (flash / flex: no T x T) + a q (o_proj)
                   [QK-norm: + a (q + kv) + f (n_head + n_kv_head) + g f (q + kv)]
       dense FFN = norm(H) + c a H + (4, or 3 with the SwiGLU kernel) a mlp_hidden
-      MoE FFN   = norm(H) + a H + f (2 E + 2) + top_k [routed + 3 i + f + a], routed = 2 a H + 5 a hidden
-                  on the PyTorch path (model.run_experts: the rows gathered once in the compute dtype, the
-                  rows summed back), a (3 H + 2 hidden) with the kernel
+      MoE FFN   = norm(H) + a H + f (2 E + 2) + top_k [routed + 3 i + f + a], routed = a H + 5 a hidden
+                  on the PyTorch path (model.run_experts: the rows gathered once in the compute dtype; the
+                  scatter back keeps only its index), a (2 H + 2 hidden) with the kernel
       saved     = i [+ norm(H) embed_norm] + executed x (attention + FFN) + norm(H) per boundary [X3]
                   + the head: norm(H) + a H + l + i, l = f V (the fp32 logits the loss keeps), or a V past
                   CE_CHUNK logits (model.cross_entropy keeps the logits; a chunk's fp32 copy is recomputed)
@@ -390,7 +390,7 @@ def activation_bytes(cfg, micro_batch, mixed_precision=True, checkpointing=False
         attention += a * (q + kv) + f * (cfg.n_head + cfg.n_kv_head) + g * f * (q + kv)
     if E:
         hidden = cfg.expert_hidden
-        routed = a * (3 * H + 2 * hidden) if kernels else 2 * a * H + 5 * a * hidden
+        routed = a * (2 * H + 2 * hidden) if kernels else a * H + 5 * a * hidden
         ffn = norm + a * H + f * (2 * E + 2) + k * (routed + 3 * i + f + a)
     else:
         ffn = norm + copies(2) * a * H + (3 if kernels else 4) * a * cfg.mlp_hidden

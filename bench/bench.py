@@ -19,6 +19,7 @@ Stages (both sides of a ratio run in turn in the same rounds, so they see the sa
 """
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -142,8 +143,9 @@ def moe_vs_dense(size, device, rounds, n_expert=64, top_k=8):
 
 
 class ByteCounter(TorchDispatchMode):
-    """Bytes every op reads and writes (its tensor inputs and outputs; a view or a query moves none, and
-    new_zeros-like ops read only their input's dtype and device)."""
+    """Bytes every op reads and writes: its tensor inputs and outputs, an in-place op's tensor twice (read,
+    then written), an expanded tensor's distinct elements once. A view or a query moves none, and
+    new_zeros-like ops read only their input's dtype and device."""
 
     def __init__(self):
         super().__init__()
@@ -157,9 +159,13 @@ class ByteCounter(TorchDispatchMode):
             return out
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         ins = [] if func._opname.startswith("new_") or func._opname.endswith("_like") else ins
-        moved = sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs if all(t is not i for i in ins))
+        moved = sum(map(distinct_bytes, ins)) + sum(map(distinct_bytes, outs))
         self.by_op[func.__name__] = self.by_op.get(func.__name__, 0) + moved
         return out
+
+
+def distinct_bytes(t):
+    return t.element_size() * math.prod(n for n, stride in zip(t.shape, t.stride()) if stride)
 
 
 def moe_bytes(size, device, rounds, tokens=16384):

@@ -90,7 +90,7 @@ class MoEKernel:
         y = moe_experts(x[token_of], counts, *self.w_gate_up.unbind(1), self.w_down)
         if weight_of is not None:
             y = y * weight_of.unsqueeze(1).to(y.dtype)
-        return x.new_zeros(x.shape).index_add_(0, token_of, y)
+        return x.new_zeros(x.shape).scatter_add_(0, token_of.unsqueeze(1).expand_as(y), y)  # as run_experts
 
 
 class BoundaryOperatorKernel:
