@@ -76,7 +76,7 @@ def test_a_training_run_imports_at_most_10_project_modules(tmp_path, data_dir):
               f"'--batch_size=2', '--eval_tokens=256', '--out_dir={tmp_path}', '--data_dir={data_dir}']\n"
               "try:\n    runpy.run_path('train.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
               f"files = {{getattr(m, '__file__', None) or '' for m in list(sys.modules.values())}}\n"
-              f"print(sorted(f for f in files if f.startswith({REPO!r}) and '/tests/' not in f))")
+              f"print(sorted(f for f in files if f.startswith({REPO + os.sep!r}) and '/tests/' not in f))")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     modules = eval(result.stdout.strip().splitlines()[-1])
