@@ -214,8 +214,9 @@ def run_experts(x, token_of, counts, w_gate_up, w_down, row_weights=None):
     h = F.silu(gate) * up
     if row_weights is not None:
         h = h * row_weights.unsqueeze(1).to(h.dtype)
-    y = grouped_mm(h, down, offs)[:, :n_embd]  # scatter_add_ as torchtitan: index_add_'s backward would keep
-    rows_of = token_of.unsqueeze(1).expand_as(y)  # y, the layer's largest activation, only to read its shape
+    y = grouped_mm(h, down, offs)[:, :n_embd]
+    # scatter_add_, as torchtitan: index_add_'s backward would keep y, the largest activation, for its shape
+    rows_of = token_of.unsqueeze(1).expand_as(y)
     return x.new_zeros(x.shape, dtype=dtype).scatter_add_(0, rows_of, y).to(x.dtype)
 
 
