@@ -1,9 +1,9 @@
 """
 The bench: one JSON line per measurement, each ratio beside its two times (machine-dependent numbers).
 
-    python bench/bench.py                          # the CPU stages below (~2 min, one thread)
+    python bench/bench.py                          # the CPU stages below (~2.5 min, one thread)
     python bench/bench.py moe kernels --rounds 9   # some stages
-    python bench/bench.py --dry-run                # toy sizes, seconds (the tests run it)
+    python bench/bench.py --dry-run                # toy sizes, one round (tests/test_bench.py)
     python3 bench/bench.py --gpu                   # CUDA, bf16 autocast, larger sizes (bench/gpu_check.sh)
 
 Stages (both sides of a ratio run in turn in the same rounds, so they see the same machine load; medians):
@@ -14,11 +14,13 @@ Stages (both sides of a ratio run in turn in the same rounds, so they see the sa
               SwiGLU of equal active FLOPs (hidden = top_k x expert_hidden): ratio = moe / dense.
   moe_bytes   the bytes one MoE layer's forward + backward moves per token at the [S] 200M twin's widths
               (bf16 autocast, bf16 weights, 16k tokens; shapes only), and its grouped GEMMs' FLOP/byte.
+  moe_bytes_compiled  the same layer compiled by Inductor: the bytes its kernels move, by its own count.
   kernels     each Triton kernel vs its PyTorch twin, forward + backward: on CUDA their times (speedup =
               twin / kernel); on a CPU the interpreter's largest difference only (its speed says nothing).
 """
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -42,6 +44,7 @@ SIZES = {  # the efficiency stage's model and batch, the MoE stage's tokens, the
     "dry": dict(batch=2, block_size=32, n_embd=64, n_layer=2, vocab_size=256, moe_tokens=256, rows=32,
                 experts=4, mm=256),
 }
+S95_MOE = dict(n_embd=1056, n_head=12, head_dim=88, n_expert=288, top_k=8, expert_hidden=352)  # [S] 200M twin
 LAYOUTS = {"plain": {}, "smelt_r2": dict(layout="smelt", n_passes=2),
            "layer_loop_r2": dict(layout="layer_loop", n_passes=2), "pcc_k2": dict(layout="pcc", n_passes=2),
            "pcc_untied_k2": dict(layout="pcc_untied", n_passes=2), "moe_8e_top2": dict(n_expert=8, top_k=2),
@@ -169,12 +172,11 @@ def distinct_bytes(t):
 
 
 def moe_bytes(size, device, rounds, tokens=16384):
-    """One MoE layer's forward + backward at the [S] 200M twin's widths (config/smelt_200m_s95.py) on
-    `tokens` tokens, under bf16 autocast with bf16 weights (what FSDP2 gathers): the bytes its ops move per
-    token and the grouped GEMMs' FLOPs per byte. Shapes only (FakeTensorMode): the count is the CUDA path's,
-    made in seconds on any machine."""
+    """One MoE layer's forward + backward at the [S] 200M twin's widths (config/smelt_200m_s95.py) on `tokens`
+    tokens, bf16 autocast, bf16 weights (what FSDP2 gathers): the bytes its ops move per token and its grouped
+    GEMMs' FLOP per byte. Shapes only (FakeTensorMode): the CUDA path's count, in seconds on any machine."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    cfg = ModelConfig(n_embd=1056, n_head=12, head_dim=88, n_expert=288, top_k=8, expert_hidden=352)
+    cfg = ModelConfig(**S95_MOE)
     with FakeTensorMode():
         torch.set_default_dtype(torch.bfloat16)
         moe = MoE(cfg)
@@ -189,9 +191,28 @@ def moe_bytes(size, device, rounds, tokens=16384):
     flops = 3 * 3 * 2 * cfg.top_k * cfg.n_embd * cfg.expert_hidden  # 3 GEMMs, forward + 2 in the backward
     top = sorted(counter.by_op.items(), key=lambda kv: -kv[1])[:4]
     emit(stage="moe_bytes", mb_per_token=round(moved / 1e6, 3), gemm_flop_per_byte=round(flops / moved, 1),
-         gemm_mflop_per_token=round(flops / 1e6, 1), tokens=tokens, n_embd=cfg.n_embd,
-         n_expert=cfg.n_expert, top_k=cfg.top_k, expert_hidden=cfg.expert_hidden,
+         gemm_mflop_per_token=round(flops / 1e6, 1), tokens=tokens, **S95_MOE,
          top_ops_kb_per_token={name: round(b / tokens / 1e3, 1) for name, b in top})
+
+
+def moe_bytes_compiled(size, device, rounds, tokens=16384, counted_at=(64, 128)):
+    """The same layer compiled by Inductor (SwiGLU one kernel each way, recomputed in the backward): the bytes
+    its kernels read and write per token by its own count (each kernel's buffers, kept while its log is on).
+    Real tensors (with --gpu, CUDA's kernels), so two small batches: the weights move once per call, the
+    rest per token; the line through the two gives 16k tokens (the counts at 1,000 and 8,192 fall on it)."""
+    from torch._inductor import metrics
+    logging.getLogger("torch._inductor.compile_fx.__inductor_metrics").setLevel(logging.INFO)  # silent
+    moe, counts = MoE(ModelConfig(**S95_MOE)).to(device, torch.bfloat16), []  # no shape depends on values
+    for n in counted_at:
+        torch._dynamo.reset()
+        metrics.reset()
+        x = torch.randn(n, S95_MOE["n_embd"], device=device, requires_grad=True)
+        with torch.autocast(device, dtype=torch.bfloat16):  # outside the compiled region, as train.py does
+            out = torch.compile(moe, fullgraph=True, dynamic=False)(x)[0]
+        out.backward(torch.randn_like(x))
+        counts.append(metrics.num_bytes_accessed)
+    moved = counts[0] + (counts[1] - counts[0]) / (counted_at[1] - counted_at[0]) * (tokens - counted_at[0])
+    emit(stage="moe_bytes_compiled", mb_per_token=round(moved / tokens / 1e6, 3), tokens=tokens, **S95_MOE)
 
 
 def kernel_cases(size, device):
@@ -439,9 +460,10 @@ def sharded_s95(size, device, rounds):
         dist.destroy_process_group()
 
 
-STAGES = {"efficiency": efficiency, "moe": moe_vs_dense, "moe_bytes": moe_bytes, "kernels": kernel_vs_twin,
-          "ceilings": ceilings, "shapes": shapes, "profile_d8": profile_d8, "s95_sharded": sharded_s95}
-DEFAULT_STAGES = ("efficiency", "moe", "moe_bytes", "kernels")  # the others at their real sizes need a GPU
+STAGES = {"efficiency": efficiency, "moe": moe_vs_dense, "moe_bytes": moe_bytes,
+          "moe_bytes_compiled": moe_bytes_compiled, "kernels": kernel_vs_twin, "ceilings": ceilings,
+          "shapes": shapes, "profile_d8": profile_d8, "s95_sharded": sharded_s95}
+DEFAULT_STAGES = ("efficiency", "moe", "moe_bytes", "moe_bytes_compiled", "kernels")  # the others need a GPU
 
 
 def main(argv=None):
