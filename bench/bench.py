@@ -198,7 +198,7 @@ def moe_bytes(size, device, rounds, tokens=16384):
 def moe_bytes_compiled(size, device, rounds, tokens=16384, counted_at=(64, 128)):
     """The same layer compiled by Inductor (SwiGLU one kernel each way, recomputed in the backward): the bytes
     its kernels read and write per token by its own count (each kernel's buffers, kept while its log is on).
-    Real tensors (with --gpu, CUDA's kernels), so two small batches: the weights move once per call, the
+    Real tensors (with --gpu, CUDA's kernels), so two small batches: the weights' bytes are per call, the
     rest per token; the line through the two gives 16k tokens (the counts at 1,000 and 8,192 fall on it)."""
     from torch._inductor import metrics
     logging.getLogger("torch._inductor.compile_fx.__inductor_metrics").setLevel(logging.INFO)  # silent
