@@ -377,7 +377,7 @@ def activation_bytes(cfg, micro_batch, mixed_precision=True, checkpointing=False
                   + the head: norm(H) + a H + l + i, l = f V (the fp32 logits the loss keeps), or a V past
                   CE_CHUNK logits (model.cross_entropy keeps the logits; a chunk's fp32 copy is recomputed)
       logits_grad = 2 f V [+ a V: its cast], or past CE_CHUNK a V (the chunks' gradients) + 3 f CE_CHUNK
-                  (one chunk's fp32 recompute) in all (cross-entropy's backward)
+                  (one chunk's fp32 recompute) in all (eager cross-entropy's backward; compiled, less)
     Checkpointing keeps only each executed block's input (f H) and recomputes one block at a time."""
     a, f, i = (2 if mixed_precision else 4), 4, 8
     H, V, E, k = cfg.n_embd, cfg.vocab_size, cfg.n_expert, cfg.top_k

@@ -5,21 +5,20 @@
 #   bash bench/gpu_check.sh --dry-run   # this CPU, toy sizes, bench.py's stages in one process (tests)
 #
 # Each stage runs under its cap (seconds; all within DEADLINE) with its output in a log; a failed or stopped
-# (rc 124) stage does not stop the next. summary.jsonl: the JSON lines the stages print (bench.py's
-# measurements), then {"stage", "rc", "seconds"} per stage; the same lines go to stdout. Two files in all.
+# stage (rc 124: SIGABRT, so Python's faulthandler logs each thread's stack) does not stop the next.
+# summary.jsonl: the JSON lines the stages print (bench.py's measurements), then {"stage", "rc", "seconds"}
+# per stage; the same lines go to stdout. Two files in all. Its first run: docs/efficiency.md.
 #   env       versions, the GPU, and the APIs this code uses that are newer than some torch (found or not)  20
 #   shapes    bench.py: the matmul and copy ceilings; MoE layer vs grouped GEMMs vs dense, FlexAttention
 #             at head size 88 vs 128 vs SDPA, the loss eager vs chunked vs compiled (s95 / d8 shapes);
-#             the MoE layer's bytes per token                                                          90
-#   tests     tests/test_cuda.py                                                                       60
+#             the MoE layer's bytes per token                                                          85
+#   tests     tests/test_cuda.py                                                                       70
 #   profile   bench.py profile_d8: [X] d8 Loop-2 stepped eager then compiled (tokens/s, MFU, peak memory
-#             vs the planner, host syncs, graphs and breaks; TORCH_LOGS in the log), top 30 kernels     150
+#             vs the planner, host syncs, graphs and breaks; TORCH_LOGS in the log), top 30 kernels     135
 #   s95       bench.py s95_sharded: the [S] 200M twin built sharded on the GPU, forward + backward and
 #             the optimizer timed apart, peak memory vs the planner                                      60
-#   train     train.py itself, config/x_d8_loop2.py on the embedded corpus (GPT-2 tokens), compiled        90
-# Not checked here (no CUDA on the machine that wrote this): whether torch 2.11 has F.grouped_mm (model.py
-# falls back to torch._grouped_mm), distribute_tensor's src_data_rank and dist.gather's group_dst; env
-# prints what it finds.
+#   train     train.py itself, config/x_d8_loop2.py on the embedded corpus (GPT-2 tokens), eager           50
+# The lent H200's torch 2.11 has the newer APIs env looks for (F.grouped_mm, src_data_rank, group_dst).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
@@ -27,7 +26,7 @@ LOGS=$(mktemp -d)
 DRY=${1:-}
 mkdir -p "$OUT"
 : > "$OUT/summary.jsonl"
-export TRITON_DEFAULT_FP_FUSION=1 PYTHONUNBUFFERED=1
+export TRITON_DEFAULT_FP_FUSION=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 
 DEADLINE=420  # seconds for the whole run: a stage gets at most what is left of it
 stage() {  # stage NAME CAP COMMAND...
@@ -35,7 +34,7 @@ stage() {  # stage NAME CAP COMMAND...
     shift 2
     [ $((DEADLINE - SECONDS)) -lt "$cap" ] && cap=$((DEADLINE - SECONDS))
     [ "$cap" -lt 1 ] && cap=1
-    timeout "$cap" "$@" > "$LOGS/$name.txt" 2>&1
+    timeout -s ABRT "$cap" "$@" > "$LOGS/$name.txt" 2>&1
     rc=$?
     grep '^{' "$LOGS/$name.txt" | tee -a "$OUT/summary.jsonl"
     echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" | tee -a "$OUT/summary.jsonl"
@@ -54,13 +53,13 @@ if [ "$DRY" = "--dry-run" ]; then  # (train.py's settings below are checked by t
     stage bench 180 python3 bench/bench.py --dry-run ceilings shapes profile_d8 s95_sharded
     stage tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 else
-    stage shapes 90 python3 bench/bench.py --gpu ceilings shapes moe_bytes
-    stage tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
-    TORCH_LOGS=graph_breaks,recompiles stage profile 150 python3 bench/bench.py --gpu ceilings profile_d8
+    stage shapes 85 python3 bench/bench.py --gpu ceilings shapes moe_bytes
+    stage tests 70 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+    TORCH_LOGS=graph_breaks,recompiles stage profile 135 python3 bench/bench.py --gpu ceilings profile_d8
     stage s95 60 python3 bench/bench.py --gpu s95_sharded
     python3 data/prepare.py data/corpus/shakespeare.jsonl --tokenizer gpt2 --out "$LOGS/shakespeare_gpt2" \
         > "$LOGS/prepare.txt" 2>&1
-    stage train 90 python3 train.py config/x_d8_loop2.py --data_dir="$LOGS/shakespeare_gpt2" --compile=True \
+    stage train 50 python3 train.py config/x_d8_loop2.py --data_dir="$LOGS/shakespeare_gpt2" \
         --global_batch=16 --max_steps=12 --eval_interval=12 --eval_tokens=65536 --out_dir="$LOGS/train"
 fi
 find "$LOGS" -name '*.pt' -delete  # checkpoints stay behind: the logs travel

@@ -109,4 +109,4 @@ def test_gpu_check_runs_train_py_with_its_own_settings():
     """The GPU-only stages' train.py command lines use settings train.py has (its --help lists them)."""
     import train
     keys = re.findall(r"--(\w+)=", open(os.path.join(REPO, "bench", "gpu_check.sh")).read())
-    assert {"max_steps", "compile", "data_dir", "out_dir"} <= set(keys) <= set(train.DEFAULTS)
+    assert {"max_steps", "data_dir", "out_dir"} <= set(keys) <= set(train.DEFAULTS)

@@ -587,3 +587,20 @@ def test_the_chunked_cross_entropy_equals_the_whole_one(monkeypatch):
     torch.testing.assert_close(grad_chunked, grad_whole, rtol=1e-5, atol=1e-8)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 logits: each chunk's loss in fp32
         assert model_module.cross_entropy(logits.bfloat16(), targets).dtype == torch.float32
+
+
+def test_the_compiled_cross_entropy_is_one_loss_over_every_chunk(monkeypatch):
+    """Compiled, the loss is one cross-entropy however many chunks the eager one takes (Inductor fuses the
+    fp32 cast into it, and compiles 98 checkpointed chunks ~20x slower than one): Dynamo's graph holds one
+    cross_entropy and no checkpoint, and the loss equals the eager chunked one."""
+    monkeypatch.setattr(model_module, "CE_CHUNK", 50 * 8)  # eager: 14 chunks
+    logits, targets = torch.randn(3, 37, 50), torch.randint(0, 50, (3, 37))
+    targets[0, :5] = -1
+    graphs = []
+    compiled = torch.compile(model_module.cross_entropy, fullgraph=True,
+                             backend=lambda gm, inputs: graphs.append(gm) or gm)
+    loss = compiled(logits, targets)
+    calls = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert len(graphs) == 1 and calls.count(F.cross_entropy) == 1, calls
+    assert not any("checkpoint" in str(target) for target in calls), calls
+    torch.testing.assert_close(loss, model_module.cross_entropy(logits, targets), rtol=1e-6, atol=0)
