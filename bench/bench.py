@@ -369,10 +369,10 @@ def training_steps(model, config, device, batch, steps):
 
 
 def profile_d8(size, device, rounds):
-    """[X] d8 Loop-2 (config/x_d8_loop2.py, vocabulary 50,304, its micro-batch of 16 x 2048) stepped as
-    train.py steps it, eager then compiled: seconds per step, tokens/s, MFU (against this run's matmul),
-    peak memory against the planner's, host syncs in a step (torch.cuda.set_sync_debug_mode), dynamo's
-    graphs and graph breaks, and a torch.profiler trace of 2 steps: the 30 kernels with the most time."""
+    """[X] d8 Loop-2 (config/x_d8_loop2.py, vocabulary 50,304, micro-batch 16 x 2048) stepped as train.py
+    steps it, eager then compiled: the first 2 steps' seconds (the compile), seconds per step, tokens/s, MFU
+    (of this run's matmul), peak memory vs the planner's, host syncs (torch.cuda.set_sync_debug_mode),
+    dynamo's graphs and breaks, and a torch.profiler trace of 2 steps: the 30 kernels with the most time."""
     import warnings
     import torch._dynamo.utils
     from torch.profiler import ProfilerActivity, profile
@@ -387,7 +387,7 @@ def profile_d8(size, device, rounds):
         torch.manual_seed(0)
         model = GPT(cfg).to(device)
         run = training_steps(model, config, device, config.batch_size, 1)
-        run(2)  # warm-up (and the compile)
+        warmup = seconds(lambda: run(2), device)  # two steps, and the compile
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.set_sync_debug_mode("warn")
@@ -405,7 +405,7 @@ def profile_d8(size, device, rounds):
              mfu=round(flops / step / 1e12 / CEILING["tflops"], 3) if CEILING else None,
              peak_gb=peak and round(peak, 2), planned_gb=round(planned, 2), host_syncs=syncs,
              graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
-             tokens_per_step=tokens)
+             tokens_per_step=tokens, warmup_s=round(warmup, 1))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with profile(activities=activities) as prof:
             run(2)
