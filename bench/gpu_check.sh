@@ -27,6 +27,7 @@ DRY=${1:-}
 mkdir -p "$OUT"
 : > "$OUT/summary.jsonl"
 export TRITON_DEFAULT_FP_FUSION=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+ulimit -c 0  # a stage stopped by SIGABRT leaves no core file (a GPU process's would be tens of GB)
 
 DEADLINE=420  # seconds for the whole run: a stage gets at most what is left of it
 stage() {  # stage NAME CAP COMMAND...
