@@ -263,7 +263,7 @@ def cross_entropy(logits, targets):
     one loss, the cast fused into its reductions (Inductor compiles 98 chunks ~20x slower than one)."""
     logits, targets = logits.flatten(0, -2), targets.reshape(-1)
     rows = max(1, CE_CHUNK // logits.size(1))
-    if logits.size(0) <= rows or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or logits.size(0) <= rows:
         return F.cross_entropy(logits.float(), targets, ignore_index=-1)
     chunk = lambda x, t: F.cross_entropy(x.float(), t, ignore_index=-1, reduction="sum")  # noqa: E731
     total = sum(checkpoint(chunk, x, t, use_reentrant=False)
