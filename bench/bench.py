@@ -262,8 +262,8 @@ def kernel_vs_twin(size, device, rounds):
 # What a first GPU run must return (bench/gpu_check.sh): the machine's ceilings, the real shapes, a profile
 
 GPU_SHAPES = {  # the [S] 200M twin's MoE layer and attention (config/smelt_200m_s95.py), the [X] d8 loss
-    "cuda": dict(tokens=16384, n_embd=1056, n_expert=288, expert_hidden=352, seq=4096, heads=12, kv_heads=2,
-                 loss_tokens=32768, vocab=50304, copy_mb=1024),
+    "cuda": dict(S95_MOE, tokens=16384, seq=4096, heads=12, kv_heads=2, loss_tokens=32768, vocab=50304,
+                 copy_mb=1024),
     "dry": dict(tokens=256, n_embd=64, n_expert=8, expert_hidden=16, seq=64, heads=4, kv_heads=2,
                 loss_tokens=512, vocab=256, copy_mb=4),
 }
