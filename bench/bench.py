@@ -348,8 +348,8 @@ def run_config(path, dry, **dry_shape):
                                               if k not in train.MODEL_SETTINGS})
 
 
-def training_steps(model, config, device, batch, steps):
-    """A function running `steps` training steps (forward, backward, every optimizer) as train.py does."""
+def training_steps(model, config, device, batch):
+    """(forward_backward, optimizer_step): a micro-batch and every optimizer's step, as train.py runs them."""
     import train
     optimizers = train.build_optimizers(model, config, device == "cuda")
     x = torch.randint(0, model.config.vocab_size - 1, (batch, model.config.block_size), device=device)
@@ -357,43 +357,50 @@ def training_steps(model, config, device, batch, steps):
     step_model = torch.compile(model, backend="inductor" if device == "cuda" else "aot_eager") \
         if config.compile else model
 
-    def run(n=steps):
-        for _ in range(n):
-            with autocast(device):
-                loss = step_model(x, x)[1]
-            loss.backward()
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    return run
+    def forward_backward():
+        with autocast(device):
+            loss = step_model(x, x)[1]
+        loss.backward()
+
+    def optimizer_step():
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return forward_backward, optimizer_step
 
 
 def profile_d8(size, device, rounds):
     """[X] d8 Loop-2 (config/x_d8_loop2.py, vocabulary 50,304, micro-batch 16 x 2048) stepped as train.py
-    steps it, eager then compiled: the first 2 steps' seconds (the compile), seconds per step, tokens/s, MFU
-    (of this run's matmul), peak memory vs the planner's, host syncs (torch.cuda.set_sync_debug_mode),
-    dynamo's graphs and breaks, and a torch.profiler trace of 2 steps: the 30 kernels with the most time."""
+    steps it on one GPU, eager then compiled: the first 2 micro-batches' seconds (the compile), a micro-batch
+    and the optimizer step timed apart, so a step of 16 micro-batches and one optimizer step: its seconds,
+    tokens/s and MFU (of this run's matmul); peak memory vs the planner's, host syncs
+    (torch.cuda.set_sync_debug_mode), dynamo's graphs and breaks, and a torch.profiler trace of 2
+    micro-batches, each with an optimizer step: the 30 kernels with the most time."""
     import warnings
     import torch._dynamo.utils
     from torch.profiler import ProfilerActivity, profile
     dry = size is SIZES["dry"]
     cfg, config = run_config("config/x_d8_loop2.py", dry, n_layer=3, n_embd=32, n_head=2, block_size=64,
                              batch_size=2)
-    tokens = config.batch_size * cfg.block_size
+    accum = config.global_batch // config.batch_size  # train.py's micro-batches per step on one GPU
+    tokens = config.global_batch * cfg.block_size
     for compiled in (False, True):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         config.compile = compiled
         torch.manual_seed(0)
         model = GPT(cfg).to(device)
-        run = training_steps(model, config, device, config.batch_size, 1)
-        warmup = seconds(lambda: run(2), device)  # two steps, and the compile
+        forward_backward, optimizer_step = training_steps(model, config, device, config.batch_size)
+        run = lambda: [(forward_backward(), optimizer_step()) for _ in range(2)]  # noqa: E731
+        warmup = seconds(run, device)  # and the compile
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            step = interleaved({"step": run}, rounds, device, "d8")["step"]
+            median = interleaved({"micro_batch": forward_backward, "optimizer": optimizer_step}, rounds,
+                                 device, "d8")
+        step = accum * median["micro_batch"] + median["optimizer"]
         if device == "cuda":
             torch.cuda.set_sync_debug_mode(0)
         syncs = sum("synchroniz" in str(w.message) for w in caught)
@@ -401,18 +408,20 @@ def profile_d8(size, device, rounds):
         planned = match.memory_plan(cfg, 1, config.batch_size, config.optimizer)["ddp"]["total_gb"]
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
         counters = torch._dynamo.utils.counters
-        emit(stage="profile_d8", compiled=compiled, step_s=round(step, 4), tokens_per_s=round(tokens / step),
+        emit(stage="profile_d8", compiled=compiled, step_s=round(step, 3), tokens_per_s=round(tokens / step),
+             micro_batch_s=round(median["micro_batch"], 4), optimizer_s=round(median["optimizer"], 4),
              mfu=round(flops / step / 1e12 / CEILING["tflops"], 3) if CEILING else None,
              peak_gb=peak and round(peak, 2), planned_gb=round(planned, 2), host_syncs=syncs,
              graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
-             tokens_per_step=tokens, warmup_s=round(warmup, 1))
+             micro_batches=accum, tokens_per_step=tokens, warmup_s=round(warmup, 1))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with profile(activities=activities) as prof:
-            run(2)
+            run()
         attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
         top = sorted(prof.key_averages(), key=lambda e: -getattr(e, attr, 0))[:30]
         emit(stage="profile_d8_kernels", compiled=compiled,
-             top_ms_per_step=[[e.key[:90], round(getattr(e, attr, 0) / 2e3, 3)] for e in top])
+             top_ms_per_micro_batch_with_optimizer=[[e.key[:90], round(getattr(e, attr, 0) / 2e3, 3)]
+                                                    for e in top])
 
 
 def sharded_s95(size, device, rounds):
@@ -432,18 +441,7 @@ def sharded_s95(size, device, rounds):
         torch.manual_seed(0)
         model = train.build_model(cfg, config, device == "cuda", torch.device(device), True)
         built = time.perf_counter() - t0
-        optimizers = train.build_optimizers(model, config, device == "cuda")
-        x = torch.randint(0, cfg.vocab_size - 1, (config.batch_size, cfg.block_size), device=device)
-
-        def forward_backward():
-            with autocast(device):
-                loss = model(x, x)[1]
-            loss.backward()
-
-        def optimizer_step():
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+        forward_backward, optimizer_step = training_steps(model, config, device, config.batch_size)
         forward_backward()
         optimizer_step()  # the optimizer state exists from here on
         if device == "cuda":
@@ -455,7 +453,7 @@ def sharded_s95(size, device, rounds):
              forward_backward_s=round(median["forward_backward"], 4),
              optimizer_s=round(median["optimizer"], 4), params=sum(p.numel() for p in model.parameters()),
              peak_gb=round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if device == "cuda" else None,
-             planned_gb=round(planned, 2), tokens=x.numel())
+             planned_gb=round(planned, 2), tokens=config.batch_size * cfg.block_size)
     finally:
         dist.destroy_process_group()
 
