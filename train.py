@@ -395,10 +395,11 @@ def train(overrides=None):
         torch.cuda.set_device(device)
     else:
         keep_freed_memory()
+    backend = "cpu:gloo,cuda:nccl" if bf16 else "gloo"  # gloo lacks gather and all-gather of CUDA tensors
     if not dist.is_initialized() and world > 1:
-        dist.init_process_group("cpu:gloo,cuda:nccl" if bf16 else "gloo")
+        dist.init_process_group(backend)
     elif not dist.is_initialized() and sharded:  # FSDP2 in one process: a one-rank group, kept
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     if not config.global_batch:  # kept in the settings: a resume on any number of processes steps alike
         config.global_batch = settings["global_batch"] = config.batch_size * world

@@ -434,7 +434,7 @@ def sharded_s95(size, device, rounds):
     cfg, config = run_config("config/smelt_200m_s95.py", dry, n_embd=64, n_head=2, head_dim=32, n_kv_head=1,
                              n_expert=8, expert_hidden=16, block_size=128, batch_size=1)
     config.parallel = "fsdp"
-    dist.init_process_group("cuda:nccl,cpu:gloo" if device == "cuda" else "gloo", store=dist.HashStore(),
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", store=dist.HashStore(),
                             rank=0, world_size=1)
     try:
         t0 = seconds(lambda: None, device) and time.perf_counter()

@@ -17,7 +17,8 @@
 #             vs the planner, host syncs, graphs and breaks; TORCH_LOGS in the log), top 30 kernels     135
 #   s95       bench.py s95_sharded: the [S] 200M twin built sharded on the GPU, forward + backward and
 #             the optimizer timed apart, peak memory vs the planner                                      60
-#   train     train.py itself, config/x_d8_loop2.py on the embedded corpus (GPT-2 tokens), eager           50
+#   train     train.py itself, config/x_d8_loop2.py on the embedded corpus (GPT-2 tokens), eager, FSDP2
+#             in one process (its one-rank group, Muon's gathers, a ckpt.dcp saved)                      50
 # The lent H200's torch 2.11 has the newer APIs env looks for (F.grouped_mm, src_data_rank, group_dst).
 set -u
 cd "$(dirname "$0")/.."
@@ -53,17 +54,18 @@ print(json.dumps(dict(python=sys.version.split()[0], torch=torch.__version__, tr
 if [ "$DRY" = "--dry-run" ]; then  # (train.py's settings below are checked by tests/test_bench.py)
     stage bench 180 python3 bench/bench.py --dry-run ceilings shapes profile_d8 s95_sharded
     stage tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
-else
+else  # (one-process groups' gloo on loopback: an offline machine may not resolve its own hostname)
+    export GLOO_SOCKET_IFNAME=lo
     stage shapes 85 python3 bench/bench.py --gpu ceilings shapes moe_bytes
     stage tests 70 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
     TORCH_LOGS=graph_breaks,recompiles stage profile 135 python3 bench/bench.py --gpu ceilings profile_d8
-    # (its one-process group: gloo on loopback, as an offline machine may not resolve its own hostname)
-    GLOO_SOCKET_IFNAME=lo stage s95 60 python3 bench/bench.py --gpu s95_sharded
+    stage s95 60 python3 bench/bench.py --gpu s95_sharded
     python3 data/prepare.py data/corpus/shakespeare.jsonl --tokenizer gpt2 --out "$LOGS/shakespeare_gpt2" \
         > "$LOGS/prepare.txt" 2>&1
     stage train 50 python3 train.py config/x_d8_loop2.py --data_dir="$LOGS/shakespeare_gpt2" \
-        --global_batch=16 --max_steps=12 --eval_interval=12 --eval_tokens=65536 --out_dir="$LOGS/train"
+        --global_batch=16 --max_steps=12 --eval_interval=12 --eval_tokens=65536 --out_dir="$LOGS/train" \
+        --parallel=fsdp
 fi
-find "$LOGS" -name '*.pt' -delete  # checkpoints stay behind: the logs travel
+find "$LOGS" -name 'ckpt*' -prune -exec rm -rf {} +  # checkpoints (.pt, .dcp) stay behind: the logs travel
 rm -rf "$LOGS/shakespeare_gpt2"
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . && rm -rf "$LOGS"
