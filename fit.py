@@ -53,6 +53,9 @@ def read_runs(path, numbers=(), text=(), rename=None):
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         reader.fieldnames = [(rename or {}).get(n.strip(), n.strip()) for n in reader.fieldnames or []]
+        twice = [n for n in dict.fromkeys(reader.fieldnames) if reader.fieldnames.count(n) > 1]
+        if twice:  # csv.DictReader would keep the last of the two columns
+            raise ValueError(f"{path}: column {twice[0]!r} appears more than once in its header")
         missing = [c for c in (*numbers, *text) if c not in reader.fieldnames]
         if missing:
             raise ValueError(f"{path}: no column {', '.join(missing)} in its header {reader.fieldnames}")

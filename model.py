@@ -506,16 +506,23 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg = config
         self.eot_token = int(cfg.eot_token)  # a plain int for forward (see Derived)
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.embed_norm = RMSNorm(cfg.n_embd, cfg.norm_gain) if cfg.embed_norm else None
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_blocks))
-        self.boundary = BoundaryOperator(cfg)  # [X3]
-        self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_gain)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
+        # Built on the meta device, then drawn by reset_parameters alone on the default device: nn.Linear's
+        # own init would spend random numbers that a meta-built, sharded model (train.py's FSDP2) never
+        # spends. So one seed gives one set of weights whatever the parallelism.
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+            self.embed_norm = RMSNorm(cfg.n_embd, cfg.norm_gain) if cfg.embed_norm else None
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_blocks))
+            self.boundary = BoundaryOperator(cfg)  # [X3]
+            self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_gain)
+            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+            self.register_buffer("rope_cos", torch.empty(cfg.block_size, cfg.head_dim // 2), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(cfg.block_size, cfg.head_dim // 2), persistent=False)
+        if device.type != "meta":
+            self.to_empty(device=device)
+        if cfg.tie_embeddings:  # after to_empty, which would untie them
             self.lm_head.weight = self.wte.weight
-        self.register_buffer("rope_cos", torch.empty(cfg.block_size, cfg.head_dim // 2), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(cfg.block_size, cfg.head_dim // 2), persistent=False)
         self.plan = execution_plan(cfg)
         self.activation_checkpointing = False  # recompute each executed block in the backward
         self.reset_parameters()
@@ -528,23 +535,13 @@ class GPT(nn.Module):
         cos, sin = rope_tables(self.config.head_dim, self.config.block_size)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        for name, p in self.init_order():
+        for name, p in self.named_parameters():
             if hasattr(p, "device_mesh"):  # a DTensor
                 from torch.distributed.tensor import distribute_tensor
                 whole = self.init_parameter(name, torch.empty(p.shape, dtype=p.dtype, device=p.device))
                 p.copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))
             else:
                 self.init_parameter(name, p)
-
-    def init_order(self):
-        """(name, parameter) in the order of their draws: named_parameters', but with the x init each MoE's
-        router before its experts (the order every run so far started from)."""
-        params = list(self.named_parameters())
-        group = {}  # an FFN's parameters keep the place of its first one
-        for i, (name, _) in enumerate(params):
-            group.setdefault(name.rsplit(".ffn.", 1)[0], i)
-        first = lambda name: ".router." not in name if self.config.init == "x" else 0  # noqa: E731
-        return sorted(params, key=lambda item: (group[item[0].rsplit(".ffn.", 1)[0]], first(item[0])))
 
     def init_parameter(self, name, w):
         """Draw parameter `name` into w in place (and return it)."""

@@ -60,14 +60,17 @@ def _colours(names):
 def plot_log(log, path, x="tokens", title=None):
     """A run's train and validation loss (read_log's records) vs tokens or training FLOPs; the validation
     loss per source dashed."""
+    # the points first: a log that is not train.py's fails here, before matplotlib is imported
+    losses = {key: [(r[x], r[key]) for r in log if r.get(key) is not None] or [(np.nan, np.nan)]
+              for key in ("train_loss", "val_loss")}  # train_loss is null at step 0
+    sources = dict.fromkeys(s for r in log for s in r.get("val_loss_by_source") or {})
+    by_source = {s: [(r[x], r["val_loss_by_source"][s]) for r in log
+                     if (r.get("val_loss_by_source") or {}).get(s) is not None] for s in sources}
+
     def draw(fig, ax):
-        for key, fmt in (("train_loss", "-"), ("val_loss", "o-")):  # train_loss is null at step 0
-            pts = [(r[x], r[key]) for r in log if r.get(key) is not None] or [(np.nan, np.nan)]
-            ax.plot(*zip(*pts), fmt, ms=3, label=key.replace("_", " "))
-        sources = dict.fromkeys(s for r in log for s in r.get("val_loss_by_source") or {})
-        for k, s in enumerate(sources):
-            pts = [(r[x], r["val_loss_by_source"][s]) for r in log
-                   if (r.get("val_loss_by_source") or {}).get(s) is not None]
+        for key, fmt in (("train_loss", "-"), ("val_loss", "o-")):
+            ax.plot(*zip(*losses[key]), fmt, ms=3, label=key.replace("_", " "))
+        for k, (s, pts) in enumerate(by_source.items()):
             ax.plot(*zip(*pts), "--", lw=1, color=f"C{(k + 2) % 10}", label=f"val loss on {s}")
         ax.set(xlabel="tokens trained" if x == "tokens" else "training FLOPs", ylabel="loss (nats/token)",
                title=title or "loss curves")
@@ -142,24 +145,7 @@ def plot_power_laws(runs, fits, multipliers, ref, path, title=None, budgets=None
 
 
 # -----------------------------------------------------------------------------
-# [S4]-[S5] frontiers and CE Gain; loss curves; the data-constrained ladders
-
-def plot_ce_gain(budgets, sparsities, gain, path, lo=None, hi=None, title=None):
-    """[S5] CE Gain vs budget, a line per sparsity; gain, lo, hi: (budgets, sparsities) arrays."""
-    order = np.argsort(budgets)
-    C = np.asarray(budgets, dtype=float)[order]
-
-    def draw(fig, ax):
-        ax.axhline(0.0, color="0.5", ls="--", lw=1, label="0 = no difference")
-        for j, S in enumerate(sparsities):
-            if lo is not None:
-                ax.fill_between(C, np.asarray(lo)[order, j], np.asarray(hi)[order, j],
-                                color=f"C{j}", alpha=0.2)
-            ax.plot(C, np.asarray(gain)[order, j], "o-", ms=4, color=f"C{j}", label=f"S = {S:g}")
-        ax.set(xscale="log", xlabel="compute budget C (FLOPs)", ylabel="CE Gain = 1 - C_target / C_ref")
-        ax.set_title(title or "[S5] CE Gain on the compute-optimal frontier", fontsize=9)
-    return _figure(path, draw)
-
+# [S4] frontiers; loss curves; the data-constrained ladders
 
 def plot_surface_frontiers(frontiers, sparsities, path, C_range=(1e18, 1e23), title=None):
     """[S4] L*(C, S) - E = f(S) C^-gamma, a colour per arch, a style per sparsity; frontiers {arch: (gamma,

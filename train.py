@@ -16,11 +16,9 @@ In-process: `train.train({"max_steps": 100})` returns the run's summary.
 """
 
 import contextlib
-import ctypes
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import sys
@@ -78,6 +76,23 @@ class TrainConfig:
     wandb_project: str = "loopstudy"
     wandb_run_name: str = ""  # "" -> out_dir
 
+    def __post_init__(self):
+        # (holds, the setting, why): the first that fails is the error, before the run writes anything
+        parallels = ("ddp", "fsdp", "fsdp_grad_op", "hsdp")
+        positive = ("max_steps", "batch_size", "eval_interval", "eval_tokens")
+        non_negative = ("global_batch", "seed", "matrix_lr", "embedding_lr", "unembedding_lr", "weight_decay",
+                        "warmup_steps", "decay_tokens", "grow_at")
+        rules = [(getattr(self, n) >= 1, n, "must be >= 1") for n in positive] + [
+            (getattr(self, n) >= 0, n, "must be >= 0") for n in non_negative] + [
+            (0 <= self.decay_fraction <= 1, "decay_fraction", "must be in [0, 1]"),
+            (all(s >= 1 for s in self.save_steps), "save_steps", "each must be a step >= 1"),
+            (all(k >= 1 for k in self.n_passes_choices), "n_passes_choices", "each must be >= 1"),
+            (self.optimizer in MATRIX_LR, "optimizer", f"must be one of {', '.join(MATRIX_LR)}"),
+            (self.parallel in parallels, "parallel", f"must be one of {', '.join(parallels)}")]
+        for holds, name, why in rules:
+            if not holds:
+                raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
 
 MODEL_SETTINGS = ("block_size n_layer n_embd n_head n_kv_head head_dim n_expert top_k expert_hidden layout "
                   "n_passes boundary boundary_alpha norms residual_multiplier output_multiplier init "
@@ -95,10 +110,6 @@ X_REWARM = 40 / 2563  # [X] code: the LR re-warms from 0 over 40 steps after gro
 LOG_INTERVAL = 10  # read the losses to the host every so many steps (the bar, the non-finite check)
 
 
-def matrix_lr(optimizer, lr):
-    return lr or MATRIX_LR[optimizer]
-
-
 # --------------------------------------------------------------------------------------------------
 # Optimizers: Muon for the hidden matrices, AdamW for the rest
 
@@ -107,7 +118,7 @@ def param_groups(model, config):
     """Every parameter in one group: (name, optimizer, lr, weight decay, [(name, p)]). AdamW takes the
     embedding and lm head (rows are per-token vectors), norm gains, and the routers (Muon's fixed-norm
     steps would push the routing logits' scale around)."""
-    lr = matrix_lr(config.optimizer, config.matrix_lr)
+    lr = config.matrix_lr or MATRIX_LR[config.optimizer]
     groups = {"matrix": (config.optimizer, lr, config.weight_decay),
               "embedding": ("adamw", config.embedding_lr, config.weight_decay),
               "unembedding": ("adamw", config.unembedding_lr, config.weight_decay),
@@ -188,11 +199,6 @@ def passes_of_step(config, step):
     return int(np.random.default_rng([config.seed, step, 1]).choice(config.n_passes_choices))
 
 
-def flops_per_token(cfg, n_passes=None, avg_doc_len=None):
-    """Training FLOPs per token, every block execution counted (match.py)."""
-    return float(match.flops_per_token(cfg, n_passes=n_passes, avg_doc_len=avg_doc_len))
-
-
 # --------------------------------------------------------------------------------------------------
 # Checkpoints: model + optimizers (torch.distributed.checkpoint's state dicts, keyed by parameter name) +
 # settings + the run's state; written to a temporary name, then renamed
@@ -246,15 +252,6 @@ def load_state(source, model, optimizers):
                        options=options)
 
 
-def keep_freed_memory():
-    """A CPU run: glibc hands blocks of 32 MiB and more back to the kernel when they are freed, and the next
-    step faults them in again page by page (an MoE layer's tokens x top_k x width rows: 15% of the tiny
-    default's time). Keep them, as PyTorch's caching allocator keeps a GPU's; MALLOC_* settings win."""
-    if platform.libc_ver()[0] == "glibc" and not any(k.startswith("MALLOC_") for k in os.environ):
-        mallopt = ctypes.CDLL(None).mallopt
-        mallopt(-3, 1 << 30), mallopt(-1, 2 ** 31 - 1)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
-
-
 def shard(model, config, bf16):
     """FSDP2: every stored block sharded on its own, then the root; bf16 gathered copies on CUDA. HSDP: a
     2-D mesh (nodes, processes per node), shards within a node, gradients all-reduced across nodes: the
@@ -277,17 +274,15 @@ def shard(model, config, bf16):
 
 
 def build_model(model_config, config, bf16, device, sharded):
-    """FSDP2: built on the meta device, sharded, materialised on `device`, then every parameter drawn whole,
-    one at a time, and cut to this rank's shard: no process holds the whole model, and any number of
-    processes starts from the same weights (as torchtitan). DDP keeps a whole copy on every GPU anyway:
-    built on the CPU and moved."""
-    if not sharded:
-        return GPT(model_config).to(device)
-    with torch.device("meta"):
+    """The model drawn on `device`. FSDP2: built on the meta device, sharded, materialised, then every
+    parameter drawn whole, one at a time, and cut to this rank's shard: no process holds the whole model,
+    and the weights are those one process draws (as torchtitan)."""
+    with torch.device("meta" if sharded else device):
         model = GPT(model_config)
-    model = shard(model, config, bf16)
-    model.to_empty(device=device)
-    model.reset_parameters()
+    if sharded:
+        model = shard(model, config, bf16)
+        model.to_empty(device=device)
+        model.reset_parameters()
     return model
 
 
@@ -376,10 +371,6 @@ def train(overrides=None):
     settings, source, source_path, branch = resolve_settings(overrides or {})
     resume = (overrides or {}).get("init_from") == "resume"
     config = TrainConfig(**{k: settings[k] for k in DEFAULTS if k not in MODEL_SETTINGS})
-    parallels = ("ddp", "fsdp", "fsdp_grad_op", "hsdp")
-    if config.optimizer not in MATRIX_LR or config.parallel not in parallels:
-        raise ValueError(f"optimizer={config.optimizer!r} ({', '.join(MATRIX_LR)}) or "
-                         f"parallel={config.parallel!r} ({', '.join(parallels)}) is not one of its values")
     ckpt_path = os.path.join(config.out_dir, "ckpt.dcp" if config.parallel != "ddp" else "ckpt.pt")
     log_path = os.path.join(config.out_dir, "log.jsonl")
     if not resume and os.path.exists(log_path):
@@ -393,8 +384,6 @@ def train(overrides=None):
     sharded, master, bf16 = config.parallel != "ddp", rank == 0, device.type == "cuda"
     if bf16:
         torch.cuda.set_device(device)
-    else:
-        keep_freed_memory()
     backend = "cpu:gloo,cuda:nccl" if bf16 else "gloo"  # gloo lacks gather and all-gather of CUDA tensors
     if not dist.is_initialized() and world > 1:
         dist.init_process_group(backend)
@@ -419,6 +408,9 @@ def train(overrides=None):
     model_config = ModelConfig(**source["model_config"]) if source else ModelConfig(
         vocab_size=vocab_size, eot_token=data.meta["eot_token"], n_logits=n_vocab * (vocab_size > n_vocab),
         **{k: settings[k] for k in MODEL_SETTINGS})
+    if any(k > model_config.most_passes for k in config.n_passes_choices):
+        raise ValueError(f"n_passes_choices={config.n_passes_choices}: each must be in [1, "
+                         f"{model_config.most_passes}], the passes this model runs")
     in_branch = branch or resume and source["state"].get("branch_start") is not None
     stream = data.stream(model_config.block_size, config.seed, branch=in_branch)
     avg_doc_len = min(data.meta["mean_doc_len"], model_config.block_size)  # of the logged attention FLOPs
@@ -474,8 +466,18 @@ def train(overrides=None):
         f"data {data.data_dir}: {len(data.train):,} train tokens ({stream.name} region, {stream.n_windows:,} "
         f"windows), unigram entropy of the train split {data.meta['unigram_entropy']:.3f} nats")
 
+    # a run that diverges stops at once; every checkpoint it saved was checked finite before it was written
+    saved_step = state["step"] if resume else None  # the step ckpt_path holds
+
+    def diverged(what):
+        last = (f"{ckpt_path} (step {saved_step}) is the last checkpoint" if saved_step is not None
+                else "no checkpoint was saved")
+        raise FloatingPointError(f"{what} became non-finite by step {state['step']}: stopped; {last}")
+
     def evaluate_and_log(lr):  # an eval's log line: where the run is, its LR and losses, the eval
         metrics = evaluate(model, data, config.eval_tokens, config.batch_size, autocast)
+        if not math.isfinite(metrics["val_loss"]):
+            diverged("the val loss")
         mean = lambda xs, empty: float(np.mean(xs)) if xs else empty  # noqa: E731
         record = dict(step=state["step"], tokens=state["tokens"], flops=state["flops"],
                       flops_by_passes={str(k): v for k, v in sorted(state["flops_by_passes"].items())}, lr=lr,
@@ -544,28 +546,32 @@ def train(overrides=None):
 
         # accounting: tokens, windows read, FLOPs with every block execution counted (match.py)
         k = n_passes or model.config.n_passes
-        flops = flops_per_token(model.config, n_passes, avg_doc_len) * tokens_per_step
+        flops = tokens_per_step * match.flops_per_token(model.config, n_passes=k, avg_doc_len=avg_doc_len)
         state.update(step=step + 1, tokens=state["tokens"] + tokens_per_step, flops=state["flops"] + flops,
                      data_position=state["data_position"] + config.global_batch)
         state["flops_by_passes"][k] = state["flops_by_passes"].get(k, 0.0) + flops
         state["passes"].append(k)
         bar.update(1)
 
-        # the losses to the host every LOG_INTERVAL steps and before a save: a non-finite loss stops the
-        # run before any checkpoint holds it; a stop asked on any rank is agreed by every rank
+        # To the host every LOG_INTERVAL steps and before every eval and save, summed over the ranks: the
+        # losses, whether a weight is non-finite (the update after the last loss may have broken them), and
+        # whether a stop was asked on any rank. A non-finite loss or weight stops the run before it is saved.
         at_eval = state["step"] % config.eval_interval == 0 or state["step"] == max_steps
         at_save = state["step"] in config.save_steps
         if at_eval or at_save or state["step"] % LOG_INTERVAL == 0 or stop and world == 1:
-            read = torch.stack(unread)
+            finite = torch.stack([(p.to_local() if sharded else p).isfinite().all()
+                                  for p in model.parameters()])
+            read = torch.stack(unread).flatten()
+            read = torch.cat([read, (~finite.all()).double()[None], read.new_tensor([float(bool(stop))])])
             if world > 1:
-                read = torch.cat([read.flatten(), read.new_tensor([float(bool(stop))])])
                 dist.all_reduce(read)
-                stop += [1] if read[-1] > 0 and not stop else []
-                read = read[:-1].view(-1, 2) / world
             read, unread = read.cpu(), []
+            stop += [1] if read[-1] > 0 and not stop else []
+            if read[-2] > 0:
+                diverged("the weights")
+            read = read[:-2].view(-1, 2) / world
             if not torch.isfinite(read).all():
-                raise FloatingPointError(f"the loss became non-finite by step {state['step']}: stopped; "
-                                         f"{ckpt_path} is the last checkpoint")
+                diverged("the loss")
             losses += read[:, 0].tolist()
             state["window"] += read[:, 0].tolist()
             bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}")
@@ -578,6 +584,7 @@ def train(overrides=None):
         stopping = stop and (world == 1 or state["step"] % LOG_INTERVAL == 0)  # every rank alike
         if at_eval or stopping:
             save_checkpoint(ckpt_path, model, optimizers, settings, state, tokenizer, sharded)
+            saved_step = state["step"]
         if at_save:
             path = os.path.join(config.out_dir, f"ckpt_step{state['step']}" + (".dcp" if sharded else ".pt"))
             save_checkpoint(path, model, optimizers, settings, state, tokenizer, sharded)

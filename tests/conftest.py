@@ -34,14 +34,15 @@ def loop_experts(x, token_of, counts, w_gate_up, w_down, row_weights=None):
 
 def model_whose_blocks_matter(**config):
     """A random GPT (eval mode) whose blocks matter: at the small nanogpt init the embedding alone decides the
-    argmax, so the weight matrices inside the blocks are scaled up 3x (then the number of passes shows)."""
+    argmax, so the weight matrices inside the blocks are scaled up 5x. Then the number of passes shows: 1, 2
+    and 3 passes gave three different greedy texts in 26 of 30 small looped models drawn, 10 of 30 at 3x."""
     from model import GPT, ModelConfig
     torch.manual_seed(0)
     model = GPT(ModelConfig(**config)).eval()
     with torch.no_grad():
         for p in model.blocks.parameters():
             if p.dim() >= 2:
-                p.mul_(3)
+                p.mul_(5)
     return model
 
 

@@ -242,6 +242,20 @@ def test_windows_follow_the_seeded_permutation_per_epoch_and_the_regions_split()
         Data("", {}, tokens[:10], tokens, None).stream(16, seed=0)
 
 
+@pytest.mark.parametrize("seq_len", [16, 20, 25, 99])
+def test_a_region_yields_every_window_that_fits_inside_it_and_no_more(seq_len):
+    """Counted by hand: the windows of seq_len + 1 tokens (inputs and their next-token targets) that start at
+    start + i * seq_len and end inside [start, stop); an epoch reads each once, never a token past stop."""
+    tokens = np.arange(1000, dtype=np.uint16)
+    cut = 1000 - int(1000 * BRANCH_FRACTION)
+    for branch, (start, stop) in ((False, (0, cut)), (True, (cut, 1000))):
+        stream = Data("", {}, tokens, tokens, None).stream(seq_len, seed=3, branch=branch)
+        fits = [o for o in range(start, stop, seq_len) if o + seq_len + 1 <= stop]
+        assert stream.n_windows == len(fits), (branch, seq_len)
+        read = windows(tokens, stream.offsets(0, stream.n_windows), seq_len)
+        assert sorted(read[:, 0].tolist()) == fits and read.min() >= start and read.max() < stop
+
+
 # -----------------------------------------------------------------------------
 # command lines: a mistake is a `prog: error: ...` line and exit status 2
 

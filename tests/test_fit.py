@@ -515,6 +515,8 @@ POWER_OK = "".join(f"v,{c:g},{2 + 1.5 * (c / 1e18) ** -0.3:.6f}\n" for c in (1e1
 @pytest.mark.parametrize("argv, text, message", [
     (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "v,abc,2.0\n", "fit.py: error: {path} line 7: C 'abc' is not"),
     (["power", "--ref", "v"], "arch,loss\nv,2\n", "fit.py: error: {path}: no column C in its header"),
+    (["power", "--ref", "v"], "arch,C,loss,loss\n" + POWER_OK.replace("\n", ",9.9\n"),
+     "fit.py: error: {path}: column 'loss' appears more than once in its header"),
     (["power", "--ref", "x"], POWER_HEAD + POWER_OK, "fit.py: error: {path}: no arch 'x' (have v)"),
     (["power", "--ref", "v"], POWER_HEAD + POWER_OK + "w,1e18,3.5\nw,1e19,3.6\nw,1e20,3.7\n",
      "fit.py: error: {path}: the loss of w does not fall with compute: no power law"),

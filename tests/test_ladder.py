@@ -234,6 +234,25 @@ def synthetic_rows(scales):
             for a, c, F, S, D, loss in zip(*(runs[k] for k in ("arch", "cell", "F", "S", "D", "loss")))]
 
 
+@pytest.mark.parametrize("name", ["x-cpu-mini", "x-cpu-repeat"])
+def test_the_x_ladders_scale_every_lr_with_stored_parameters_by_x16(name):
+    """[X16] GLR(N) = GLR(N_0) (N / N_0)^beta, N the stored parameters counted on the built module, N_0 at the
+    first depth; the embedding and lm head LRs keep the recipe's ratios to the matrix LR."""
+    from model import GPT
+    p = PRESETS[name]
+    for arch in (p["archs"] if name == "x-cpu-mini" else ["operator-1"]):
+        beta = p["lr_beta"][arch] if isinstance(p["lr_beta"], dict) else p["lr_beta"]
+        stored = {d: sum(w.numel() for w in GPT(x.config(p, arch, d)).parameters()) for d in p["depths"]}
+        recipe = x.recipe(arch)[1]
+        for depth in p["depths"]:
+            settings = x.settings_of(p, arch, depth, x.config(p, arch, depth), 100, 0.05, beta)
+            factor = (stored[depth] / stored[p["depths"][0]]) ** beta
+            assert factor <= 1 and (factor < 0.9) == (depth > p["depths"][0])  # deeper, smaller steps
+            for key in ("matrix_lr", "embedding_lr", "unembedding_lr"):
+                want = 0.05 * recipe[key] / recipe["matrix_lr"] * factor
+                assert settings[key] == pytest.approx(want, rel=1e-9), (arch, depth, key)
+
+
 def test_a_surface_is_reported_only_where_the_grid_identifies_it(monkeypatch):
     """[S]-like surfaces on F at 4 levels: identified (a's profile interval holds the true a), CE Gain and TPP
     with cell-bootstrap intervals. (On 3 levels, smelt-cpu-mini's, it is not, nor are they: its report.)"""

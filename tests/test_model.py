@@ -488,13 +488,26 @@ def test_bad_configs_name_the_field(kw, field):
         tiny(**kw)
 
 
-def test_x_init_zeroes_outputs():
-    model = GPT(tiny(init="x", layout="pcc", n_layer=3, n_passes=2))
-    assert model.lm_head.weight.abs().sum() == 0
-    assert all(b.attn.o_proj.weight.abs().sum() == 0 for b in model.blocks)
-    bound = 3 ** 0.5 / 32 ** 0.5
-    q = model.blocks[0].attn.q_proj.weight
-    assert q.abs().max() <= bound and q.abs().max() > 0.9 * bound
+@pytest.mark.parametrize("kw", [dict(layout="pcc", n_layer=3, n_passes=2),
+                                dict(layout="smelt", n_passes=2, n_expert=4, top_k=2, expert_hidden=16)])
+def test_x_init_zeroes_exactly_the_writes_to_the_residual_stream_and_the_head(kw):
+    """[X] code: zero c_proj (every write to the residual stream: attention out, the dense and each expert's
+    down projection) and lm head; U(-s, s), s = 3^0.5 / sqrt(width), for every input matrix, the MoE's router
+    and gate/up included; a normal embedding; norm gains 1."""
+    model = GPT(tiny(init="x", **kw))
+    bound, names = 3 ** 0.5 / 32 ** 0.5, [n for n, _ in model.named_parameters()]
+    assert not kw.get("n_expert") or {"blocks.0.ffn.w_down", "blocks.0.ffn.router.weight"} <= set(names)
+    for name, p in model.named_parameters():
+        writes = name.rsplit(".", 2)[-2:] in (["o_proj", "weight"], ["w_down", "weight"]) or \
+            name.endswith("ffn.w_down") or name == "lm_head.weight"
+        if p.dim() == 1:
+            assert torch.equal(p, torch.ones_like(p)), name
+        elif writes:
+            assert torch.equal(p, torch.zeros_like(p)), name
+        elif name == "wte.weight":
+            assert p.std().item() == pytest.approx(0.02, rel=0.05), name
+        else:
+            assert p.abs().max() <= bound and p.max() > 0.9 * bound and p.min() < -0.9 * bound, name
 
 
 def test_checkpoint_round_trip(tmp_path):

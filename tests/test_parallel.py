@@ -1,7 +1,7 @@
-"""DDP and FSDP2 on CPU (gloo, one torchrun launch for every job): 2 processes train exactly what 1 process
-trains with the same global batch (2 micro-batches), with Muon and AdamW, on the SMELT MoE, tied and untied
-prelude-core-coda, random passes and across growth; sharded checkpoints resume exactly, onto 1 process too,
-and the consolidated ckpt.pt loads in one process."""
+"""DDP and FSDP2 on CPU (gloo, one torchrun launch for every job): 2 processes train exactly what 1 plain
+process trains with the same global batch (2 micro-batches), from the same initial weights, with Muon and AdamW,
+on the SMELT MoE, tied and untied prelude-core-coda, random passes and across growth; sharded checkpoints
+resume exactly, onto 1 process too, and the consolidated ckpt.pt loads in one process."""
 import json
 
 import pytest
@@ -47,7 +47,7 @@ def two(tmp_path_factory, data_dir, torchrun):
 @pytest.mark.parametrize("name", JOBS)
 def test_two_processes_train_what_one_process_trains(two, tmp_path, data_dir, name):
     settings = SMALL | JOBS[name] | dict(data_dir=data_dir, out_dir=str(tmp_path), global_batch=8)
-    one = train.train(settings)  # FSDP2 in one process: the meta-built model's weights
+    one = train.train(settings | dict(parallel="ddp"))  # one plain process: the same initial weights too
     (result,) = two[0][name]
     assert result["train_losses"] == pytest.approx(one["train_losses"], **TOL)
     assert result["val_loss"] == pytest.approx(one["val_loss"], **TOL)
@@ -55,7 +55,9 @@ def test_two_processes_train_what_one_process_trains(two, tmp_path, data_dir, na
     ref, _ = load_checkpoint(one["ckpt_path"])
     assert model.config == ref.config
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert p.detach() == pytest.approx(q.detach(), rel=1e-4, abs=1e-5), n
+        # as a whole tensor: AdamW's first steps are near +-lr wherever a gradient is near 0 (a rare token's
+        # embedding), so a reduction in another order can move a single element by ~lr x its rounding
+        assert (p - q).norm() <= 1e-5 * q.norm() + 1e-6, n
 
 
 def test_a_sharded_run_resumes_exactly_on_two_processes_and_on_one(two, tmp_path, data_dir):
@@ -73,10 +75,9 @@ def test_a_sharded_run_resumes_exactly_on_two_processes_and_on_one(two, tmp_path
 
 
 @pytest.mark.parametrize("name", BUILDS)
-def test_a_model_built_sharded_on_two_processes_is_drawn_as_one_process_draws_it(two, tmp_path, name):
-    """Built on the meta device, sharded on 2 processes, each parameter drawn whole and cut: the same weights
-    as one process builds that way, and per parameter the distribution of a model built whole (same zeros
-    and ones, the same bound of a uniform, the same std within sampling noise)."""
+def test_one_seed_draws_the_same_weights_whatever_the_parallelism(two, name):
+    """One process (GPT(cfg), as train.py builds it for DDP), FSDP2 on one process and FSDP2 on 2 processes
+    (built on the meta device, sharded, each parameter drawn whole and cut): the same tensors."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -91,22 +92,11 @@ def test_a_model_built_sharded_on_two_processes_is_drawn_as_one_process_draws_it
     finally:
         dist.destroy_process_group()
     torch.manual_seed(0)
-    cfg = ModelConfig(**BUILDS[name])
-    whole = GPT(cfg).state_dict()
+    whole = GPT(ModelConfig(**BUILDS[name])).state_dict()
     assert sharded.keys() == one.keys() == whole.keys()
     for k, w in whole.items():
-        assert torch.equal(sharded[k], one[k]), k
-        assert sharded[k].shape == w.shape, k
-        if w.abs().max() == w.abs().min():  # zeros, ones, or a constant
-            assert torch.equal(sharded[k], w), k
-        else:
-            if cfg.init == "x" and k != "wte.weight":  # U(-bound, bound)
-                bound = cfg.uniform_init_scale / cfg.n_embd ** 0.5
-                assert sharded[k].abs().max() <= bound and w.abs().max() <= bound, k
-            noise = 5 / (2 * w.numel()) ** 0.5  # 5 sigma of a sample std's relative error
-            assert sharded[k].std().item() == pytest.approx(w.std().item(), rel=noise), k
-            assert abs(sharded[k].mean().item()) < 4 * w.std().item() / w.numel() ** 0.5, k
-            assert not torch.equal(sharded[k], w), k  # other draws, not a copy
+        assert torch.equal(sharded[k], w) and torch.equal(one[k], w), k
+        assert w.abs().max() > 0 or "o_proj" in k or "w_down" in k or "lm_head" in k, k  # drawn, not left empty
 
 
 def test_hsdp_on_two_nodes_of_two_processes_trains_what_one_process_trains(tmp_path, data_dir, torchrun):
@@ -118,6 +108,6 @@ def test_hsdp_on_two_nodes_of_two_processes_trains_what_one_process_trains(tmp_p
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     torchrun(["tests/dist_driver.py", str(tmp_path / "jobs.json"), str(tmp_path / "results.json")], nproc=4)
     (hsdp,) = json.loads((tmp_path / "results.json").read_text())["hsdp"]
-    one = train.train(settings | dict(parallel="fsdp", out_dir=str(tmp_path / "one")))
+    one = train.train(settings | dict(out_dir=str(tmp_path / "one")))  # one plain process
     assert hsdp["train_losses"] == pytest.approx(one["train_losses"], **TOL)
     assert hsdp["val_loss"] == pytest.approx(one["val_loss"], **TOL)

@@ -46,9 +46,7 @@ def plot_calls():
     mult = {a: fit.compute_multiplier(*runs["vanilla"], *runs[a]) for a in runs}  # nan outside the range
     bands = {a: (0.95 * m, 1.05 * m) for a, m in mult.items()}
     surfaces = {a: fit.SurfaceFit(**c) for a, c in fit.SYNTHETIC_SURFACES.items()}
-    budgets, sparsities = [1e20, 1e21, 1e22], [0.85, 0.95]
-    CC, SS = np.meshgrid(budgets, sparsities, indexing="ij")
-    gain = fit.ce_gain(surfaces["baseline"], surfaces["smelt"], CC, SS)
+    sparsities = [0.85, 0.95]
     curves = {f"{arch} L4w32-e16 b{b}": (list(range(b, 60)), [3 + 5 / (1 + x / 10) for x in range(b, 60)])
               for arch in ("baseline", "smelt") for b in (10, 20, 40)}
     frontier = {1: [(1e12, 3.0), (4e12, 2.8)], 2: [(2e12, 2.95), (8e12, 2.75)]}
@@ -57,7 +55,6 @@ def plot_calls():
         "loss_vs_compute": lambda p: plots.plot_loss_vs_compute(runs, fits, p),
         "multipliers": lambda p: plots.plot_multipliers(ref_C, mult, p, bands=bands, ref="vanilla", title="m"),
         "power_laws": lambda p: plots.plot_power_laws(runs, fits, mult, "vanilla", p),
-        "ce_gain": lambda p: plots.plot_ce_gain(budgets, sparsities, gain, p, lo=gain - 0.02, hi=gain + 0.02),
         "loss_curves": lambda p: plots.plot_loss_curves(curves, p, title="decay branches", xlabel="step"),
         "surface_frontiers": lambda p: plots.plot_surface_frontiers(fit.frontier_curves(surfaces), sparsities, p,
                                                                     C_range=(1e19, 1e22)),
@@ -67,7 +64,7 @@ def plot_calls():
     }
 
 
-PLOTS = ["loss_vs_compute", "multipliers", "power_laws", "ce_gain", "loss_curves", "surface_frontiers",
+PLOTS = ["loss_vs_compute", "multipliers", "power_laws", "loss_curves", "surface_frontiers",
          "repeat_frontier", "wd_curves", "log"]
 
 
