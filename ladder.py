@@ -7,8 +7,9 @@ Both papers' experiments in miniature, end to end: grid -> match -> train -> fit
     python ladder.py --preset x-cpu-mini --report_only --plot   # docs/ladder/x-cpu-mini-report.txt from CSVs
 
 A preset (ladders/presets.py) is run by its protocol: ladders/smelt.py [S], ladders/x.py [X],
-ladders/repeat.py [X] data-constrained, ladders/decompose.py SMELT's deficit in arms, ladders/hops.py the same
-arms on a task that needs depth. After Ctrl-C rerun the same command: finished runs are kept.
+ladders/repeat.py [X] data-constrained, ladders/decompose.py SMELT's deficit in arms, ladders/recipe.py why the
+loop pays in [X] and not in [S], ladders/testtime.py [X]'s test-time passes, ladders/khop.py a depth task.
+After Ctrl-C rerun the same command: finished runs are kept.
 """
 
 import argparse
@@ -21,11 +22,12 @@ from tqdm import tqdm
 
 import fit
 from data.loader import read_meta
-from ladders import decompose, hops, repeat, smelt, x
+from ladders import decompose, khop, recipe, repeat, smelt, testtime, x
 from ladders.presets import PRESETS
 from ladders.runs import data_dir, load_results, train_runs, write_csv
 
-PROTOCOLS = {"smelt": smelt, "x": x, "repeat": repeat, "decompose": decompose, "hops": hops}
+PROTOCOLS = {"smelt": smelt, "x": x, "repeat": repeat, "decompose": decompose, "recipe": recipe,
+             "testtime": testtime, "khop": khop}
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "ladder")
 
 
@@ -53,7 +55,7 @@ def run(preset, out, train_fn=None, workers=None, plot=False):
     """Train (or continue) a preset in OUT, then OUT/runs.csv, lr_sweep.csv, report.txt (and figures)."""
     import train
     protocol = PROTOCOLS[preset["kind"]]
-    data = {None: getattr(protocol, "data_dir", data_dir)(preset)}  # a task's own documents, or the corpus
+    data = {None: "" if hasattr(protocol, "train") else data_dir(preset)}  # a task draws its own sequences
     data |= {u: data_dir(preset, u) for u, _ in preset.get("arms", [])}
     bar = tqdm(total=0, unit="run", desc=preset["name"], disable=None)
 
@@ -62,7 +64,8 @@ def run(preset, out, train_fn=None, workers=None, plot=False):
         bar.total += len(todo)
         bar.update(len(done))
         rest = [s for s in todo if s.run_id not in done]
-        return done | train_runs(rest, out, train_fn or train.train, data, workers or preset["workers"], bar)
+        fn = train_fn or getattr(protocol, "train", train.train)  # a task's own loop, or train.py's
+        return done | train_runs(rest, out, fn, data, workers or preset["workers"], bar)
     specs, sweep, results = resolve(preset, train_or_load, train_tokens(data[None]))
     bar.close()
     if hasattr(protocol, "evaluate"):  # a task's score, from each run's checkpoint
@@ -91,14 +94,15 @@ def listing():
     """Every preset's plan, the grid's middle LR and weight decay taken as best (so no bracketing run)."""
     lines = []
     for name, p in PRESETS.items():
-        values, wds = p["lr"]["values"], p.get("weight_decays", [1.0])
+        values, wds = p.get("lr", {}).get("values", [1.0]), p.get("weight_decays", [1.0])
         lr, wd = values[len(values) // 2], wds[len(wds) // 2]
 
         def fake(specs):  # a loss lowest at the middle values
             return {s.run_id: dict(val_loss=abs(math.log(s.meta["grid_lr"] / lr)) + abs(math.log(
                 s.settings.get("weight_decay", wd) / wd))) for s in specs}
         preset = dict(p, name=name)
-        prepared = None if p["train"].get("data_dir") else train_tokens(data_dir(preset))
+        own = hasattr(PROTOCOLS[p["kind"]], "train")  # a task that draws its own sequences
+        prepared = None if p["train"].get("data_dir") or own else train_tokens(data_dir(preset))
         specs, _, _ = resolve(preset, fake, prepared)
         step = (p["train"].get("global_batch") or p["train"]["batch_size"]) * p["model"]["block_size"]
         tokens = [(s, s.settings["decay_tokens"] if s.needs else s.settings["max_steps"] * step)

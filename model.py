@@ -332,15 +332,18 @@ def execution_plan(cfg, n_passes=None):
     k = cfg.n_passes if n_passes is None else n_passes
     if not 1 <= k <= cfg.most_passes:
         raise ValueError(f"n_passes={k}: this model runs 1 to {cfg.most_passes} passes")
+    # [S8]-[S9]: every update inside the loop scaled by 1/r (the [X] code scales none: loop_scale "auto")
+    by_passes = cfg.loop_scale == "1/r" or cfg.loop_scale == "auto" and not cfg.layout.startswith("pcc")
+    scale = 1.0 / k if by_passes else 1.0
     if cfg.layout == "plain":
         return [Step("block", i, 1) for i in range(cfg.n_layer)]
     if cfg.layout in ("smelt", "layer_loop"):
         start, stop = cfg.loop_start, cfg.loop_start + cfg.loop_span
         span = range(start, stop)
-        if cfg.layout == "smelt":  # [S] model-loop: the whole span r times, every update scaled by 1/r
-            loop = [Step("block", i, v, 1.0 / k) for v in range(1, k + 1) for i in span]
+        if cfg.layout == "smelt":  # [S] model-loop: the whole span r times
+            loop = [Step("block", i, v, scale) for v in range(1, k + 1) for i in span]
         else:  # layer-loop: each layer r times in place before the next
-            loop = [Step("block", i, v, 1.0 / k) for i in span for v in range(1, k + 1)]
+            loop = [Step("block", i, v, scale) for i in span for v in range(1, k + 1)]
         return ([Step("block", i, 1) for i in range(start)] + loop +
                 [Step("block", i, 1) for i in range(stop, cfg.n_layer)])
     # prelude-core-coda [X1]-[X2]: the first pass sees the prelude output e (the [X] code's h0)
@@ -351,7 +354,7 @@ def execution_plan(cfg, n_passes=None):
     for p in range(k):
         first = P if cfg.tie_core else P + p * C
         plan += [boundary] if p else []  # [X3] before every later core pass
-        plan += [Step("block", first + j, p + 1 if cfg.tie_core else 1) for j in range(C)]
+        plan += [Step("block", first + j, p + 1 if cfg.tie_core else 1, scale) for j in range(C)]
     coda = P + (C if cfg.tie_core else cfg.n_passes * C)
     return plan + [boundary] + [Step("block", coda + j, 1) for j in range(D)]  # [X3] before the coda too
 
@@ -398,6 +401,7 @@ class ModelConfig:
     norms: str = "pre"  # pre: RMSNorm with gains | x: [X] Table 1 (no gains, QK-norm, a norm after wte)
     document_mask: bool = True  # attention never crosses an eot boundary [S]
     residual_multiplier: float = 1.0  # [X] RM on attention-out and MLP-down
+    loop_scale: str = "auto"  # updates inside a loop: "1/r" [S8], "1", or auto (smelt, layer_loop 1/r; pcc 1)
     output_multiplier: float = 1.0  # [X] OM on the logits
     init: str = "x"  # x: zero out-projections and lm head, normal wte, uniform inputs; nanogpt: tied wte
     embed_init_std: float = 0.02  # std of the token embedding ('x' init)
@@ -428,6 +432,7 @@ class ModelConfig:
              "must be both, norm, inject or none"),
             (self.norms in ("pre", "x"), "norms", "must be pre or x"),
             (self.init in ("x", "nanogpt"), "init", "must be x or nanogpt"),
+            (self.loop_scale in ("auto", "1/r", "1"), "loop_scale", "must be auto, 1/r or 1"),
             (0 <= self.eot_token < self.vocab_size, "eot_token", "must be a token id below vocab_size"),
         ]
         for holds, name, why in rules:

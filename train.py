@@ -365,8 +365,9 @@ def resolve_settings(overrides):
     return settings, source, path, branch
 
 
-def train(overrides=None):
-    """One run in this process: {setting: value} over the defaults -> its summary."""
+def train(overrides=None, model_fields=None):
+    """One run in this process: {setting: value} over the defaults -> its summary. model_fields: ModelConfig
+    fields no setting names (a ladder's loop_scale), for a new run."""
     # settings; a run never writes into a folder that holds another run
     settings, source, source_path, branch = resolve_settings(overrides or {})
     resume = (overrides or {}).get("init_from") == "resume"
@@ -407,7 +408,7 @@ def train(overrides=None):
     vocab_size = padded if padded <= 1.01 * n_vocab else n_vocab
     model_config = ModelConfig(**source["model_config"]) if source else ModelConfig(
         vocab_size=vocab_size, eot_token=data.meta["eot_token"], n_logits=n_vocab * (vocab_size > n_vocab),
-        **{k: settings[k] for k in MODEL_SETTINGS})
+        **{k: settings[k] for k in MODEL_SETTINGS}, **(model_fields or {}))
     if any(k > model_config.most_passes for k in config.n_passes_choices):
         raise ValueError(f"n_passes_choices={config.n_passes_choices}: each must be in [1, "
                          f"{model_config.most_passes}], the passes this model runs")

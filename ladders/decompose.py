@@ -1,8 +1,8 @@
 """SMELT's deficit decomposed (kind "decompose"): at every (scale, token budget) five arms read the same
 tokens, each seed once: A the MoE baseline, B the SMELT twin's shape run once (no loop), C the SMELT twin,
 D the baseline looped as SMELT (r = 2: 1.5x its FLOPs, unmatched), E a plain baseline as deep as D executes.
-The report: each contrast with its interval against the pooled seed noise, per point and averaged, and the
-reading the decision rule written before the run picks (docs/ladder.md)."""
+The report: each contrast paired by seed, per point and averaged, a gate (every arm learns), and the reading
+the decision rule written before the run picks (docs/ladder.md)."""
 
 import math
 from dataclasses import replace
@@ -12,13 +12,13 @@ import numpy as np
 import match
 from ladders.runs import RunSpec
 from ladders.smelt import cells, compute_active, model_settings
-from ladders.stats import contrast, difference, pooled_std
+from ladders.stats import paired, spreads, t_interval
 
 ARMS = {"A": "the baseline", "B": "the twin's shape, no loop", "C": "the SMELT twin",
         "D": "the baseline looped (r = 2)", "E": "the baseline as deep as D runs"}
 CONTRASTS = [("B", "A", "narrowing to the twin's shape"), ("C", "B", "the loop on the narrow model"),
              ("C", "A", "SMELT minus its baseline"), ("D", "A", "the loop at full width"),
-             ("E", "A", "more depth at full width")]
+             ("E", "A", "more depth at full width"), ("D", "E", "the loop against as much fresh depth")]
 COLUMNS = ("arm", "cell", "tpp", "seed", "F", "D", "C", "loss", "N", "n_layer", "n_embd", "layout", "lr",
            "run_id", "seconds")
 
@@ -74,36 +74,44 @@ def reading(z):
 
 
 def report(preset, rows, sweep=None):
-    """The arms' losses per point, each contrast per point and averaged over the points, the rule's
-    reading."""
-    losses = {}
-    for r in rows:
-        losses.setdefault((r["cell"], r["tpp"], r["arm"]), []).append(r["loss"])
-    sigma, dof = pooled_std(list(losses.values()))
-    points = sorted({(c, t) for c, t, _ in losses}, key=lambda p: (p[1], p[0]))
-    mean = lambda p, a: float(np.mean(losses[(*p, a)]))  # noqa: E731
-    n = lambda p, a: len(losses[(*p, a)])  # noqa: E731
+    """The arms' losses per point and their own seed spreads, each contrast paired by seed per point and
+    averaged over the points, the gate (every arm learns: its loss falls from the smaller budget to the
+    larger on every seed), then the rule's reading."""
+    by = {(r["cell"], r["tpp"], r["arm"], r["seed"]): r["loss"] for r in rows}
+    points = sorted({(c, t) for c, t, *_ in by}, key=lambda p: (p[1], p[0]))
+    seeds = sorted({k[3] for k in by})
+    mean = lambda p, a: float(np.mean([by[(*p, a, s)] for s in seeds]))  # noqa: E731
     lines = [f"== {preset['name']}: [S] SMELT's deficit decomposed; every arm of a point reads the same "
-             f"tokens (tpp x the baseline's N), seeds {', '.join(map(str, preset['seeds']))}",
+             f"tokens (tpp x the baseline's N), seeds {', '.join(map(str, seeds))}",
              "  " + "; ".join(f"{a} {what}" for a, what in ARMS.items()),
-             f"pooled seed std {sigma:.4f} nats ({dof} dof); a contrast's interval: 95% t with it",
+             spreads({a: [[by[(*p, a, s)] for s in seeds] for p in points] for a in ARMS}),
+             "each contrast paired by seed (a seed fixes the data order and the draws of every arm): its noise "
+             "the spread of the per-seed differences pooled over the points; 95% t-intervals",
              f"  {'point':<16} " + " ".join(f"{a:>7}" for a in ARMS) + " " + " ".join(
                  f"{x + '-' + y:>22}" for x, y, _ in CONTRASTS)]
+    pairs = {(x, y): paired({p: [by[(*p, x, s)] - by[(*p, y, s)] for s in seeds] for p in points})
+             for x, y, _ in CONTRASTS}
     for p in points:
         cells_ = []
         for x, y, _ in CONTRASTS:
-            c = difference(mean(p, x), n(p, x), mean(p, y), n(p, y), sigma, dof)
-            cells_.append(f"{c['diff']:+.4f} [{c['lo']:+.3f},{c['hi']:+.3f}]")
+            c, n = pairs[x, y], len(seeds)
+            lo, hi = t_interval(c["means"][p], c["point_sigma"], n, c["dof"])
+            cells_.append(f"{c['means'][p]:+.4f} [{lo:+.3f},{hi:+.3f}]")
         lines.append(f"  {p[0] + ' t' + format(p[1], 'g'):<16} "
-                     + " ".join(f"{mean(p, a):7.4f}" for a in ARMS) + " "
-                     + " ".join(f"{c:>22}" for c in cells_))
-    lines.append(f"averaged over the {len(points)} points (each point weighs the same):")
-    z = {}
+                     + " ".join(f"{mean(p, a):7.4f}" for a in ARMS) + " " + " ".join(f"{c:>22}" for c in cells_))
+    lines.append(f"averaged over the {len(points)} points (each point weighs the same), paired:")
     for x, y, what in CONTRASTS:
-        terms = [t for p in points for t in ((1, mean(p, x), n(p, x)), (-1, mean(p, y), n(p, y)))]
-        c = contrast(terms, sigma, dof)
-        z[f"{x}-{y}"] = c["z"]
-        k = len(points)
-        lines.append(f"  {x} - {y} ({what}): {c['diff'] / k:+.4f} nats [{c['lo'] / k:+.4f}, "
-                     f"{c['hi'] / k:+.4f}] = {c['z']:+.1f} sigma, p = {c['p']:.3f}")
-    return lines + [f"the decision rule's reading: {reading(z)}"]
+        c = pairs[x, y]
+        lines.append(f"  {x} - {y} ({what}): {c['diff']:+.4f} nats [{c['lo']:+.4f}, {c['hi']:+.4f}] = "
+                     f"{c['z']:+.1f} sigma ({c['dof']} dof), p = {c['p']:.3f}; below 0 at "
+                     f"{sum(v < 0 for v in c['means'].values())} of {len(points)} points")
+    cells = sorted({c for c, _ in points})
+    low, high = min(t for _, t in points), max(t for _, t in points)
+    stalled = [f"{a} {c} seed {s}" for a in ARMS for c in cells for s in seeds
+               if not by[(c, high, a, s)] < by[(c, low, a, s)]]
+    if stalled:
+        return lines + [f"no reading: the instrument failed: the loss does not fall from tpp {low:g} to "
+                        f"{high:g} for " + ", ".join(stalled)]
+    z = {f"{x}-{y}": pairs[x, y]["z"] for x, y, _ in CONTRASTS}
+    return lines + [f"gate: every arm's loss falls from tpp {low:g} to {high:g} at every scale on every seed",
+                    f"the decision rule's reading: {reading(z)}"]

@@ -100,18 +100,29 @@ PRESETS = {
         lr=dict(key="matrix_lr", values=[0.006], arms={"L4w32": (0.006, 0.012), "L4w48": (0.006, 0.006),
                                                        "L6w48": (0.003, 0.006)}),
         budget="written before the run: 60 runs, 2.31e13 FLOPs, about 25 min on 2 workers, at most 40"),
-    "smelt-cpu-hops": dict(
-        SMELT, kind="hops",
-        about="a task that needs depth: k-hop pointer chasing (k = 1..4), 6 arms (baseline, the twin's "
-              "shape, the twin, the baseline looped, prelude-core-coda K = 2, a deeper baseline), 2 seeds, "
-              "test-time passes 1..4",
-        model=dict(SMELT_MODEL, block_size=128),
-        scales={"L4w64": dict(n_layer=4, n_embd=64, expert_hidden=32)},
-        cells=[("L4w64", 16)], task=dict(n_symbols=8, max_hops=4, train_docs=100_000, eval_docs=512),
-        steps=2000, pcc_passes=2, test_passes=4, seeds=SEEDS[1:],  # the LR was chosen on seed 1337
-        train=dict(optimizer="adamw", batch_size=16, warmup_steps=10, eval_tokens=1 << 15),
-        lr=dict(key="matrix_lr", values=[0.006]),
-        budget="written before the run: 12 runs, 4.6e13 FLOPs, about 40 min on 2 workers, at most 60"),
+    "smelt-cpu-recipe": dict(
+        kind="recipe", tokenizer="gpt2-257", workers=2,
+        about="why the second visit pays in [X] and not in [S]: 1/r, MoE, optimizer, loop shape and model "
+              "recipe at two levels in a half fraction (16 configurations looped and unlooped), 2 budgets, 3 "
+              "seeds paired, and Operator-1's own recipe",
+        # x-cpu-mini's d4 shape (width 32, heads of 8); the MoE: 16 experts top-2 of the dense FFN's half
+        model=dict(block_size=128, n_layer=4, n_embd=32, n_head=4, head_dim=8, top_k=2, expert_hidden=44),
+        experts=16, steps=[100, 200], calibration_seed=1337, seeds=[1338, 1339, 1340],
+        train=dict(batch_size=16, eval_tokens=1 << 15), base_lr={"s": 0.006, "x": 0.1},
+        lr=dict(key="matrix_lr", values=[0.5, 1.0, 2.0], extend=2, seeds=1, every_point=False),
+        budget="written before the run: 210 runs (plus bracketing), 3.52e13 FLOPs, about 21 min on 2 workers, "
+               "at most 30"),
+    "smelt-cpu-khop": dict(
+        kind="khop", workers=2,
+        about="a depth task tiny models learn: k-hop induction (Sanford et al. 2024), 2 layers, 4 layers, 2 "
+              "stored layers run as 4 (prelude-core-coda, SMELT), the steps calibrated on seeds not reported",
+        model=dict(block_size=98), lr=dict(values=[1e-3]),
+        train=dict(n_embd=48, n_head=4, head_dim=12, batch_size=32, warmup_steps=100),
+        calibration_seeds=[1, 2], seeds=[1338, 1339, 1340], max_steps=5000, eval_every=250, margin=1.25,
+        test_passes=6, arm_names={"L2": "2 layers", "L4": "4 layers", "P": "prelude-core-coda, 2 run as 4",
+                                  "S": "SMELT's loop, 2 run as 4"},
+        budget="written before the run: 14 runs at most, 1.54e14 FLOPs (both budgets at 5,000 steps), at most "
+               "50 min on 2 workers"),
     "x-cpu-mini": dict(
         X, about="[X] in miniature: 6 architectures x depths 3..6 at width 8 x depth, each with its [X] "
                  "recipe, TPP and [X16] LR rule, no data repetition, 3 seeds each",
@@ -132,6 +143,14 @@ PRESETS = {
         head_dim=128, depths=[6, 7, 8, 9, 10], seeds=SEEDS[:1], workers=8,
         train=dict(batch_size=16, global_batch=256, eval_tokens=1 << 21, data_dir=GPU_DATA),
         lr=dict(key="matrix_lr", values=[0.02, 0.04, 0.08], extend=2, seeds=1, every_point=False)),
+    "x-cpu-testtime": dict(
+        X, kind="testtime", about="[X] Figure 17: Loop-2 at d4 and d6 trained at K = 2 or with K drawn from "
+                                  "1..4, read at K = 1..8, 3 seeds held out from the LR's choice",
+        depths=[4, 6], tpp_stored=X_TPP_STORED["loop-2"], lr_beta=X_LR_BETA["loop-2"], choices=[1, 2, 3, 4],
+        test_passes=8, seeds=[1339, 1340, 1341],
+        # x-cpu-mini-tuned: Loop-2 best at 0.16 x [X16]'s factor at every depth (seeds 1337 and 1338)
+        lr=dict(key="matrix_lr", values=[0.16]),
+        budget="written before the run: 12 runs, 1.35e13 FLOPs, about 7 min on 2 workers, at most 15"),
     "x-cpu-repeat": X_CPU_REPEAT,
     "x-cpu-repeat-tuned": dict(
         X_CPU_REPEAT, about="x-cpu-repeat with the LR tuned where it is used: at every (budget, K, depth) "

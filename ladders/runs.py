@@ -23,6 +23,7 @@ class RunSpec:
     settings: dict  # train.py settings (out_dir, data_dir and init_from are added when it trains)
     meta: dict = field(default_factory=dict)  # its CSV row's columns known before it trains
     needs: tuple = None  # (stable run id, step): a decay branch forks from that run's ckpt_step<step>.pt
+    model: dict = None  # ModelConfig fields train.py has no setting for (recipe's loop_scale)
 
 
 def search(tried, neighbours, runs, results):
@@ -94,12 +95,12 @@ def train_one(train_fn, spec, settings):
     torch.set_num_threads(1)
     with open(os.path.join(settings["out_dir"], "train.out"), "a") as f, contextlib.redirect_stdout(f), \
             contextlib.redirect_stderr(f):
-        summary = train_fn(settings)
+        summary = train_fn(settings, **({"model_fields": spec.model} if spec.model else {}))
     losses = summary.get("train_losses") or [np.nan]
     tail = losses[-max(1, len(losses) // 10):]  # the training loss of the run's last tenth
     result = dict(run_id=spec.run_id, settings=spec.settings, train_loss=float(np.mean(tail)),
                   **{k: summary.get(k) for k in ("val_loss", "val_loss_by_source", "tokens", "flops", "step",
-                                                 "seconds")})
+                                                 "seconds", "scores")})
     if os.path.exists(summary.get("log_path") or ""):  # the epochs of its data region it read
         result["epochs"] = plots.read_log(summary["log_path"])[-1]["epochs"]
     if spec.needs and os.path.exists(summary.get("ckpt_path") or ""):
@@ -112,19 +113,18 @@ def train_one(train_fn, spec, settings):
 
 
 def worker(conn, gpu):
-    """A worker process: trains each run it is sent (train.train) until the ladder ends it; one thread, and
-    its own GPU where there are any."""
+    """A worker process: trains each run it is sent (with the train function sent along) until the ladder
+    ends it; one thread, and its own GPU where there are any."""
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import threading
     from tqdm import tqdm
     tqdm.set_lock(threading.RLock())  # not a semaphore, which a killed worker would leave behind
-    import train
     try:
         while True:
-            spec, settings = conn.recv()
+            spec, settings, train_fn = conn.recv()
             try:
-                train_one(train.train, spec, settings)
+                train_one(train_fn, spec, settings)
                 conn.send((spec.run_id, None))
             except Exception as e:  # the ladder says which run and why, and stops
                 conn.send((spec.run_id, f"{type(e).__name__}: {e}"))
@@ -133,9 +133,9 @@ def worker(conn, gpu):
 
 
 def train_runs(specs, out, train_fn, data, workers, bar):
-    """Train the specs (none waiting for another): one by one here with train_fn, or with workers > 1 that
-    many at once in worker processes (train.train) -> {run_id: result}. A run that had started before starts
-    again from scratch."""
+    """Train the specs (none waiting for another) with train_fn (train.train, or a task's own): one by one
+    here, or with workers > 1 that many at once in worker processes -> {run_id: result}. A run that had
+    started before starts again from scratch."""
     jobs, results = [], {}
     for s in specs:
         settings = dict(s.settings, out_dir=folder(out, s.run_id), data_dir=data[s.meta.get("unique_tokens")])
@@ -143,9 +143,9 @@ def train_runs(specs, out, train_fn, data, workers, bar):
             settings["init_from"] = os.path.join(folder(out, s.needs[0]), f"ckpt_step{s.needs[1]}.pt")
         shutil.rmtree(settings["out_dir"], ignore_errors=True)
         os.makedirs(settings["out_dir"])
-        jobs.append((s, settings))
+        jobs.append((s, settings, train_fn))
     if workers <= 1 or len(jobs) <= 1:
-        for s, settings in jobs:
+        for s, settings, _ in jobs:
             results[s.run_id] = train_one(train_fn, s, settings)
             bar.update(1)
         return results

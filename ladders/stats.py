@@ -41,6 +41,29 @@ def difference(mean1, n1, mean2, n2, sigma, dof):
     return contrast([(1, mean1, n1), (-1, mean2, n2)], sigma, dof)
 
 
+def paired(diffs):
+    """A contrast paired by seed (a seed fixes the data order and the initial draws of both its arms): diffs
+    {point: [the contrast on each seed]} -> dict(diff, sigma, z, lo, hi, p, dof, means) of the mean over the
+    points (each weighs the same), its noise the spread of the per-seed values pooled over the points."""
+    means = {p: float(np.mean(v)) for p, v in diffs.items()}
+    d, (sigma, dof) = float(np.mean(list(means.values()))), pooled_std(diffs.values())
+    if not dof:
+        return dict(diff=d, sigma=math.nan, z=math.nan, lo=math.nan, hi=math.nan, p=math.nan, dof=0, means=means)
+    s = sigma * math.sqrt(sum(1 / len(v) for v in diffs.values())) / len(diffs)
+    lo, hi = t_interval(d, s, 1, dof)
+    return dict(diff=d, sigma=s, z=d / s, lo=lo, hi=hi, p=float(2 * scipy_stats.t.sf(abs(d / s), dof)),
+                dof=dof, means=means, point_sigma=sigma)
+
+
+def spreads(groups):
+    """{arm: [[its losses on each seed] per point]} -> the line of each arm's own seed std pooled over its
+    points, beside the std pooled over every arm."""
+    own = {a: pooled_std(g) for a, g in groups.items()}
+    sigma, dof = pooled_std([v for g in groups.values() for v in g])
+    return (f"seed std pooled over every arm {fmt(sigma, '.4f')} ({dof} dof); each arm's own: "
+            + ", ".join(f"{a} {fmt(s, '.4f')} ({k})" for a, (s, k) in own.items()))
+
+
 def seed_draws(means, ns, sigma, dof, n_draws, seed=0):
     """The seed bootstrap (parametric): n_draws draws of every point's seed mean, each moved by sigma /
     sqrt(n) x a Student t(dof) draw (sigma, dof: scalars or one per point), so that one mean's band is its

@@ -1,0 +1,211 @@
+"""Why SMELT's second visit earns nothing on this text where [X]'s Loop-2 earns 0.1 nats (kind "recipe"). Five
+causes, each at its [S] level (s) and its [X] level (x): R the updates inside the loop scaled by 1/r [S8] or
+not; M an MoE FFN or a dense one of the same active FLOPs; O train.py's AdamW or the [X] code's Muon recipe;
+S SMELT's middle-half loop or prelude-core-coda with the boundary operator [X3]; P [S]'s model recipe
+(pre-norm with gains) or [X] Loop-2's (QK-norm, no gains, residual multiplier 1/4, its init). A half
+fraction, I = RMOS (resolution IV, both corners in it): 16 configurations, each trained looped (the middle 2
+of 4 layers twice) and unlooped on the same tokens, at two budgets, each seed once; and Operator-1 with its
+own [X] recipe, the comparison x-cpu-mini made. The report: the loop's gain per configuration (paired by
+seed) and per FLOP, each cause's effect on it, the gate, and the reading of the rule written before the run
+(docs/ladder.md)."""
+
+import itertools
+import math
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+import match
+from ladders import x
+from ladders.runs import RunSpec
+from ladders.smelt import model_settings, vocab
+from ladders.stats import paired, pooled_std, spreads
+from ladders.sweep import lr_sweep, sweep_lines
+from model import ModelConfig
+
+FACTORS = {"R": "1/r scale", "M": "MoE", "O": "optimizer", "S": "loop shape", "P": "model recipe"}
+COLUMNS = ("config", "arm", "steps", "seed", "F", "D", "C", "loss", "lr", "run_id", "seconds")
+CORNERS = ("sssss", "xxxxx")
+
+
+def configs():
+    """The 16 configurations of the half fraction I = RMOS: a level s or x per cause, in the order RMOSP."""
+    return ["".join(c) for c in itertools.product("sx", repeat=5) if c[:4].count("x") % 2 == 0]
+
+
+def training(arch, o, lr, steps):
+    """train.py settings of optimizer level o at matrix LR lr: s, AdamW as the [S] presets (train.py's own
+    embedding and lm-head LRs, no decay); x, the [X] code's recipe of arch (Muon "x", its weight decay and
+    warm-down, its embedding and lm-head LRs at their ratios to the matrix LR: [X]'s global LR)."""
+    if o == "s":
+        return dict(optimizer="adamw", matrix_lr=lr, warmup_steps=10, decay_fraction=0.3)
+    _, t, warmup = x.recipe(arch)
+    return dict(t, matrix_lr=lr, warmup_steps=round(warmup * steps),
+                **{k: float(f"{lr * t[k] / t['matrix_lr']:.12g}") for k in ("embedding_lr", "unembedding_lr")})
+
+
+def model_of(preset, code, looped):
+    """The ModelConfig of a configuration, looped (the middle 2 of 4 layers twice) or not."""
+    r, m, o, s, p = code
+    recipe = x.recipe("loop-2")[0]
+    shape = dict(preset["model"], **({k: v for k, v in recipe.items() if k not in ("layout", "n_passes", "n_expert")}
+                                     if p == "x" else {"boundary_alpha": recipe["boundary_alpha"]}),
+                 n_expert=preset["experts"] if m == "s" else 0, n_passes=1 + looped,
+                 layout="pcc" if s == "x" else "smelt" if looped else "plain")
+    return ModelConfig(**vocab(preset), **shape)
+
+
+def spec(preset, name, cfg, settings, steps, seed, fields=None, **meta):
+    run = dict(preset["train"], **settings, **model_settings(cfg), seed=seed, max_steps=steps, eval_interval=steps)
+    return RunSpec(f"{name}-t{steps}-lr{settings['matrix_lr']:g}-s{seed}", run,
+                   dict(dict(grid_lr=settings["matrix_lr"]) | meta, steps=steps, seed=seed, lr=settings["matrix_lr"],
+                        F=match.flops_per_token(cfg), N=1),
+                   model=fields)
+
+
+def plan(preset, results, train_tokens=None):
+    """Each (optimizer, model recipe)'s LR swept on the calibration seed (a factor of the optimizer's base LR,
+    at the unlooped dense [S]-shaped model and the smaller budget, bracketed), then every configuration looped
+    and unlooped at both budgets on every report seed at its pair's LR, and Operator-1 at the [X] pair's."""
+    low, base = min(preset["steps"]), preset["base_lr"]
+
+    def sweep_runs(point, value):
+        o, p = point[0]
+        cfg = model_of(preset, "sx" + o + "s" + p, False)
+        return [spec(preset, f"sweep-{o}{p}", cfg, training("loop-2", o, base[o] * value, low), low,
+                     preset["calibration_seed"], config=f"sweep-{o}{p}", arm="sweep", grid_lr=value)]
+    specs, best, rows = lr_sweep(preset, [(o + p, None) for o in "sx" for p in "sx"], sweep_runs, results)
+    if best is None:
+        return specs, None
+    for code, looped, steps, seed in itertools.product(configs(), (0, 1), preset["steps"], preset["seeds"]):
+        lr = base[code[2]] * best[code[2] + code[4], None]
+        specs.append(spec(preset, f"{code}-{'loop' if looped else 'base'}", model_of(preset, code, looped),
+                          training("loop-2", code[2], lr, steps), steps, seed, {"loop_scale": "1/r" if code[0] == "s"
+                                                                                else "1"},
+                          config=code, arm="loop" if looped else "base"))
+    own = ModelConfig(**vocab(preset), **dict(preset["model"], **x.recipe("operator-1")[0]))
+    for steps, seed in itertools.product(preset["steps"], preset["seeds"]):
+        lr = base["x"] * best["xx", None]
+        specs.append(spec(preset, "operator-1", own, training("operator-1", "x", lr, steps), steps, seed,
+                          config="operator-1", arm="base"))
+    return specs, rows
+
+
+def rows(specs, results):
+    """runs.csv: a row per finished run of the report's seeds (D and C as train.py counted them)."""
+    out = []
+    for s in specs:
+        r = results.get(s.run_id)
+        if r and s.meta["arm"] != "sweep":
+            row = dict(s.meta, D=r["tokens"], C=r["flops"], F=r["flops"] / r["tokens"], loss=r["val_loss"],
+                       run_id=s.run_id, seconds=r["seconds"])
+            out.append({k: row[k] for k in COLUMNS})
+    return out
+
+
+def per_flop(base, loop):
+    """The unlooped loss at the looped run's compute, log-C linear between its two budgets (never
+    extrapolated), minus the looped run's loss; nan outside."""
+    (c1, l1), (c2, l2) = sorted(base)
+    if not c1 <= loop[0] <= c2:
+        return math.nan
+    return float(np.interp(math.log(loop[0]), [math.log(c1), math.log(c2)], [l1, l2])) - loop[1]
+
+
+def report(preset, rows, sweep):
+    """The sweep, the arms' seed spreads, the loop's gain per configuration (paired by seed) and per FLOP,
+    each cause's effect and the two-factor interactions, the corners, Operator-1's own recipe, the gate and
+    the rule's reading."""
+    by = {(r["config"], r["arm"], r["steps"], r["seed"]): r for r in rows}
+    codes, seeds, steps = configs(), sorted({r["seed"] for r in rows}), sorted({r["steps"] for r in rows})
+    lines = [f"== {preset['name']}: why the second visit pays in [X] and not in [S]; a configuration names the "
+             "level of each cause, s ([S]'s) or x ([X]'s), in the order " + ", ".join(
+                 f"{k} {v}" for k, v in FACTORS.items()) + f"; seeds {', '.join(map(str, seeds))}"]
+    if sweep:
+        lines += sweep_lines(sweep) + [f"  a factor of the base matrix LR ({preset['base_lr']}), swept on the "
+                                       f"calibration seed {preset['calibration_seed']} only"]
+    if any((c, a, t, s) not in by for c in codes for a in ("base", "loop") for t in steps for s in seeds):
+        return lines + ["not every run has finished"]
+    loss = lambda c, a, t, s: by[c, a, t, s]["loss"]  # noqa: E731
+    lines.append(spreads({a: [[loss(c, a, t, s) for s in seeds] for c in codes for t in steps]
+                          for a in ("base", "loop")}))
+    gains = {(c, t): [loss(c, "base", t, s) - loss(c, "loop", t, s) for s in seeds] for c in codes for t in steps}
+    sigma, dof = pooled_std(gains.values())
+    half = scipy_stats.t.ppf(0.975, dof) * sigma / math.sqrt(len(seeds))
+    lines += ["the loop's gain: unlooped minus looped at equal tokens (+: the loop pays), paired by seed, and "
+              f"per FLOP at {steps[0]} steps (the unlooped loss log-C interpolated to the looped run's compute); "
+              f"each +- {half:.4f} (95%, the gains' seed std {sigma:.4f} pooled over the configurations and "
+              f"budgets, {dof} dof)",
+              f"  {'config':>7} " + " ".join(f"{f'unlooped {t}':>12} {f'looped {t}':>10} {f'gain {t}':>8}"
+                                             for t in steps) + f" {'per FLOP':>9}"]
+    for c in codes:
+        cells = [f"{np.mean([loss(c, 'base', t, s) for s in seeds]):12.4f} "
+                 f"{np.mean([loss(c, 'loop', t, s) for s in seeds]):10.4f} {np.mean(gains[c, t]):+8.4f}"
+                 for t in steps]
+        flop = np.mean([per_flop([(by[c, "base", t, s]["C"], loss(c, "base", t, s)) for t in steps],
+                                 (by[c, "loop", steps[0], s]["C"], loss(c, "loop", steps[0], s))) for s in seeds])
+        lines.append(f"  {c:>7} " + " ".join(cells) + f" {flop:+9.4f}")
+    z, effect_lines = effects(codes, gains, sigma, dof)
+    lines += effect_lines + [f"the corners: [S]'s (sssss) and [X]'s (xxxxx) gain over both budgets, paired: " + ", ".join(
+        f"{c} {g['diff']:+.4f} [{g['lo']:+.4f}, {g['hi']:+.4f}]" for c, g in
+        ((c, paired({t: gains[c, t] for t in steps})) for c in CORNERS))]
+    own = {}
+    lines.append("Operator-1 with its own [X] recipe (its init, residual multiplier 1/2, alpha 1, schedule) on the "
+                 "same tokens and seeds, paired, over both budgets:")
+    for other, what in (("loop", "x-cpu-mini's comparison, minus the [X] corner looped (Loop-2)"),
+                        ("base", "its recipe alone, minus the [X] corner unlooped")):
+        own[other] = c = paired({t: [by["operator-1", "base", t, s]["loss"] - loss("xxxxx", other, t, s)
+                                     for s in seeds] for t in steps})
+        lines.append(f"  {what}: {c['diff']:+.4f} nats [{c['lo']:+.4f}, {c['hi']:+.4f}] = {c['z']:+.1f} sigma")
+    return lines + rule(preset, by, codes, steps, seeds, sweep, z, own)
+
+
+def effects(codes, gains, sigma, dof):
+    """Each cause's effect on the gain (the mean gain at its x level minus at its s level, over both budgets
+    and every seed) and the two-factor interactions (where the two levels agree minus where they differ;
+    aliased in pairs by I = RMOS: RM = OS, RO = MS, RS = MO) -> ({term: z}, lines)."""
+    n = len(codes) // 2 * len(next(iter(gains.values()))) * len({t for _, t in gains})
+    s = sigma * math.sqrt(2 / n)
+    half = scipy_stats.t.ppf(0.975, dof) * s
+    lines = [f"each cause's effect on the gain, its x level minus its s level (sigma {s:.4f}: the pooled noise x "
+             f"sqrt(2 / {n})); two-factor interactions, levels alike minus levels unlike (RM = OS, RO = MS, "
+             "RS = MO)"]
+    z = {}
+    for term in [(k,) for k in FACTORS] + [t for t in itertools.combinations(FACTORS, 2) if t[0] == "R" or "P" in t]:
+        at = [list(FACTORS).index(k) for k in term]
+        sign = {c: (1 if len(at) == 1 and c[at[0]] == "x" or len(at) == 2 and c[at[0]] == c[at[1]] else -1)
+                for c in codes}
+        e = np.mean([v for (c, _), vs in gains.items() for v in vs if sign[c] > 0]) - \
+            np.mean([v for (c, _), vs in gains.items() for v in vs if sign[c] < 0])
+        z["".join(term)] = e / s
+        lines.append(f"  {''.join(term):>3} {' x '.join(FACTORS[k] for k in term):<26} {e:+.4f} nats [{e - half:+.4f}, "
+                     f"{e + half:+.4f}] = {e / s:+.1f} sigma")
+    return z, lines
+
+
+def rule(preset, by, codes, steps, seeds, sweep, z, own):
+    """The gate (each LR bracketed on the calibration seed; every arm's loss falls from the smaller budget to
+    the larger on every seed), then the reading of the rule written before the run."""
+    loose = []  # a pair whose best LR lacks a worse value on either side
+    for p in dict.fromkeys(r["arch"] for r in sweep or []):
+        v = [r["val_loss"] for r in sorted((r for r in sweep if r["arch"] == p), key=lambda r: r["value"])]
+        loose += [p] * (min(v) in (v[0], v[-1]))
+    stalled = [f"{c} {a} seed {s}" for c in codes + ["operator-1"] for a in ("base", "loop") for s in seeds
+               if (c, a, steps[0], s) in by and not by[c, a, steps[-1], s]["loss"] < by[c, a, steps[0], s]["loss"]]
+    if loose or stalled or not sweep:
+        return [f"no reading: the instrument failed: " + "; ".join(
+            ([f"the LR is not bracketed for {', '.join(loose) or 'any pair (no sweep)'}"] if loose or not sweep else [])
+            + ([f"the loss does not fall from {steps[0]} to {steps[-1]} steps for {', '.join(stalled)}"]
+               if stalled else []))]
+    carried = [k for k in FACTORS if z[k] >= 2]
+    lines = [f"gate: every LR bracketed on seed {preset['calibration_seed']}; every arm's loss falls from "
+             f"{steps[0]} to {steps[-1]} steps on every seed", "the decision rule's reading:"]
+    lines += [f"  {FACTORS[k]} ({k}): " + ("the loop gains more at [X]'s level" if z[k] >= 2 else
+                                            "the loop gains more at [S]'s level" if z[k] <= -2 else "within noise")
+              for k in FACTORS]
+    lines.append("  the corners' gap is carried by " + (", ".join(FACTORS[k] for k in carried) if carried else
+                                                        "none of the five causes beyond noise"))
+    if own["base"]["z"] >= 2:
+        lines.append(f"  Operator-1's own recipe costs {own['base']['diff']:+.4f} nats by itself: that much of "
+                     "x-cpu-mini's comparison is the recipe, not the loop")
+    return lines
