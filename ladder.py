@@ -21,6 +21,7 @@ import sys
 from tqdm import tqdm
 
 import fit
+import plots
 from data.loader import read_meta
 from ladders import decompose, khop, recipe, repeat, smelt, testtime, x
 from ladders.presets import PRESETS
@@ -29,6 +30,9 @@ from ladders.runs import data_dir, load_results, train_runs, write_csv
 PROTOCOLS = {"smelt": smelt, "x": x, "repeat": repeat, "decompose": decompose, "recipe": recipe,
              "testtime": testtime, "khop": khop}
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "ladder")
+# the README's figure: where looping pays and where it does not, across the committed ladders
+SUMMARY = ("smelt-cpu-surface", "smelt-cpu-decompose", "smelt-cpu-recipe", "x-cpu-repeat-tuned", "x-cpu-testtime",
+           "smelt-cpu-khop")
 
 
 def train_tokens(folder):
@@ -90,6 +94,22 @@ def report(preset, prefix, plot=False, out=None):
     return text
 
 
+def summary(plot=False):
+    """Every SUMMARY ladder's contrasts from its committed CSVs (+ where the loop, depth or passes pay, 95%
+    intervals): printed, and with plot docs/ladder/summary.png -> the lines."""
+    panels = {"loss (nats), + where it pays": [], "k-hop error, + where it pays": []}
+    for name in SUMMARY:
+        preset, prefix = dict(PRESETS[name], name=name), os.path.join(DOCS, name + "-")
+        sweep = fit.read_runs(prefix + "lr_sweep.csv") if os.path.exists(prefix + "lr_sweep.csv") else None
+        rows = PROTOCOLS[preset["kind"]].summary(preset, fit.read_runs(prefix + "runs.csv"), sweep)
+        panels[list(panels)[preset["kind"] == "khop"]] += rows
+    lines = [f"{label}: {v:+.4f} [{lo:+.4f}, {hi:+.4f}]" for rows in panels.values() for label, v, lo, hi in rows]
+    if plot and plots.plot_contrasts(list(panels.items()), os.path.join(DOCS, "summary.png"),
+                                     "the ladders: where looping pays (95% intervals; green above 0, red below)"):
+        lines.append(f"wrote {os.path.join(DOCS, 'summary.png')}")
+    return lines
+
+
 def listing():
     """Every preset's plan, the grid's middle LR and weight decay taken as best (so no bracketing run)."""
     lines = []
@@ -119,6 +139,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="ladder.py", usage=argparse.SUPPRESS, description=description,
                                      epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--list", action="store_true", help="list the presets with their size")
+    parser.add_argument("--summary", action="store_true", help="the contrasts of the committed ladders (with "
+                                                               "--plot: docs/ladder/summary.png)")
     parser.add_argument("--preset", choices=PRESETS, metavar="NAME", help=f"one of {', '.join(PRESETS)}")
     parser.add_argument("--out", help="the ladder's folder (default out/ladder-NAME); with --report_only the "
                                       "folder holding its runs.csv (default: docs/ladder/NAME-runs.csv)")
@@ -126,8 +148,8 @@ def main(argv=None):
     parser.add_argument("--plot", action="store_true", help="the figures too (needs matplotlib)")
     parser.add_argument("--report_only", action="store_true", help="train nothing: the report from the CSVs")
     args = parser.parse_args(argv)
-    if args.list:
-        print(listing())
+    if args.list or args.summary:
+        print(listing() if args.list else "\n".join(summary(args.plot)))
         return 0
     if not args.preset:
         parser.error("give --preset NAME (or --list)")

@@ -35,12 +35,13 @@ def pyplot(path=None):
         return None
 
 
-def _figure(path, draw, ncols=1, figsize=(6, 4)):
-    """A figure of ncols axes filled by draw(fig, axes), saved to path: True, or False without matplotlib."""
+def _figure(path, draw, ncols=1, figsize=(6, 4), **grid):
+    """A figure of ncols axes (or grid's nrows x ncols) filled by draw(fig, axes), saved to path: True, or
+    False without matplotlib."""
     plt = pyplot(path)
     if plt is None:
         return False
-    fig, axes = plt.subplots(1, ncols, figsize=figsize)
+    fig, axes = plt.subplots(grid.pop("nrows", 1), ncols, figsize=figsize, **grid)
     try:
         draw(fig, axes)
         for ax in fig.axes:
@@ -162,7 +163,7 @@ def plot_surface_frontiers(frontiers, sparsities, path, C_range=(1e18, 1e23), ti
     return _figure(path, draw)
 
 
-def plot_loss_curves(curves, path, title=None, xlabel="tokens"):
+def plot_loss_curves(curves, path, title=None, xlabel="tokens", ylabel="loss (nats/token)"):
     """Loss curves {label: (x, loss)}; labels equal but for their last word share a colour, a style each."""
     groups = {label: label.rsplit(" ", 1)[0] for label in curves}
     colours, seen = _colours(groups.values()), {}
@@ -171,7 +172,7 @@ def plot_loss_curves(curves, path, title=None, xlabel="tokens"):
         for label, (x, y) in curves.items():
             k = seen[groups[label]] = seen.get(groups[label], -1) + 1
             ax.plot(x, y, lw=1.2, color=colours[groups[label]], ls=STYLES[k % 4], label=label)
-        ax.set(xlabel=xlabel, ylabel="loss (nats/token)")
+        ax.set(xlabel=xlabel, ylabel=ylabel)
         ax.set_title(title or "loss curves", fontsize=9)
     return _figure(path, draw)
 
@@ -209,22 +210,22 @@ def plot_wd_curves(curves, path, title=None):
     return _figure(path, draw, ncols=len(curves), figsize=(3 * len(curves), 3.5))
 
 
-def plot_accuracy_panels(panels, path, title=None, chance=None):
-    """Accuracy curves side by side: panels [(x label, {label: [(x, accuracy)]})], a label one colour in
-    every panel; chance: a dotted line."""
-    colours = _colours(label for _, curves in panels for label in curves)
-
+def plot_contrasts(panels, path, title=None):
+    """Contrasts with their 95% intervals, a row each: panels [(x label, [(label, value, lo, hi)])] one above
+    the other; green where the interval is above 0, red where below, grey where it holds 0."""
     def draw(fig, axes):
-        axes = np.atleast_1d(axes)
-        for ax, (xlabel, curves) in zip(axes, panels):
-            for label, pts in curves.items():
-                ax.plot(*zip(*sorted(pts)), "o-", ms=3, lw=1.2, color=colours[label], label=label)
-            if chance:
-                ax.axhline(chance, color="0.5", ls=":", lw=1, label="a guess")
-            ax.set(xlabel=xlabel, ylim=(0, 1))
-        axes[0].set_ylabel("accuracy")
-        fig.suptitle(title or "accuracy", fontsize=9)
-    return _figure(path, draw, ncols=len(panels), figsize=(4.5 * len(panels), 3.5))
+        for ax, (xlabel, rows) in zip(np.atleast_1d(axes), panels):
+            y = np.arange(len(rows))[::-1]
+            for yi, (_, v, lo, hi) in zip(y, rows):
+                ax.errorbar(v, yi, xerr=[[v - lo], [hi - v]], fmt="o", ms=4, capsize=2,
+                            color="C2" if lo > 0 else "C3" if hi < 0 else "0.4")
+            ax.axvline(0.0, color="0.5", ls="--", lw=1)
+            ax.set_yticks(y, [label for label, *_ in rows], fontsize=7)
+            ax.set_xlabel(xlabel, fontsize=8)
+        fig.suptitle(title or "contrasts", fontsize=9)
+    sizes = [len(rows) for _, rows in panels]
+    return _figure(path, draw, figsize=(9, 0.3 * sum(sizes) + 1.2 * len(panels)), nrows=len(panels),
+                   gridspec_kw={"height_ratios": sizes})
 
 
 def main(argv=None):

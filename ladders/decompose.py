@@ -73,13 +73,27 @@ def reading(z):
     return "no reading of the rule holds"
 
 
+def contrasts(rows):
+    """(losses {(cell, tpp, arm, seed): loss}, points, seeds, {(x, y): the contrast x - y paired by seed})."""
+    by = {(r["cell"], r["tpp"], r["arm"], r["seed"]): r["loss"] for r in rows}
+    points = sorted({(c, t) for c, t, *_ in by}, key=lambda p: (p[1], p[0]))
+    seeds = sorted({k[3] for k in by})
+    return by, points, seeds, {(x, y): paired({p: [by[(*p, x, s)] - by[(*p, y, s)] for s in seeds] for p in points})
+                               for x, y, _ in CONTRASTS}
+
+
+def summary(preset, rows, sweep=None):
+    """The README figure's rows: the loop's and depth's contrasts, + where the loop (or depth) pays."""
+    pairs = contrasts(rows)[3]
+    return [(f"{preset['name']}: {what}", -c["diff"], -c["hi"], -c["lo"]) for (x, y, what), c in
+            zip(CONTRASTS, pairs.values()) if x + y in ("CA", "DA", "EA", "DE")]
+
+
 def report(preset, rows, sweep=None):
     """The arms' losses per point and their own seed spreads, each contrast paired by seed per point and
     averaged over the points, the gate (every arm learns: its loss falls from the smaller budget to the
     larger on every seed), then the rule's reading."""
-    by = {(r["cell"], r["tpp"], r["arm"], r["seed"]): r["loss"] for r in rows}
-    points = sorted({(c, t) for c, t, *_ in by}, key=lambda p: (p[1], p[0]))
-    seeds = sorted({k[3] for k in by})
+    by, points, seeds, pairs = contrasts(rows)
     mean = lambda p, a: float(np.mean([by[(*p, a, s)] for s in seeds]))  # noqa: E731
     lines = [f"== {preset['name']}: [S] SMELT's deficit decomposed; every arm of a point reads the same "
              f"tokens (tpp x the baseline's N), seeds {', '.join(map(str, seeds))}",
@@ -89,8 +103,6 @@ def report(preset, rows, sweep=None):
              "the spread of the per-seed differences pooled over the points; 95% t-intervals",
              f"  {'point':<16} " + " ".join(f"{a:>7}" for a in ARMS) + " " + " ".join(
                  f"{x + '-' + y:>22}" for x, y, _ in CONTRASTS)]
-    pairs = {(x, y): paired({p: [by[(*p, x, s)] - by[(*p, y, s)] for s in seeds] for p in points})
-             for x, y, _ in CONTRASTS}
     for p in points:
         cells_ = []
         for x, y, _ in CONTRASTS:

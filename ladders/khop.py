@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import match
+import plots
 from ladders.runs import RunSpec
 from ladders.stats import paired
 from model import GPT, ModelConfig
@@ -243,3 +244,29 @@ def report(preset, rows, sweep=None):
                                                         and not below_deep else "between 2 and 4 layers"
                                                         if above_shallow else "no better than 2 layers"))
     return lines
+
+
+def summary(preset, rows, sweep=None):
+    """The README figure's rows (+ where the deeper or looped arm errs less): 2 layers' error minus each of the
+    others', paired by seed, over every k."""
+    rep = [r for r in rows if r["role"] == "report"]
+    err = {(r["arm"], r["seed"], str(r["passes"]), r["k"]): r["error"] for r in rep}
+    seeds = sorted({r["seed"] for r in rep})
+    out = []
+    for arm in ("L4", "P", "S"):
+        c = paired({k: [err["L2", s, "1", k] - err[arm, s, str(ARMS[arm]["n_passes"]), k] for s in seeds]
+                    for k in range(1, HOPS + 1)})
+        out.append((f"{preset['name']}: {preset['arm_names'][arm]} vs 2 layers, over k = 1..{HOPS}", c["diff"],
+                    c["lo"], c["hi"]))
+    return out
+
+
+def figures(preset, rows, path, out=None):
+    """Each arm's error per k at its trained passes (the mean over report seeds) beside Sanford et al.'s."""
+    rep = [r for r in rows if r["role"] == "report" and str(r["passes"]) == str(ARMS[r["arm"]]["n_passes"])]
+    curves = {f"{preset['arm_names'][a]} here": (list(range(1, HOPS + 1)), [np.mean(
+        [r["error"] for r in rep if (r["arm"], r["k"]) == (a, k)]) for k in range(1, HOPS + 1)]) for a in ARMS}
+    curves |= {f"Sanford depth {d} theirs": (list(range(1, HOPS + 1)), list(v)) for d, v in SANFORD.items()}
+    title = f"{preset['name']}: k-hop induction, error per k ({len({r['seed'] for r in rep})} seeds)"
+    return [path("errors.png")] if rep and plots.plot_loss_curves(curves, path("errors.png"), title, xlabel="k",
+                                                                  ylabel="error") else []

@@ -16,14 +16,18 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 import match
+import plots
 from ladders import x
 from ladders.runs import RunSpec
 from ladders.smelt import model_settings, vocab
 from ladders.stats import paired, pooled_std, spreads
-from ladders.sweep import lr_sweep, sweep_lines
+from ladders.sweep import lr_sweep, sweep_lines, unbracketed
 from model import ModelConfig
 
-FACTORS = {"R": "1/r scale", "M": "MoE", "O": "optimizer", "S": "loop shape", "P": "model recipe"}
+# each cause: (what, its [S] level s, its [X] level x)
+FACTORS = {"R": ("the loop's updates", "scaled by 1/r", "unscaled"), "M": ("the FFN", "an MoE", "dense"),
+           "O": ("the optimizer", "AdamW", "[X]'s Muon"), "S": ("the loop's shape", "SMELT's", "prelude-core-coda"),
+           "P": ("the model recipe", "[S]'s", "Loop-2's")}
 COLUMNS = ("config", "arm", "steps", "seed", "F", "D", "C", "loss", "lr", "run_id", "seconds")
 CORNERS = ("sssss", "xxxxx")
 
@@ -118,12 +122,13 @@ def report(preset, rows, sweep):
     the rule's reading."""
     by = {(r["config"], r["arm"], r["steps"], r["seed"]): r for r in rows}
     codes, seeds, steps = configs(), sorted({r["seed"] for r in rows}), sorted({r["steps"] for r in rows})
-    lines = [f"== {preset['name']}: why the second visit pays in [X] and not in [S]; a configuration names the "
-             "level of each cause, s ([S]'s) or x ([X]'s), in the order " + ", ".join(
-                 f"{k} {v}" for k, v in FACTORS.items()) + f"; seeds {', '.join(map(str, seeds))}"]
+    lines = [f"== {preset['name']}: why the second visit pays in [X] and not in [S]; a configuration names each "
+             "cause's level, s ([S]'s) or x ([X]'s), in the order: " + "; ".join(
+                 f"{k} {what}, {s_} or {x_}" for k, (what, s_, x_) in FACTORS.items())
+             + f"; seeds {', '.join(map(str, seeds))}"]
     if sweep:
-        lines += sweep_lines(sweep) + [f"  a factor of the base matrix LR ({preset['base_lr']}), swept on the "
-                                       f"calibration seed {preset['calibration_seed']} only"]
+        lines += sweep_lines(sweep) + [f"  a factor of the optimizer's base matrix LR ({preset['base_lr']}), swept "
+                                       f"on the calibration seed {preset['calibration_seed']} only"]
     if any((c, a, t, s) not in by for c in codes for a in ("base", "loop") for t in steps for s in seeds):
         return lines + ["not every run has finished"]
     loss = lambda c, a, t, s: by[c, a, t, s]["loss"]  # noqa: E731
@@ -146,16 +151,16 @@ def report(preset, rows, sweep):
                                  (by[c, "loop", steps[0], s]["C"], loss(c, "loop", steps[0], s))) for s in seeds])
         lines.append(f"  {c:>7} " + " ".join(cells) + f" {flop:+9.4f}")
     z, effect_lines = effects(codes, gains, sigma, dof)
-    lines += effect_lines + [f"the corners: [S]'s (sssss) and [X]'s (xxxxx) gain over both budgets, paired: " + ", ".join(
-        f"{c} {g['diff']:+.4f} [{g['lo']:+.4f}, {g['hi']:+.4f}]" for c, g in
-        ((c, paired({t: gains[c, t] for t in steps})) for c in CORNERS))]
-    own = {}
+    lines += effect_lines + ["the loop's gain at each corner, over both budgets, paired:"] + [
+        f"  {who}'s ({c}) {g['diff']:+.4f} [{g['lo']:+.4f}, {g['hi']:+.4f}]" for who, c, g in
+        ((who, c, paired({t: gains[c, t] for t in steps})) for who, c in zip(("[S]", "[X]"), CORNERS))]
     lines.append("Operator-1 with its own [X] recipe (its init, residual multiplier 1/2, alpha 1, schedule) on the "
                  "same tokens and seeds, paired, over both budgets:")
+    own = {other: paired({t: [by["operator-1", "base", t, s]["loss"] - loss("xxxxx", other, t, s) for s in seeds]
+                          for t in steps}) for other in ("loop", "base")}
     for other, what in (("loop", "x-cpu-mini's comparison, minus the [X] corner looped (Loop-2)"),
                         ("base", "its recipe alone, minus the [X] corner unlooped")):
-        own[other] = c = paired({t: [by["operator-1", "base", t, s]["loss"] - loss("xxxxx", other, t, s)
-                                     for s in seeds] for t in steps})
+        c = own[other]
         lines.append(f"  {what}: {c['diff']:+.4f} nats [{c['lo']:+.4f}, {c['hi']:+.4f}] = {c['z']:+.1f} sigma")
     return lines + rule(preset, by, codes, steps, seeds, sweep, z, own)
 
@@ -167,45 +172,70 @@ def effects(codes, gains, sigma, dof):
     n = len(codes) // 2 * len(next(iter(gains.values()))) * len({t for _, t in gains})
     s = sigma * math.sqrt(2 / n)
     half = scipy_stats.t.ppf(0.975, dof) * s
-    lines = [f"each cause's effect on the gain, its x level minus its s level (sigma {s:.4f}: the pooled noise x "
-             f"sqrt(2 / {n})); two-factor interactions, levels alike minus levels unlike (RM = OS, RO = MS, "
+    lines = [f"each cause's effect on the gain, its x level's minus its s level's (sigma {s:.4f}: the pooled noise "
+             f"x sqrt(2 / {n})); two-factor interactions, levels alike minus levels unlike (RM = OS, RO = MS, "
              "RS = MO)"]
     z = {}
     for term in [(k,) for k in FACTORS] + [t for t in itertools.combinations(FACTORS, 2) if t[0] == "R" or "P" in t]:
         at = [list(FACTORS).index(k) for k in term]
-        sign = {c: (1 if len(at) == 1 and c[at[0]] == "x" or len(at) == 2 and c[at[0]] == c[at[1]] else -1)
-                for c in codes}
-        e = np.mean([v for (c, _), vs in gains.items() for v in vs if sign[c] > 0]) - \
-            np.mean([v for (c, _), vs in gains.items() for v in vs if sign[c] < 0])
+        alike = {c: len(at) == 1 and c[at[0]] == "x" or len(at) == 2 and c[at[0]] == c[at[1]] for c in codes}
+        e = np.mean([v for (c, _), vs in gains.items() for v in vs if alike[c]]) - \
+            np.mean([v for (c, _), vs in gains.items() for v in vs if not alike[c]])
         z["".join(term)] = e / s
-        lines.append(f"  {''.join(term):>3} {' x '.join(FACTORS[k] for k in term):<26} {e:+.4f} nats [{e - half:+.4f}, "
-                     f"{e + half:+.4f}] = {e / s:+.1f} sigma")
+        name = f"{FACTORS[term[0]][2]} vs {FACTORS[term[0]][1]}" if len(term) == 1 else \
+            " x ".join(FACTORS[k][0] for k in term)
+        lines.append(f"  {''.join(term):>3} {name:<44} {e:+.4f} nats [{e - half:+.4f}, {e + half:+.4f}] = "
+                     f"{e / s:+.1f} sigma")
     return z, lines
 
 
 def rule(preset, by, codes, steps, seeds, sweep, z, own):
     """The gate (each LR bracketed on the calibration seed; every arm's loss falls from the smaller budget to
     the larger on every seed), then the reading of the rule written before the run."""
-    loose = []  # a pair whose best LR lacks a worse value on either side
-    for p in dict.fromkeys(r["arch"] for r in sweep or []):
-        v = [r["val_loss"] for r in sorted((r for r in sweep if r["arch"] == p), key=lambda r: r["value"])]
-        loose += [p] * (min(v) in (v[0], v[-1]))
+    loose = unbracketed(sweep or [])
     stalled = [f"{c} {a} seed {s}" for c in codes + ["operator-1"] for a in ("base", "loop") for s in seeds
                if (c, a, steps[0], s) in by and not by[c, a, steps[-1], s]["loss"] < by[c, a, steps[0], s]["loss"]]
-    if loose or stalled or not sweep:
-        return [f"no reading: the instrument failed: " + "; ".join(
-            ([f"the LR is not bracketed for {', '.join(loose) or 'any pair (no sweep)'}"] if loose or not sweep else [])
-            + ([f"the loss does not fall from {steps[0]} to {steps[-1]} steps for {', '.join(stalled)}"]
-               if stalled else []))]
-    carried = [k for k in FACTORS if z[k] >= 2]
+    failed = ([f"the LR is not bracketed for {', '.join(loose) or 'any pair (no sweep)'}"] if loose or not sweep
+              else []) + ([f"the loss does not fall from {steps[0]} to {steps[-1]} steps for {', '.join(stalled)}"]
+                          if stalled else [])
+    if failed:
+        return ["no reading: the instrument failed: " + "; ".join(failed)]
     lines = [f"gate: every LR bracketed on seed {preset['calibration_seed']}; every arm's loss falls from "
              f"{steps[0]} to {steps[-1]} steps on every seed", "the decision rule's reading:"]
-    lines += [f"  {FACTORS[k]} ({k}): " + ("the loop gains more at [X]'s level" if z[k] >= 2 else
-                                            "the loop gains more at [S]'s level" if z[k] <= -2 else "within noise")
-              for k in FACTORS]
-    lines.append("  the corners' gap is carried by " + (", ".join(FACTORS[k] for k in carried) if carried else
-                                                        "none of the five causes beyond noise"))
+    lines += [f"  {what} ({k}): " + (f"the loop gains more with {x_}" if z[k] >= 2 else f"the loop gains more with "
+                                     f"{s_}" if z[k] <= -2 else "within noise")
+              for k, (what, s_, x_) in FACTORS.items()]
+    carried = [FACTORS[k][0] for k in FACTORS if z[k] >= 2]
+    lines.append("  the corners' gap is carried by " + (", ".join(carried) or "none of the five causes beyond noise"))
     if own["base"]["z"] >= 2:
         lines.append(f"  Operator-1's own recipe costs {own['base']['diff']:+.4f} nats by itself: that much of "
                      "x-cpu-mini's comparison is the recipe, not the loop")
     return lines
+
+
+def summary(preset, rows, sweep=None):
+    """The README figure's rows (+ where the loop pays): the loop's gain at either corner over both budgets,
+    and x-cpu-mini's comparison (Operator-1 with its own recipe minus Loop-2)."""
+    by = {(r["config"], r["arm"], r["steps"], r["seed"]): r["loss"] for r in rows}
+    steps, seeds = sorted({r["steps"] for r in rows}), sorted({r["seed"] for r in rows})
+    out = []
+    for label, base, loop in [(f"the loop at {who}'s corner, equal tokens", c, c) for who, c in
+                              zip(("[S]", "[X]"), CORNERS)] + [("Loop-2 vs Operator-1, their own recipes",
+                                                                "operator-1", "xxxxx")]:
+        g = paired({t: [by[base, "base", t, s] - by[loop, "loop", t, s] for s in seeds] for t in steps})
+        out.append((f"{preset['name']}: {label}", g["diff"], g["lo"], g["hi"]))
+    return out
+
+
+def figures(preset, rows, path, out=None):
+    """The loop's gain per configuration with its 95% interval (the pooled noise), a panel per budget."""
+    by = {(r["config"], r["arm"], r["steps"], r["seed"]): r["loss"] for r in rows}
+    steps, seeds = sorted({r["steps"] for r in rows}), sorted({r["seed"] for r in rows})
+    gains = {(c, t): [by[c, "base", t, s] - by[c, "loop", t, s] for s in seeds] for c in configs() for t in steps}
+    sigma, dof = pooled_std(gains.values())
+    half = scipy_stats.t.ppf(0.975, dof) * sigma / math.sqrt(len(seeds))
+    panels = [(f"the loop's gain at {t} steps (nats, + where it pays)", [
+        (c, np.mean(gains[c, t]), np.mean(gains[c, t]) - half, np.mean(gains[c, t]) + half) for c in configs()])
+        for t in steps]
+    title = f"{preset['name']}: causes in the order R M O S P, s = [S]'s level, x = [X]'s"
+    return [path("gains.png")] if plots.plot_contrasts(panels, path("gains.png"), title) else []

@@ -17,9 +17,9 @@ import match
 import plots
 from ladders import x
 from ladders.runs import RunSpec, grid_neighbours, search
-from ladders.stats import agreement, contrast, difference, fmt, interpolated_optimum, pooled_std, seed_draws
+from ladders.stats import agreement, contrast, fmt, interpolated_optimum, paired, pooled_std, seed_draws, spreads
 from ladders.stats import t_interval
-from ladders.sweep import lr_sweep, sweep_lines
+from ladders.sweep import gate_line, lr_sweep, sweep_lines
 
 COLUMNS = ("K", "depth", "width", "wd", "seed", "role", "C", "D", "F", "N", "N_s", "executed", "epochs",
            "unique_tokens", "lr", "loss", "train_loss", "run_id", "seconds")
@@ -189,6 +189,7 @@ def arm_lines(preset, arm, rows):
               f"  {'K':>2} " + " ".join(f"{f'd{d} C':>9} {'loss':>6} {'n':>1}" for d in depths)]
     lines += [f"  {k:>2} " + " ".join(f"{pts[k, d][0]:9.3g} {np.mean(pts[k, d][1]):6.4f} {len(pts[k, d][1])}"
                                       if (k, d) in pts else f"{'-':>18}" for d in depths) for k in Ks]
+    lines.append("  " + spreads({f"K={k}": [v for (kk, _), (_, v) in sorted(pts.items()) if kk == k] for k in Ks}))
     if 1 not in Ks or len(Ks) < 2 or not dof:
         return lines, pts
     lines += budget_lines(preset, pts, sigma, dof)
@@ -266,17 +267,38 @@ def budget_lines(preset, pts, sigma, dof):
         parts.append(f"K={k} {np.mean(v):.4f} (d{d}{', the largest' * largest}, n={len(v)}) [{lo:.4f}, "
                      f"{hi:.4f}]")
     lines.append("  the lowest loss of each K (its best stored size) [95% t-interval]: " + ", ".join(parts))
-    loop = min((k for k in lowest if k > 1), key=lambda k: np.mean(pts[k, lowest[k]][1]))
-    a, b = pts[1, lowest[1]][1], pts[loop, lowest[loop]][1]
-    diff = difference(np.mean(a), len(a), np.mean(b), len(b), sigma, dof)
-    welch = scipy_stats.ttest_ind(a, b, equal_var=False).pvalue if min(len(a), len(b)) > 1 else np.nan
+    loop, d, half, noise = k1_minus_loop(pts)
     lo, hi = np.nanpercentile(ratios, [2.5, 97.5]) if np.isfinite(ratios).any() else (np.nan, np.nan)
-    return lines + [f"  K = 1 minus K = {loop}: {diff['diff']:+.4f} nats = {diff['z']:.1f} sigma (the pooled "
-                    f"std x sqrt(1/{len(a)} + 1/{len(b)})) [{diff['lo']:+.4f}, {diff['hi']:+.4f}], p = "
-                    f"{diff['p']:.3f}; Welch's test on these runs alone p = {fmt(welch, '.2f')}",
+    return lines + [f"  K = 1 minus K = {loop}: {d:+.4f} nats [{d - half:+.4f}, {d + half:+.4f}], paired by seed "
+                    f"(the per-seed differences' std {fmt(noise.get('point_sigma'), '.4f')} pooled over "
+                    f"{len(noise['means'])} depths, {noise['dof']} dof)",
                     f"K = 1's best loss L* = {l_star:.4f} at C* = {c_star:.3g}; a looped K reaches it at C = "
                     f"{fmt(reach, '.3g')}: C*/C = {fmt(c_star / reach, '.2f')} [95% band {fmt(lo, '.2f')}, "
                     f"{fmt(hi, '.2f')}; reached in {np.mean(np.isfinite(ratios)):.2f} of the draws]"]
+
+
+def k1_minus_loop(pts):
+    """K = 1's lowest loss (its best stored size) minus the best looped K's, paired by seed (a seed fixes the
+    data order, and at one depth the draws): the per-seed differences' spread pooled over the depths where
+    both K have every seed -> (the looped K, the difference, its 95% half-width, the pooled noise)."""
+    lowest = {k: min((d for kk, d in pts if kk == k), key=lambda d: np.mean(pts[k, d][1])) for k, _ in pts}
+    loop = min((k for k in lowest if k > 1), key=lambda k: np.mean(pts[k, lowest[k]][1]))
+    a, b = pts[1, lowest[1]][1], pts[loop, lowest[loop]][1]
+    noise = paired({d: [x - y for x, y in zip(pts[1, d][1], pts[loop, d][1])] for k, d in pts
+                    if k == 1 and (loop, d) in pts and len(pts[1, d][1]) == len(pts[loop, d][1]) > 1})
+    d = float(np.mean(a) - np.mean(b))
+    half = d - t_interval(d, noise["point_sigma"], len(a), noise["dof"])[0] if noise["dof"] else np.nan
+    return loop, d, half, noise
+
+
+def summary(preset, rows, sweep=None):
+    """The README figure's rows: per data budget, K = 1 minus the best looped K at their best sizes (equal
+    tokens; + where looping pays)."""
+    out = []
+    for label, unique, _ in arms(preset):
+        loop, d, half, _ = k1_minus_loop(points(preset, [r for r in rows if r["unique_tokens"] == unique])[2])
+        out.append((f"{preset['name']}, {label}: K = {loop} vs K = 1 at equal tokens", d, d - half, d + half))
+    return out
 
 
 def looping_gain(pts, chosen_on=slice(None), reported_on=slice(None)):
@@ -347,7 +369,7 @@ def report(preset, rows, sweep):
         lines += sweep_lines(sweep) + [
             f"  each budget's LR (its k1 row) carried to every K and by [X16] with beta "
             f"{preset['lr_beta']:g} from d{preset['depths'][0]}"
-            + ("; every point searches its own from there" if preset["tune"] else "")]
+            + ("; every point searches its own from there" if preset["tune"] else ""), gate_line(sweep)]
     sections = []
     for arm in arms(preset):
         mine = [r for r in rows if r["unique_tokens"] == arm[1]]

@@ -16,8 +16,8 @@ import match
 import plots
 from data.loader import BRANCH_FRACTION
 from ladders.runs import RunSpec
-from ladders.stats import fmt, pooled_std, profile_bound, profile_interval, t_interval
-from ladders.sweep import lr_sweep, sweep_lines
+from ladders.stats import fmt, pooled_std, profile_bound, profile_interval, spreads, t_interval
+from ladders.sweep import gate_line, lr_sweep, sweep_lines
 from model import ModelConfig
 
 ARCHS = ("baseline", "smelt")
@@ -190,7 +190,7 @@ def report(preset, rows, sweep):
     sigma, dof = pooled_std(groups.values())
     lines = [f"== {preset['name']}: [S] SMELT vs its matched baseline, {len(grid)} cells"]
     if sweep:
-        lines += sweep_lines(sweep, sigma and sigma * math.sqrt(2 / preset["lr"]["seeds"]))
+        lines += sweep_lines(sweep, sigma and sigma * math.sqrt(2 / preset["lr"]["seeds"])) + [gate_line(sweep)]
     lines += ["matching ([S] Table 10 ratios, SMELT / baseline; match.match accepts F in [1, 1.05] x, N "
               "within 1.5% and KV within 4%)", f"  {'cell':<12} {'baseline H/E/kv':>16} {'SMELT H/E/kv':>14} "
               f"{'F':>7} {'N':>7} {'KV':>7} {'S_base':>7} {'S_smelt':>7}"]
@@ -215,29 +215,36 @@ def report(preset, rows, sweep):
 
 
 def pair_lines(rows, sigma, dof):
-    """Per pair (same cell, branch and seed) SMELT minus baseline against its seed noise, sqrt(2) x the pooled
-    std (a difference of two single runs), per scale; the mean over cells with its t-interval over cells."""
+    """Per pair (same cell, branch and seed: the same tokens) SMELT minus baseline against its noise, the
+    pairs' own spread where the twin has several seeds, else sqrt(2) x the baseline's pooled std (the twin's
+    unmeasured), per scale; the mean over cells with its t-interval over cells."""
     by = {(r["arch"], r["cell"], r["branch_tpp"], r["seed"]): r for r in rows}
     pairs = [(k[1], by[("smelt",) + k[1:]], r) for k, r in by.items() if k[0] == "baseline"
              and ("smelt",) + k[1:] in by]
     wins = lambda key: f"{sum(t[key] < b[key] for _, t, b in pairs)}/{len(pairs)}"  # noqa: E731
-    lines = [f"seed spread of the baseline: pooled std {fmt(sigma, '.4f')} nats ({dof} dof)",
+    diffs, own = {}, {}
+    for (arch, cell, tpp, _), r in by.items():
+        own.setdefault(arch, {}).setdefault((cell, tpp), []).append(r["loss"])
+        if arch == "smelt" and ("baseline", cell, tpp, _) in by:
+            diffs.setdefault((cell, tpp), []).append(r["loss"] - by["baseline", cell, tpp, _]["loss"])
+    paired_sd, paired_dof = pooled_std(diffs.values())
+    lines = [spreads({a: list(g.values()) for a, g in own.items()}) + "; each pair's difference (paired by "
+             f"seed): {fmt(paired_sd, '.4f')} ({paired_dof} dof)",
              f"pairs (same cell, branch and seed) where SMELT's loss is lower: {wins('loss')}; by validation "
              "source: " + ", ".join(f"{k[5:]} {wins(k)}" for k in rows[0] if k.startswith("loss_"))]
     if not pairs or not sigma:
         return lines
-    s2 = math.sqrt(2) * sigma
-    lines.append(f"SMELT minus baseline per pair, in sigma_diff = sqrt(2) x the pooled std = {s2:.4f} nats")
+    s2 = paired_sd if paired_dof else math.sqrt(2) * sigma
+    lines.append(f"SMELT minus baseline per pair, in sigma_diff = {s2:.4f} nats (" + (
+        "the pairs' own spread" if paired_dof else "sqrt(2) x the baseline's pooled std: one twin seed") + ")")
     scale = lambda cell: cell.rsplit("-", 1)[0]  # noqa: E731  (L8w72-e16 -> L8w72)
     for sc in dict.fromkeys(scale(c) for c, *_ in pairs):
         d = np.array([t["loss"] - b["loss"] for c, t, b in pairs if scale(c) == sc])
         lines.append(f"  {sc:>8}: SMELT lower in {(d < 0).sum()}/{len(d)}, median {np.median(d):+.4f} "
                      f"({np.median(d) / s2:+.1f} sigma_diff), {d.min():+.4f}..{d.max():+.4f}; beyond +2 "
                      f"sigma_diff {(d > 2 * s2).sum()}, beyond -2 {(d < -2 * s2).sum()}")
-    cell = np.array([np.mean([t["loss"] - b["loss"] for c, t, b in pairs if c == name])
-                     for name in dict.fromkeys(c for c, *_ in pairs)])
+    cell, lo, hi = over_cells(pairs)
     if len(cell) > 1:
-        lo, hi = t_interval(cell.mean(), cell.std(ddof=1), len(cell), len(cell) - 1)
         lines.append(f"  the mean over the {len(cell)} cells (each its branches' mean): {cell.mean():+.4f} "
                      f"[95% t-interval over cells {lo:+.4f}, {hi:+.4f}]")
     series = {}
@@ -245,6 +252,23 @@ def pair_lines(rows, sigma, dof):
         series.setdefault((r["arch"], r["cell"], r["seed"]), []).append((r["D"], r["loss"]))
     falls = sum(all(b[1] < a[1] for a, b in zip(v, v[1:])) for v in map(sorted, series.values()))
     return lines + [f"the loss falls with each branch's tokens D in {falls} of {len(series)} stable runs"]
+
+
+def over_cells(pairs):
+    """SMELT minus baseline, each cell's mean over its pairs -> (the cells' means, the 95% t-interval of their
+    mean over cells)."""
+    cell = np.array([np.mean([t["loss"] - b["loss"] for c, t, b in pairs if c == name])
+                     for name in dict.fromkeys(c for c, *_ in pairs)])
+    return (cell, *t_interval(cell.mean(), cell.std(ddof=1), len(cell), len(cell) - 1)) if len(cell) > 1 else \
+        (cell, np.nan, np.nan)
+
+
+def summary(preset, rows, sweep=None):
+    """The README figure's row: the baseline minus its SMELT twin (+ where SMELT pays), the mean over cells."""
+    by = {(r["arch"], r["cell"], r["branch_tpp"], r["seed"]): r for r in rows}
+    cell, lo, hi = over_cells([(k[1], by[("smelt",) + k[1:]], r) for k, r in by.items()
+                               if k[0] == "baseline" and ("smelt",) + k[1:] in by])
+    return [(f"{preset['name']}: SMELT's twin vs its matched baseline", -cell.mean(), -hi, -lo)]
 
 
 def surface_lines(preset, rows):

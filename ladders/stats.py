@@ -36,11 +36,6 @@ def contrast(terms, sigma, dof):
     return dict(diff=d, sigma=s, z=d / s, lo=lo, hi=hi, p=float(2 * scipy_stats.t.sf(abs(d / s), dof)))
 
 
-def difference(mean1, n1, mean2, n2, sigma, dof):
-    """mean1 - mean2 of n1 and n2 seeds: the two-sample t-test with the pooled seed std (contrast)."""
-    return contrast([(1, mean1, n1), (-1, mean2, n2)], sigma, dof)
-
-
 def paired(diffs):
     """A contrast paired by seed (a seed fixes the data order and the initial draws of both its arms): diffs
     {point: [the contrast on each seed]} -> dict(diff, sigma, z, lo, hi, p, dof, means) of the mean over the

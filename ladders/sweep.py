@@ -51,3 +51,22 @@ def sweep_lines(rows, sigma=None):
                 cells.append("  " + ", ".join(f"+{d:.3f} ({d / sigma:.1f})" for d in near))
             lines.append(f"  {arch:>12} " + " ".join(cells))
     return lines
+
+
+def unbracketed(rows):
+    """The sweep points (arch, its depth or scale) whose best value lacks a worse value tried on either side:
+    a reading that rests on those LRs has no gate."""
+    where = next((w for w in ("depth", "scale") if rows and w in rows[0]), None)
+    out = []
+    for point in dict.fromkeys((r["arch"], r.get(where)) for r in rows):
+        losses = [r["val_loss"] for r in sorted((r for r in rows if (r["arch"], r.get(where)) == point),
+                                                 key=lambda r: r["value"])]
+        out += [" ".join(str(p) for p in point if p is not None)] * (min(losses) in (losses[0], losses[-1]))
+    return out
+
+
+def gate_line(rows):
+    """The sweep's gate, one line."""
+    loose = unbracketed(rows or [])
+    return ("gate: every sweep point's best LR has a worse value on each side" if rows and not loose else
+            "gate failed: no LR sweep" if not rows else f"gate failed: the best LR is at an edge for {loose}")

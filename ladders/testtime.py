@@ -11,6 +11,7 @@ import numpy as np
 
 import grow
 import match
+import plots
 from ladders import x
 from ladders.runs import RunSpec, data_dir, folder
 from ladders.stats import paired, spreads
@@ -109,3 +110,29 @@ def report(preset, rows, sweep=None):
         f"  random K: " + (f"flat (K = {last} within +-{MARGIN} of K = {top})" if flat else
                             f"not shown flat within +-{MARGIN}")
         + ("; a test-time gain at K = " + ", ".join(map(str, gain)) if gain else "; no test-time gain")]
+
+
+def summary(preset, rows, sweep=None):
+    """The README figure's rows (+ where more passes at test time pay): K = 8 against the trained K."""
+    by = {(r["depth"], r["training"], r["seed"], r["passes"]): r["loss"] for r in rows}
+    depths, seeds, last = sorted({r["depth"] for r in rows}), sorted({r["seed"] for r in rows}), \
+        max(r["passes"] for r in rows)
+    out = []
+    for training, ref in (("fixed", 2), ("random", max(preset["choices"]))):
+        c = paired({d: [by[d, training, s, ref] - by[d, training, s, last] for s in seeds] for d in depths})
+        out.append((f"{preset['name']}: {training} K, read at K = {last} vs K = {ref}", c["diff"], c["lo"], c["hi"]))
+    return out
+
+
+def figures(preset, rows, path, out=None):
+    """The loss against the test-time passes, per depth and training (the mean over seeds)."""
+    curves = {}
+    for r in sorted(rows, key=lambda r: r["passes"]):
+        x, y = curves.setdefault(f"d{r['depth']} {r['training']}", ([], []))
+        if not x or x[-1] != r["passes"]:
+            x.append(r["passes"])
+            y.append(np.mean([q["loss"] for q in rows if (q["depth"], q["training"], q["passes"]) ==
+                              (r["depth"], r["training"], r["passes"])]))
+    title = f"{preset['name']}: Loop-2 read at K passes, trained at K = 2 (fixed) or random K"
+    return [path("passes.png")] if plots.plot_loss_curves(curves, path("passes.png"), title,
+                                                          xlabel="test-time passes K") else []

@@ -21,7 +21,7 @@ import plots
 from ladders.runs import RunSpec
 from ladders.smelt import compute_active, model_settings, vocab
 from ladders.stats import fmt, pooled_std, seed_draws
-from ladders.sweep import lr_sweep, sweep_lines
+from ladders.sweep import gate_line, lr_sweep, sweep_lines
 from model import ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,7 +169,7 @@ def report(preset, rows, sweep):
     if sweep:
         lines += sweep_lines(sweep) + ([] if preset["lr"]["every_point"] else [
             f"  each LR carried up from d{d0} by [X16], x (N_s / N_s,d{d0})^beta: "
-            + ", ".join(f"{a} {preset['lr_beta'][a]:g}" for a in archs)])
+            + ", ".join(f"{a} {preset['lr_beta'][a]:g}" for a in archs)]) + [gate_line(sweep)]
     if not rows:
         return lines + ["no finished runs yet"]
 
@@ -198,6 +198,8 @@ def report(preset, rows, sweep):
                  f"{fits[REF].C0:.3g}; L = E + A (C/C0)^-gamma per architecture with E fixed, gamma +- "
                  "its standard error")
     lines += [f"  {a:>12}: A={f.A:.4f} gamma={f.gamma:.4f} +- {f.gamma_se:.4f}" for a, f in fits.items()]
+    if fits[REF].E < 1e-3:  # the exponents of laws whose shared floor is not measured
+        lines.append(f"  no reading of the exponents: {REF}'s free fit puts E at its bound (0)")
     pairs = [p for p in PAIRS if set(p) <= set(points)]
     bands = multiplier_bands(points, pairs, preset["bootstrap"], 1337)
     lines.append("[X6] compute multipliers, interpolated ([X]'s rule: log C linear in loss between an "
