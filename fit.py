@@ -452,7 +452,7 @@ def cell_bootstrap(runs, ref, target, budgets, sparsities, n_draws=2000, seed=0,
 
 
 # -----------------------------------------------------------------------------
-# Quadratic vertices (compute-optimal TPP, growth fraction rho*) and the weight-decay regression
+# Quadratic vertices (compute-optimal TPP, growth fraction rho*)
 
 def quadratic_vertex(x, y, log_x=True, log_y=True):
     """The vertex of y' = p0 + p1 x' + p2 x'^2 (x' = log x, y' = log y by default; exact through 3 points,
@@ -468,20 +468,6 @@ def quadratic_vertex(x, y, log_x=True, log_y=True):
     yv = p0 + p1 * xv + p2 * xv * xv
     return {"x_opt": float(math.exp(xv) if log_x else xv), "y_opt": float(math.exp(yv) if log_y else yv),
             "curvature": float(p2), "coef": [float(p0), float(p1), float(p2)]}
-
-
-def wd_regression(cells):
-    """[X] log WD* = a + b log N_s + c log executed layers by least squares over (N_s, executed, WD*) cells
-    -> (b, c, their standard errors); None when fewer than 4 cells or N_s and executed are collinear."""
-    if len(cells) < 4:
-        return None
-    X, y = np.array([[1.0, math.log(n), math.log(e)] for n, e, _ in cells]), np.log([w for *_, w in cells])
-    coef, _, rank, _ = np.linalg.lstsq(X, y, rcond=None)
-    if rank < 3:
-        return None
-    resid = y - X @ coef
-    se = np.sqrt(np.diag(float(resid @ resid) / (len(y) - 3) * np.linalg.inv(X.T @ X)))
-    return float(coef[1]), float(coef[2]), float(se[1]), float(se[2])
 
 
 # =============================================================================

@@ -1,14 +1,14 @@
 """
 Both papers' experiments in miniature, end to end: grid -> match -> train -> fit -> report (docs/ladder.md).
 
-    python ladder.py --list                          # every preset: its runs, FLOPs, TPP, budget
+    python ladder.py --list                          # every preset: its runs, FLOPs, budget
     python ladder.py --preset smelt-micro            # the whole [S] pipeline on tiny models, minutes
     python ladder.py --preset x-cpu-mini --plot      # train (or continue): out/ladder-x-cpu-mini/report.txt
     python ladder.py --preset x-cpu-mini --report_only --plot   # docs/ladder/x-cpu-mini-report.txt from CSVs
 
 A preset (ladders/presets.py) is run by its protocol: ladders/smelt.py [S], ladders/x.py [X],
-ladders/repeat.py [X] data-constrained, ladders/decompose.py SMELT's deficit in arms, ladders/recipe.py why the
-loop pays in [X] and not in [S], ladders/testtime.py [X]'s test-time passes, ladders/khop.py a depth task.
+ladders/decompose.py SMELT's deficit in arms, ladders/recipe.py why the loop pays in [X] and not in [S],
+ladders/testtime.py [X]'s test-time passes, ladders/khop.py a depth task.
 After Ctrl-C rerun the same command: finished runs are kept.
 """
 
@@ -23,16 +23,15 @@ from tqdm import tqdm
 import fit
 import plots
 from data.loader import read_meta
-from ladders import decompose, khop, recipe, repeat, smelt, testtime, x
+from ladders import decompose, khop, recipe, smelt, testtime, x
 from ladders.presets import PRESETS
 from ladders.runs import data_dir, load_results, train_runs, write_csv
 
-PROTOCOLS = {"smelt": smelt, "x": x, "repeat": repeat, "decompose": decompose, "recipe": recipe,
-             "testtime": testtime, "khop": khop}
+PROTOCOLS = {"smelt": smelt, "x": x, "decompose": decompose, "recipe": recipe, "testtime": testtime,
+             "khop": khop}
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "ladder")
 # the README's figure: where looping pays and where it does not, across the committed ladders
-SUMMARY = ("smelt-cpu-surface", "smelt-cpu-decompose", "smelt-cpu-recipe", "x-cpu-repeat-tuned", "x-cpu-testtime",
-           "smelt-cpu-khop")
+SUMMARY = ("smelt-cpu-surface", "smelt-cpu-decompose", "smelt-cpu-recipe", "x-cpu-testtime", "smelt-cpu-khop")
 
 
 def train_tokens(folder):
@@ -59,8 +58,7 @@ def run(preset, out, train_fn=None, workers=None, plot=False):
     """Train (or continue) a preset in OUT, then OUT/runs.csv, lr_sweep.csv, report.txt (and figures)."""
     import train
     protocol = PROTOCOLS[preset["kind"]]
-    data = {None: "" if hasattr(protocol, "train") else data_dir(preset)}  # a task draws its own sequences
-    data |= {u: data_dir(preset, u) for u, _ in preset.get("arms", [])}
+    data = "" if hasattr(protocol, "train") else data_dir(preset)  # a task draws its own sequences
     bar = tqdm(total=0, unit="run", desc=preset["name"], disable=None)
 
     def train_or_load(todo):
@@ -70,7 +68,7 @@ def run(preset, out, train_fn=None, workers=None, plot=False):
         rest = [s for s in todo if s.run_id not in done]
         fn = train_fn or getattr(protocol, "train", train.train)  # a task's own loop, or train.py's
         return done | train_runs(rest, out, fn, data, workers or preset["workers"], bar)
-    specs, sweep, results = resolve(preset, train_or_load, train_tokens(data[None]))
+    specs, sweep, results = resolve(preset, train_or_load, train_tokens(data))
     bar.close()
     if hasattr(protocol, "evaluate"):  # a task's score, from each run's checkpoint
         results = protocol.evaluate(preset, specs, results, out)
@@ -103,23 +101,23 @@ def summary(plot=False):
         sweep = fit.read_runs(prefix + "lr_sweep.csv") if os.path.exists(prefix + "lr_sweep.csv") else None
         rows = PROTOCOLS[preset["kind"]].summary(preset, fit.read_runs(prefix + "runs.csv"), sweep)
         panels[list(panels)[preset["kind"] == "khop"]] += rows
-    lines = [f"{label}: {v:+.4f} [{lo:+.4f}, {hi:+.4f}]" for rows in panels.values() for label, v, lo, hi in rows]
-    if plot and plots.plot_contrasts(list(panels.items()), os.path.join(DOCS, "summary.png"),
-                                     "the ladders: where looping pays (95% intervals; green above 0, red below)"):
+    lines = [f"{label}: {v:+.4f} [{lo:+.4f}, {hi:+.4f}]"
+             for rows in panels.values() for label, v, lo, hi in rows]
+    title = "the ladders: where looping pays (95% intervals; green above 0, red below)"
+    if plot and plots.plot_contrasts(list(panels.items()), os.path.join(DOCS, "summary.png"), title):
         lines.append(f"wrote {os.path.join(DOCS, 'summary.png')}")
     return lines
 
 
 def listing():
-    """Every preset's plan, the grid's middle LR and weight decay taken as best (so no bracketing run)."""
+    """Every preset's plan, the grid's middle LR taken as best (so no bracketing run)."""
     lines = []
     for name, p in PRESETS.items():
-        values, wds = p.get("lr", {}).get("values", [1.0]), p.get("weight_decays", [1.0])
-        lr, wd = values[len(values) // 2], wds[len(wds) // 2]
+        values = p.get("lr", {}).get("values", [1.0])
+        lr = values[len(values) // 2]
 
-        def fake(specs):  # a loss lowest at the middle values
-            return {s.run_id: dict(val_loss=abs(math.log(s.meta["grid_lr"] / lr)) + abs(math.log(
-                s.settings.get("weight_decay", wd) / wd))) for s in specs}
+        def fake(specs):  # a loss lowest at the middle value
+            return {s.run_id: dict(val_loss=abs(math.log(s.meta["grid_lr"] / lr))) for s in specs}
         preset = dict(p, name=name)
         own = hasattr(PROTOCOLS[p["kind"]], "train")  # a task that draws its own sequences
         prepared = None if p["train"].get("data_dir") or own else train_tokens(data_dir(preset))
@@ -127,10 +125,8 @@ def listing():
         step = (p["train"].get("global_batch") or p["train"]["batch_size"]) * p["model"]["block_size"]
         tokens = [(s, s.settings["decay_tokens"] if s.needs else s.settings["max_steps"] * step)
                   for s in specs]
-        tpp = [t / s.meta["N"] for s, t in tokens if not s.needs]
-        lines.append(f"{name:>18}  {len(specs)} runs, {sum(s.meta['F'] * t for s, t in tokens):.2e} FLOPs, "
-                     f"TPP {min(tpp):.3g}..{max(tpp):.3g}" + (f" ({p['budget']})" if p.get("budget") else "")
-                     + f": {p['about']}")
+        lines.append(f"{name:>18}  {len(specs)} runs, {sum(s.meta['F'] * t for s, t in tokens):.2e} FLOPs"
+                     + (f" ({p['budget']})" if p.get("budget") else "") + f": {p['about']}")
     return "\n".join(lines)
 
 

@@ -146,7 +146,7 @@ def plot_power_laws(runs, fits, multipliers, ref, path, title=None, budgets=None
 
 
 # -----------------------------------------------------------------------------
-# [S4] frontiers; loss curves; the data-constrained ladders
+# [S4] frontiers; loss curves; the ladders' contrasts
 
 def plot_surface_frontiers(frontiers, sparsities, path, C_range=(1e18, 1e23), title=None):
     """[S4] L*(C, S) - E = f(S) C^-gamma, a colour per arch, a style per sparsity; frontiers {arch: (gamma,
@@ -175,39 +175,6 @@ def plot_loss_curves(curves, path, title=None, xlabel="tokens", ylabel="loss (na
         ax.set(xlabel=xlabel, ylabel=ylabel)
         ax.set_title(title or "loss curves", fontsize=9)
     return _figure(path, draw)
-
-
-def plot_repeat_frontier(frontier, points, l_star, path, title=None):
-    """Loss vs compute per K: frontier {K: [(C, mean loss)]}, points {(K, depth): (C, [loss per seed])} with
-    the seed spread as error bars, the best K = 1 loss l_star a dashed line."""
-    colours = _colours(sorted(frontier))
-
-    def draw(fig, ax):
-        for k in sorted(frontier):
-            ax.plot(*zip(*sorted(frontier[k])), "-", lw=1.2, color=colours[k], label=f"K={k}")
-            for (kk, _), (c, losses) in points.items():
-                if kk == k:
-                    err = np.std(losses, ddof=1) if len(losses) > 1 else 0.0
-                    ax.errorbar(c, np.mean(losses), yerr=err, fmt="o", ms=4, color=colours[k], capsize=2)
-        ax.axhline(l_star, color="0.5", ls="--", lw=1, label=f"best K=1 loss {l_star:.4f}")
-        ax.set(xscale="log", xlabel="training compute C (FLOPs)", ylabel="validation loss (nats/token)")
-        ax.set_title(title or "loss vs compute per K", fontsize=9)
-    return _figure(path, draw)
-
-
-def plot_wd_curves(curves, path, title=None):
-    """Validation loss vs weight decay: a panel per group, a line per member; curves {group: {member: [(wd,
-    loss)]}}."""
-    def draw(fig, axes):
-        axes = np.atleast_1d(axes)
-        for ax, (g, members) in zip(axes, curves.items()):
-            for m, pts in members.items():
-                if pts:
-                    ax.plot(*zip(*sorted(pts)), "o-", ms=3, lw=1, label=f"d{m}")
-            ax.set(xscale="log", xlabel="weight decay", title=str(g))
-        axes[0].set_ylabel("validation loss (nats/token)")
-        fig.suptitle(title or "loss vs weight decay")
-    return _figure(path, draw, ncols=len(curves), figsize=(3 * len(curves), 3.5))
 
 
 def plot_contrasts(panels, path, title=None):

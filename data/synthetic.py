@@ -1,7 +1,7 @@
 """
 Synthetic structured tasks, as seeded generators of eval items {"context", "continuation"} (score
 log p(continuation | context), the DCLM / llm-foundry format) and of training documents: Dyck languages
-(balanced brackets, nesting up to max_depth), a+b= arithmetic, copying, k-hop pointer chasing.
+(balanced brackets, nesting up to max_depth), a+b= arithmetic, copying.
 
     dyck_items(2, seed=0)  -> [{"context": "[ ] { } [", "continuation": " ]"}, ...]
 
@@ -17,7 +17,6 @@ import itertools
 import random
 
 BRACKETS = [("(", ")"), ("[", "]"), ("{", "}"), ("<", ">")]
-HOP_SYMBOLS = "abcdefghijklmnopqrstuvwxyz"
 BIGBENCH_DYCK_PROMPT = ("Complete the rest of the sequence, making sure that the parentheses are closed "
                         "properly. Input: ")
 
@@ -102,34 +101,9 @@ def copy_items(n, seed, min_length=3, max_length=8, alphabet="abcdefghij"):
     return items
 
 
-def hops_document(rng, n_symbols=8, max_hops=4, n_queries=12):
-    """A pointer-chasing document: n_symbols letters in a random chain x1 -> x2 -> ... (no cycle, so that no
-    answer repeats its start) written as pairs "xy" (y follows x) in a random order, "|", then n_queries
-    queries "kxz": z lies k links after x, k drawn from 1..max_hops, x from the letters k links from the end
-    or more. A query of k hops composes k lookups: without writing the steps out, a model needs depth.
-        "fa cb ef ac|2ea 1cb 3ec"  ->  the text, and [(offset of each query's z, k), ...]"""
-    chain = rng.sample(HOP_SYMBOLS[:n_symbols], n_symbols)
-    links = rng.sample(range(n_symbols - 1), n_symbols - 1)  # the pairs' order
-    text, answers = " ".join(chain[i] + chain[i + 1] for i in links) + "|", []
-    for q in range(n_queries):
-        k = rng.randint(1, min(max_hops, n_symbols - 1))
-        i = rng.randrange(n_symbols - k)
-        text += (" " if q else "") + f"{k}{chain[i]}"
-        answers.append((len(text), k))
-        text += chain[i + k]
-    return text, answers
-
-
-def hops_corpus_text(n_docs, seed, n_symbols=8, max_hops=4):
-    """n_docs pointer-chasing documents (hops_document)."""
-    rng = random.Random(seed)
-    return [hops_document(rng, n_symbols, max_hops)[0] for _ in range(n_docs)]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="synthetic.py", usage=argparse.SUPPRESS,
-                                     description="Print a few items of each task, a Dyck and a "
-                                                 "pointer-chasing document.")
+                                     description="Print a few items of each task and a Dyck document.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n_types", type=int, default=3, choices=range(1, len(BRACKETS) + 1),
                         help="Dyck bracket kinds")
@@ -142,7 +116,6 @@ def main(argv=None):
     for item in items:
         print(repr(item["context"]), "->", repr(item["continuation"]))
     print(dyck_corpus_text(1, args.seed, args.n_types, args.max_depth, words_per_doc=4)[0])
-    print(hops_corpus_text(1, args.seed)[0])
     return 0
 
 

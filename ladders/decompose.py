@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 
 import match
-from ladders.runs import RunSpec
+from ladders.runs import RunSpec, run_rows
 from ladders.smelt import cells, compute_active, model_settings
 from ladders.stats import paired, spreads, t_interval
 
@@ -52,14 +52,7 @@ def plan(preset, results, train_tokens=None):
 
 def rows(specs, results):
     """runs.csv: a row per finished run (F, D and C as train.py counted them)."""
-    out = []
-    for s in specs:
-        r = results.get(s.run_id)
-        if r:
-            row = dict(s.meta, D=r["tokens"], C=r["flops"], F=r["flops"] / r["tokens"], loss=r["val_loss"],
-                       run_id=s.run_id, seconds=r["seconds"])
-            out.append({k: row[k] for k in COLUMNS})
-    return out
+    return run_rows(specs, results, COLUMNS)
 
 
 def reading(z):
@@ -78,8 +71,9 @@ def contrasts(rows):
     by = {(r["cell"], r["tpp"], r["arm"], r["seed"]): r["loss"] for r in rows}
     points = sorted({(c, t) for c, t, *_ in by}, key=lambda p: (p[1], p[0]))
     seeds = sorted({k[3] for k in by})
-    return by, points, seeds, {(x, y): paired({p: [by[(*p, x, s)] - by[(*p, y, s)] for s in seeds] for p in points})
-                               for x, y, _ in CONTRASTS}
+    pairs = {(x, y): paired({p: [by[(*p, x, s)] - by[(*p, y, s)] for s in seeds] for p in points})
+             for x, y, _ in CONTRASTS}
+    return by, points, seeds, pairs
 
 
 def summary(preset, rows, sweep=None):
@@ -90,17 +84,16 @@ def summary(preset, rows, sweep=None):
 
 
 def report(preset, rows, sweep=None):
-    """The arms' losses per point and their own seed spreads, each contrast paired by seed per point and
-    averaged over the points, the gate (every arm learns: its loss falls from the smaller budget to the
-    larger on every seed), then the rule's reading."""
+    """The arms' losses and seed spreads, each contrast paired by seed per point and averaged, the gate
+    (every arm's loss falls from the smaller budget to the larger on every seed), the rule's reading."""
     by, points, seeds, pairs = contrasts(rows)
     mean = lambda p, a: float(np.mean([by[(*p, a, s)] for s in seeds]))  # noqa: E731
     lines = [f"== {preset['name']}: [S] SMELT's deficit decomposed; every arm of a point reads the same "
              f"tokens (tpp x the baseline's N), seeds {', '.join(map(str, seeds))}",
              "  " + "; ".join(f"{a} {what}" for a, what in ARMS.items()),
              spreads({a: [[by[(*p, a, s)] for s in seeds] for p in points] for a in ARMS}),
-             "each contrast paired by seed (a seed fixes the data order and the draws of every arm): its noise "
-             "the spread of the per-seed differences pooled over the points; 95% t-intervals",
+             "each contrast paired by seed (a seed fixes the data order and the draws of every arm): its "
+             "noise the spread of the per-seed differences pooled over the points; 95% t-intervals",
              f"  {'point':<16} " + " ".join(f"{a:>7}" for a in ARMS) + " " + " ".join(
                  f"{x + '-' + y:>22}" for x, y, _ in CONTRASTS)]
     for p in points:
@@ -109,8 +102,9 @@ def report(preset, rows, sweep=None):
             c, n = pairs[x, y], len(seeds)
             lo, hi = t_interval(c["means"][p], c["point_sigma"], n, c["dof"])
             cells_.append(f"{c['means'][p]:+.4f} [{lo:+.3f},{hi:+.3f}]")
-        lines.append(f"  {p[0] + ' t' + format(p[1], 'g'):<16} "
-                     + " ".join(f"{mean(p, a):7.4f}" for a in ARMS) + " " + " ".join(f"{c:>22}" for c in cells_))
+        losses = " ".join(f"{mean(p, a):7.4f}" for a in ARMS)
+        point = f"{p[0]} t{p[1]:g}"
+        lines.append(f"  {point:<16} {losses} " + " ".join(f"{c:>22}" for c in cells_))
     lines.append(f"averaged over the {len(points)} points (each point weighs the same), paired:")
     for x, y, what in CONTRASTS:
         c = pairs[x, y]

@@ -1,6 +1,6 @@
 """The ladder presets, as data: one dict per design, its kind naming the protocol that runs it (ladders/
-smelt.py, x.py, repeat.py). `model` holds ModelConfig fields, `train` train.py settings; docs/ladder.md has
-the designs and why."""
+smelt.py, x.py, decompose.py, recipe.py, testtime.py, khop.py). `model` holds ModelConfig fields, `train`
+train.py settings; docs/ladder.md has the designs and why."""
 
 SEEDS = [1337, 1338, 1339]
 # [S]: MoE baselines, top-2 of fine-grained experts; 6 query heads on 3 KV heads, so that the SMELT twin (1.5x
@@ -17,24 +17,12 @@ X_TPP_STORED = {"vanilla": 5.05, "operator-1": 6.06, "loop-2": 6.06, "untied-2":
                 "untied-grow": 7.24}
 X_LR_BETA = {"vanilla": -0.8, "operator-1": -0.6, "loop-2": -0.6, "untied-2": -0.6, "loop-grow": -0.5,
              "untied-grow": -0.6}
-GPU_DATA = "data/cache/fineweb_gpt2"  # the GPU presets' data: prepare FineWeb as docs/data.md says
 
 SMELT = dict(kind="smelt", tokenizer="gpt2-257", model=dict(SMELT_MODEL, block_size=64), match=SMELT_MATCH,
              decay_share=0.2, sweep_tpp=None, seed_twins=False, seeds=SEEDS[:2], bootstrap=2000, workers=2)
 X = dict(kind="x", tokenizer="gpt2-257", model=dict(block_size=128), width_per_depth=8, head_dim=8,
          depths=[3, 4, 5, 6], archs=X_ARCHS, tpp_stored=X_TPP_STORED, lr_beta=X_LR_BETA,
          train=dict(batch_size=16, eval_tokens=1 << 15), seeds=SEEDS, bootstrap=400, workers=2)
-# [X] data-constrained: the Operator-1 family (K passes of its tied core, config/x_d8_operator1.py), every run
-# reading the same tokens from one budget (unique tokens, epochs) of the train split's first tokens
-X_CPU_REPEAT = dict(
-    X, kind="repeat", about="[X] D.1 with its controls: 0.5M tokens per run from 500k unique x 1 (fresh), "
-                            "125k x 4 or 50k x 10; K 1, 2, 4 x depths 3..6, a weight-decay grid, 2 seeds",
-    passes=[1, 2, 4], arms=[(500_000, 1), (125_000, 4), (50_000, 10)], lr_beta=-0.6, seeds=SEEDS[:2],
-    lr=dict(key="matrix_lr", values=[0.08, 0.16, 0.32], extend=2, seeds=2, weight_decay=0.4),
-    weight_decays=[0.2, 0.4, 0.8], wd_extend=2, seeded_passes=[1, 2, 4], tune=False,
-    budget="written before the run: 156 runs (plus bracketing), 7.6e13 FLOPs, about 40 min on 2 workers, "
-           "at most 75")
-
 PRESETS = {
     "smelt-micro": dict(
         SMELT, about="the whole [S] pipeline on tiny models, in minutes; the numbers mean nothing",
@@ -73,20 +61,6 @@ PRESETS = {
         lr=dict(key="matrix_lr", values=[1.5e-3, 3e-3, 6e-3], extend=2, seeds=2, every_point=True),
         budget="written before the run: 220 runs (plus bracketing), 4.5e13 FLOPs, about 42 min on 2 workers, "
                "at most 75"),
-    "smelt-gpu-1node": dict(
-        SMELT, about="sized for one 8-GPU node, a run per GPU (documented, not run): 4 scales x 3 sparsities",
-        tokenizer="gpt2", model=dict(SMELT_MODEL, head_dim=64, n_head=8, n_kv_head=4, top_k=8,
-                                     block_size=1024),
-        scales={"L8w512": dict(n_layer=8, n_embd=512, expert_hidden=176),
-                "L10w640": dict(n_layer=10, n_embd=640, expert_hidden=208),
-                "L12w768": dict(n_layer=12, n_embd=768, expert_hidden=256),
-                "L16w1024": dict(n_layer=16, n_embd=1024, expert_hidden=336)},
-        cells=[(s, e) for s in ("L8w512", "L10w640", "L12w768", "L16w1024") for e in (48, 96, 128)],
-        match=dict(width_multiple=(32, 16), expert_multiple=4), branch_tpp=[10, 20, 40, 80], decay_share=0.1,
-        train=dict(optimizer="adamw", batch_size=16, global_batch=128, warmup_steps=200, eval_tokens=1 << 20,
-                   data_dir=GPU_DATA),
-        lr=dict(key="matrix_lr", values=[1.5e-3, 3e-3, 6e-3], extend=2, seeds=1, every_point=False),
-        seeds=SEEDS[:1], workers=8),
     "smelt-cpu-decompose": dict(
         SMELT, kind="decompose",
         about="SMELT's deficit decomposed: 3 scales x 2 token budgets x 5 arms (baseline, the twin's shape "
@@ -110,8 +84,8 @@ PRESETS = {
         experts=16, steps=[100, 200], calibration_seed=1337, seeds=[1338, 1339, 1340],
         train=dict(batch_size=16, eval_tokens=1 << 15), base_lr={"s": 0.006, "x": 0.1},
         lr=dict(key="matrix_lr", values=[0.5, 1.0, 2.0], extend=2, seeds=1, every_point=False),
-        budget="written before the run: 210 runs (plus bracketing), 3.52e13 FLOPs, about 21 min on 2 workers, "
-               "at most 30"),
+        budget="written before the run: 210 runs (plus bracketing), 3.52e13 FLOPs, about 21 min on 2 "
+               "workers, at most 30"),
     "smelt-cpu-khop": dict(
         kind="khop", workers=2,
         about="a depth task tiny models learn: k-hop induction (Sanford et al. 2024), 2 layers, 4 layers, 2 "
@@ -121,8 +95,8 @@ PRESETS = {
         calibration_seeds=[1, 2], seeds=[1338, 1339, 1340], max_steps=5000, eval_every=250, margin=1.25,
         test_passes=6, arm_names={"L2": "2 layers", "L4": "4 layers", "P": "prelude-core-coda, 2 run as 4",
                                   "S": "SMELT's loop, 2 run as 4"},
-        budget="written before the run: 14 runs at most, 1.54e14 FLOPs (both budgets at 5,000 steps), at most "
-               "50 min on 2 workers"),
+        budget="written before the run: 14 runs at most, 1.54e14 FLOPs (both budgets at 5,000 steps), at "
+               "most 50 min on 2 workers"),
     "x-cpu-mini": dict(
         X, about="[X] in miniature: 6 architectures x depths 3..6 at width 8 x depth, each with its [X] "
                  "recipe, TPP and [X16] LR rule, no data repetition, 3 seeds each",
@@ -137,12 +111,6 @@ PRESETS = {
         # x-cpu-mini's measured seconds per run x 6 runs a point (42 min on 2 workers) + 20% for bracketing
         budget="written before the run: 120 runs (plus bracketing), 9.9e13 FLOPs, about 50 min on 2 workers, "
                "at most 75"),
-    "x-gpu-1node": dict(
-        X, about="sized for one 8-GPU node, a run per GPU (documented, not run): the paper's width 128 x "
-                 "depth, d6..d10", tokenizer="gpt2", model=dict(block_size=2048), width_per_depth=128,
-        head_dim=128, depths=[6, 7, 8, 9, 10], seeds=SEEDS[:1], workers=8,
-        train=dict(batch_size=16, global_batch=256, eval_tokens=1 << 21, data_dir=GPU_DATA),
-        lr=dict(key="matrix_lr", values=[0.02, 0.04, 0.08], extend=2, seeds=1, every_point=False)),
     "x-cpu-testtime": dict(
         X, kind="testtime", about="[X] Figure 17: Loop-2 at d4 and d6 trained at K = 2 or with K drawn from "
                                   "1..4, read at K = 1..8, 3 seeds held out from the LR's choice",
@@ -151,11 +119,4 @@ PRESETS = {
         # x-cpu-mini-tuned: Loop-2 best at 0.16 x [X16]'s factor at every depth (seeds 1337 and 1338)
         lr=dict(key="matrix_lr", values=[0.16]),
         budget="written before the run: 12 runs, 1.35e13 FLOPs, about 7 min on 2 workers, at most 15"),
-    "x-cpu-repeat": X_CPU_REPEAT,
-    "x-cpu-repeat-tuned": dict(
-        X_CPU_REPEAT, about="x-cpu-repeat with the LR tuned where it is used: at every (budget, K, depth) "
-                            "the LR and weight decay searched together from the carried LR", tune=True,
-        budget="written before the run: x-cpu-repeat's runs, then at each of the 36 points the LR x1/2 and "
-               "x2 at its best weight decay (72 runs), then the neighbours the search asks for; about 30 min "
-               "on 2 workers beyond x-cpu-repeat's, at most 75"),
 }

@@ -1,13 +1,8 @@
-"""Why SMELT's second visit earns nothing on this text where [X]'s Loop-2 earns 0.1 nats (kind "recipe"). Five
-causes, each at its [S] level (s) and its [X] level (x): R the updates inside the loop scaled by 1/r [S8] or
-not; M an MoE FFN or a dense one of the same active FLOPs; O train.py's AdamW or the [X] code's Muon recipe;
-S SMELT's middle-half loop or prelude-core-coda with the boundary operator [X3]; P [S]'s model recipe
-(pre-norm with gains) or [X] Loop-2's (QK-norm, no gains, residual multiplier 1/4, its init). A half
-fraction, I = RMOS (resolution IV, both corners in it): 16 configurations, each trained looped (the middle 2
-of 4 layers twice) and unlooped on the same tokens, at two budgets, each seed once; and Operator-1 with its
-own [X] recipe, the comparison x-cpu-mini made. The report: the loop's gain per configuration (paired by
-seed) and per FLOP, each cause's effect on it, the gate, and the reading of the rule written before the run
-(docs/ladder.md)."""
+"""Why SMELT's second visit earns nothing here where [X]'s Loop-2 earns 0.1 nats (kind "recipe"): five causes
+at an [S] level s and an [X] level x (FACTORS) in a half fraction, I = RMOS (resolution IV, both corners in
+it): 16 configurations trained looped (the middle 2 of 4 layers twice) and unlooped on the same tokens at
+two budgets, and Operator-1 with its own [X] recipe (x-cpu-mini's comparison). The report: the loop's gain
+per configuration, each cause's effect, the gate and the rule's reading (docs/ladder.md)."""
 
 import itertools
 import math
@@ -18,15 +13,16 @@ from scipy import stats as scipy_stats
 import match
 import plots
 from ladders import x
-from ladders.runs import RunSpec
-from ladders.smelt import model_settings, vocab
+from ladders.runs import RunSpec, run_rows
+from ladders.smelt import compute_active, model_settings, vocab
 from ladders.stats import paired, pooled_std, spreads
 from ladders.sweep import lr_sweep, sweep_lines, unbracketed
 from model import ModelConfig
 
 # each cause: (what, its [S] level s, its [X] level x)
 FACTORS = {"R": ("the loop's updates", "scaled by 1/r", "unscaled"), "M": ("the FFN", "an MoE", "dense"),
-           "O": ("the optimizer", "AdamW", "[X]'s Muon"), "S": ("the loop's shape", "SMELT's", "prelude-core-coda"),
+           "O": ("the optimizer", "AdamW", "[X]'s Muon"),
+           "S": ("the loop's shape", "SMELT's", "prelude-core-coda"),
            "P": ("the model recipe", "[S]'s", "Loop-2's")}
 COLUMNS = ("config", "arm", "steps", "seed", "F", "D", "C", "loss", "lr", "run_id", "seconds")
 CORNERS = ("sssss", "xxxxx")
@@ -38,73 +34,64 @@ def configs():
 
 
 def training(arch, o, lr, steps):
-    """train.py settings of optimizer level o at matrix LR lr: s, AdamW as the [S] presets (train.py's own
-    embedding and lm-head LRs, no decay); x, the [X] code's recipe of arch (Muon "x", its weight decay and
-    warm-down, its embedding and lm-head LRs at their ratios to the matrix LR: [X]'s global LR)."""
+    """train.py settings of optimizer level o at matrix LR lr: s, AdamW as the [S] presets; x, the [X] code's
+    recipe of arch, its embedding and lm-head LRs at their ratios to the matrix LR ([X]'s global LR)."""
     if o == "s":
         return dict(optimizer="adamw", matrix_lr=lr, warmup_steps=10, decay_fraction=0.3)
     _, t, warmup = x.recipe(arch)
-    return dict(t, matrix_lr=lr, warmup_steps=round(warmup * steps),
-                **{k: float(f"{lr * t[k] / t['matrix_lr']:.12g}") for k in ("embedding_lr", "unembedding_lr")})
+    ratios = {k: float(f"{lr * t[k] / t['matrix_lr']:.12g}") for k in ("embedding_lr", "unembedding_lr")}
+    return dict(t, matrix_lr=lr, warmup_steps=round(warmup * steps), **ratios)
 
 
 def model_of(preset, code, looped):
     """The ModelConfig of a configuration, looped (the middle 2 of 4 layers twice) or not."""
     r, m, o, s, p = code
     recipe = x.recipe("loop-2")[0]
-    shape = dict(preset["model"], **({k: v for k, v in recipe.items() if k not in ("layout", "n_passes", "n_expert")}
-                                     if p == "x" else {"boundary_alpha": recipe["boundary_alpha"]}),
+    own = {k: v for k, v in recipe.items() if k not in ("layout", "n_passes", "n_expert")}
+    shape = dict(preset["model"], **(own if p == "x" else {"boundary_alpha": recipe["boundary_alpha"]}),
                  n_expert=preset["experts"] if m == "s" else 0, n_passes=1 + looped,
                  layout="pcc" if s == "x" else "smelt" if looped else "plain")
     return ModelConfig(**vocab(preset), **shape)
 
 
 def spec(preset, name, cfg, settings, steps, seed, fields=None, **meta):
-    run = dict(preset["train"], **settings, **model_settings(cfg), seed=seed, max_steps=steps, eval_interval=steps)
-    return RunSpec(f"{name}-t{steps}-lr{settings['matrix_lr']:g}-s{seed}", run,
-                   dict(dict(grid_lr=settings["matrix_lr"]) | meta, steps=steps, seed=seed, lr=settings["matrix_lr"],
-                        F=match.flops_per_token(cfg), N=1),
-                   model=fields)
+    lr = settings["matrix_lr"]
+    run = dict(preset["train"], **settings, **model_settings(cfg), seed=seed, max_steps=steps,
+               eval_interval=steps)
+    meta = dict(dict(grid_lr=lr) | meta, steps=steps, seed=seed, lr=lr, F=match.flops_per_token(cfg),
+                N=compute_active(cfg))
+    return RunSpec(f"{name}-t{steps}-lr{lr:g}-s{seed}", run, meta, model=fields)
 
 
 def plan(preset, results, train_tokens=None):
-    """Each (optimizer, model recipe)'s LR swept on the calibration seed (a factor of the optimizer's base LR,
-    at the unlooped dense [S]-shaped model and the smaller budget, bracketed), then every configuration looped
-    and unlooped at both budgets on every report seed at its pair's LR, and Operator-1 at the [X] pair's."""
+    """Each (optimizer, model recipe)'s LR factor swept on the calibration seed (bracketed), then every
+    configuration looped and unlooped at both budgets on every report seed, and Operator-1."""
     low, base = min(preset["steps"]), preset["base_lr"]
 
     def sweep_runs(point, value):
         o, p = point[0]
         cfg = model_of(preset, "sx" + o + "s" + p, False)
-        return [spec(preset, f"sweep-{o}{p}", cfg, training("loop-2", o, base[o] * value, low), low,
-                     preset["calibration_seed"], config=f"sweep-{o}{p}", arm="sweep", grid_lr=value)]
+        settings = training("loop-2", o, base[o] * value, low)
+        return [spec(preset, f"sweep-{o}{p}", cfg, settings, low, preset["calibration_seed"],
+                     config=f"sweep-{o}{p}", arm="sweep", grid_lr=value)]
     specs, best, rows = lr_sweep(preset, [(o + p, None) for o in "sx" for p in "sx"], sweep_runs, results)
     if best is None:
         return specs, None
     for code, looped, steps, seed in itertools.product(configs(), (0, 1), preset["steps"], preset["seeds"]):
-        lr = base[code[2]] * best[code[2] + code[4], None]
+        settings = training("loop-2", code[2], base[code[2]] * best[code[2] + code[4], None], steps)
+        scale = {"loop_scale": "1/r" if code[0] == "s" else "1"}
         specs.append(spec(preset, f"{code}-{'loop' if looped else 'base'}", model_of(preset, code, looped),
-                          training("loop-2", code[2], lr, steps), steps, seed, {"loop_scale": "1/r" if code[0] == "s"
-                                                                                else "1"},
-                          config=code, arm="loop" if looped else "base"))
+                          settings, steps, seed, scale, config=code, arm="loop" if looped else "base"))
     own = ModelConfig(**vocab(preset), **dict(preset["model"], **x.recipe("operator-1")[0]))
     for steps, seed in itertools.product(preset["steps"], preset["seeds"]):
-        lr = base["x"] * best["xx", None]
-        specs.append(spec(preset, "operator-1", own, training("operator-1", "x", lr, steps), steps, seed,
-                          config="operator-1", arm="base"))
+        settings = training("operator-1", "x", base["x"] * best["xx", None], steps)
+        specs.append(spec(preset, "operator-1", own, settings, steps, seed, config="operator-1", arm="base"))
     return specs, rows
 
 
 def rows(specs, results):
     """runs.csv: a row per finished run of the report's seeds (D and C as train.py counted them)."""
-    out = []
-    for s in specs:
-        r = results.get(s.run_id)
-        if r and s.meta["arm"] != "sweep":
-            row = dict(s.meta, D=r["tokens"], C=r["flops"], F=r["flops"] / r["tokens"], loss=r["val_loss"],
-                       run_id=s.run_id, seconds=r["seconds"])
-            out.append({k: row[k] for k in COLUMNS})
-    return out
+    return run_rows(specs, results, COLUMNS)
 
 
 def per_flop(base, loop):
@@ -116,126 +103,140 @@ def per_flop(base, loop):
     return float(np.interp(math.log(loop[0]), [math.log(c1), math.log(c2)], [l1, l2])) - loop[1]
 
 
-def report(preset, rows, sweep):
-    """The sweep, the arms' seed spreads, the loop's gain per configuration (paired by seed) and per FLOP,
-    each cause's effect and the two-factor interactions, the corners, Operator-1's own recipe, the gate and
-    the rule's reading."""
+def gains_of(rows):
+    """({(config, arm, steps, seed): run row}, the budgets, the seeds, {(config, steps): [the loop's gain per
+    seed]}): a gain is the unlooped loss minus the looped one, paired by seed."""
     by = {(r["config"], r["arm"], r["steps"], r["seed"]): r for r in rows}
-    codes, seeds, steps = configs(), sorted({r["seed"] for r in rows}), sorted({r["steps"] for r in rows})
-    lines = [f"== {preset['name']}: why the second visit pays in [X] and not in [S]; a configuration names each "
-             "cause's level, s ([S]'s) or x ([X]'s), in the order: " + "; ".join(
-                 f"{k} {what}, {s_} or {x_}" for k, (what, s_, x_) in FACTORS.items())
-             + f"; seeds {', '.join(map(str, seeds))}"]
+    steps, seeds = sorted({r["steps"] for r in rows}), sorted({r["seed"] for r in rows})
+    done = lambda c, t: all((c, a, t, s) in by for a in ("base", "loop") for s in seeds)  # noqa: E731
+    gains = {(c, t): [by[c, "base", t, s]["loss"] - by[c, "loop", t, s]["loss"] for s in seeds]
+             for c in configs() for t in steps if done(c, t)}
+    return by, steps, seeds, gains
+
+
+def report(preset, rows, sweep):
+    """The sweep, the seed spreads, the loop's gain per configuration (paired) and per FLOP, each cause's
+    effect, the corners, Operator-1's own recipe, the gate and the rule's reading."""
+    by, steps, seeds, gains = gains_of(rows)
+    codes = configs()
+    levels = "; ".join(f"{k} {what}, {s} or {x_}" for k, (what, s, x_) in FACTORS.items())
+    lines = [f"== {preset['name']}: why the second visit pays in [X] and not in [S]; a configuration names "
+             f"each cause's level, s ([S]'s) or x ([X]'s), in the order: {levels}; seeds "
+             f"{', '.join(map(str, seeds))}"]
     if sweep:
-        lines += sweep_lines(sweep) + [f"  a factor of the optimizer's base matrix LR ({preset['base_lr']}), swept "
-                                       f"on the calibration seed {preset['calibration_seed']} only"]
-    if any((c, a, t, s) not in by for c in codes for a in ("base", "loop") for t in steps for s in seeds):
+        lines += sweep_lines(sweep) + [f"  a factor of the optimizer's base matrix LR ({preset['base_lr']}), "
+                                       f"swept on the calibration seed {preset['calibration_seed']} only"]
+    if len(gains) < len(codes) * len(steps) or not rows:
         return lines + ["not every run has finished"]
     loss = lambda c, a, t, s: by[c, a, t, s]["loss"]  # noqa: E731
     lines.append(spreads({a: [[loss(c, a, t, s) for s in seeds] for c in codes for t in steps]
                           for a in ("base", "loop")}))
-    gains = {(c, t): [loss(c, "base", t, s) - loss(c, "loop", t, s) for s in seeds] for c in codes for t in steps}
     sigma, dof = pooled_std(gains.values())
     half = scipy_stats.t.ppf(0.975, dof) * sigma / math.sqrt(len(seeds))
-    lines += ["the loop's gain: unlooped minus looped at equal tokens (+: the loop pays), paired by seed, and "
-              f"per FLOP at {steps[0]} steps (the unlooped loss log-C interpolated to the looped run's compute); "
-              f"each +- {half:.4f} (95%, the gains' seed std {sigma:.4f} pooled over the configurations and "
-              f"budgets, {dof} dof)",
+    lines += ["the loop's gain: unlooped minus looped at equal tokens (+: the loop pays), paired by seed, "
+              f"and per FLOP at {steps[0]} steps (the unlooped loss log-C interpolated to the looped run's "
+              f"compute); each +- {half:.4f} (95%, the gains' seed std {sigma:.4f} pooled over the "
+              f"configurations and budgets, {dof} dof)",
               f"  {'config':>7} " + " ".join(f"{f'unlooped {t}':>12} {f'looped {t}':>10} {f'gain {t}':>8}"
                                              for t in steps) + f" {'per FLOP':>9}"]
     for c in codes:
         cells = [f"{np.mean([loss(c, 'base', t, s) for s in seeds]):12.4f} "
                  f"{np.mean([loss(c, 'loop', t, s) for s in seeds]):10.4f} {np.mean(gains[c, t]):+8.4f}"
                  for t in steps]
-        flop = np.mean([per_flop([(by[c, "base", t, s]["C"], loss(c, "base", t, s)) for t in steps],
-                                 (by[c, "loop", steps[0], s]["C"], loss(c, "loop", steps[0], s))) for s in seeds])
-        lines.append(f"  {c:>7} " + " ".join(cells) + f" {flop:+9.4f}")
+        flop = [per_flop([(by[c, "base", t, s]["C"], loss(c, "base", t, s)) for t in steps],
+                         (by[c, "loop", steps[0], s]["C"], loss(c, "loop", steps[0], s))) for s in seeds]
+        lines.append(f"  {c:>7} " + " ".join(cells) + f" {np.mean(flop):+9.4f}")
     z, effect_lines = effects(codes, gains, sigma, dof)
-    lines += effect_lines + ["the loop's gain at each corner, over both budgets, paired:"] + [
-        f"  {who}'s ({c}) {g['diff']:+.4f} [{g['lo']:+.4f}, {g['hi']:+.4f}]" for who, c, g in
-        ((who, c, paired({t: gains[c, t] for t in steps})) for who, c in zip(("[S]", "[X]"), CORNERS))]
-    lines.append("Operator-1 with its own [X] recipe (its init, residual multiplier 1/2, alpha 1, schedule) on the "
-                 "same tokens and seeds, paired, over both budgets:")
-    own = {other: paired({t: [by["operator-1", "base", t, s]["loss"] - loss("xxxxx", other, t, s) for s in seeds]
+    lines += effect_lines + ["the loop's gain at each corner, over both budgets, paired:"]
+    for who, c in zip(("[S]", "[X]"), CORNERS):
+        g = paired({t: gains[c, t] for t in steps})
+        lines.append(f"  {who}'s ({c}) {g['diff']:+.4f} [{g['lo']:+.4f}, {g['hi']:+.4f}]")
+    lines.append("Operator-1 with its own [X] recipe (its init, residual multiplier 1/2, alpha 1, schedule) "
+                 "on the same tokens and seeds, paired, over both budgets:")
+    own = {other: paired({t: [loss("operator-1", "base", t, s) - loss("xxxxx", other, t, s) for s in seeds]
                           for t in steps}) for other in ("loop", "base")}
     for other, what in (("loop", "x-cpu-mini's comparison, minus the [X] corner looped (Loop-2)"),
                         ("base", "its recipe alone, minus the [X] corner unlooped")):
         c = own[other]
-        lines.append(f"  {what}: {c['diff']:+.4f} nats [{c['lo']:+.4f}, {c['hi']:+.4f}] = {c['z']:+.1f} sigma")
-    return lines + rule(preset, by, codes, steps, seeds, sweep, z, own)
+        lines.append(f"  {what}: {c['diff']:+.4f} nats [{c['lo']:+.4f}, {c['hi']:+.4f}] = {c['z']:+.1f} "
+                     "sigma")
+    return lines + rule(preset, by, steps, seeds, sweep, z, own)
 
 
 def effects(codes, gains, sigma, dof):
-    """Each cause's effect on the gain (the mean gain at its x level minus at its s level, over both budgets
-    and every seed) and the two-factor interactions (where the two levels agree minus where they differ;
-    aliased in pairs by I = RMOS: RM = OS, RO = MS, RS = MO) -> ({term: z}, lines)."""
-    n = len(codes) // 2 * len(next(iter(gains.values()))) * len({t for _, t in gains})
+    """Each cause's effect on the gain (its x level's mean gain minus its s level's) and the two-factor
+    interactions (levels alike minus unlike; aliased by I = RMOS) -> ({term: z}, lines)."""
+    n = sum(len(v) for v in gains.values()) // 2  # the gains at either level of a cause
     s = sigma * math.sqrt(2 / n)
     half = scipy_stats.t.ppf(0.975, dof) * s
-    lines = [f"each cause's effect on the gain, its x level's minus its s level's (sigma {s:.4f}: the pooled noise "
-             f"x sqrt(2 / {n})); two-factor interactions, levels alike minus levels unlike (RM = OS, RO = MS, "
-             "RS = MO)"]
+    lines = [f"each cause's effect on the gain, its x level's minus its s level's (sigma {s:.4f}: the pooled "
+             f"noise x sqrt(2 / {n})); two-factor interactions, levels alike minus levels unlike (RM = OS, "
+             "RO = MS, RS = MO)"]
+    pairs = [t for t in itertools.combinations(FACTORS, 2) if t[0] == "R" or "P" in t]
     z = {}
-    for term in [(k,) for k in FACTORS] + [t for t in itertools.combinations(FACTORS, 2) if t[0] == "R" or "P" in t]:
+    for term in [(k,) for k in FACTORS] + pairs:
         at = [list(FACTORS).index(k) for k in term]
-        alike = {c: len(at) == 1 and c[at[0]] == "x" or len(at) == 2 and c[at[0]] == c[at[1]] for c in codes}
+        alike = {c: c[at[0]] == "x" if len(at) == 1 else c[at[0]] == c[at[1]] for c in codes}
         e = np.mean([v for (c, _), vs in gains.items() for v in vs if alike[c]]) - \
             np.mean([v for (c, _), vs in gains.items() for v in vs if not alike[c]])
         z["".join(term)] = e / s
-        name = f"{FACTORS[term[0]][2]} vs {FACTORS[term[0]][1]}" if len(term) == 1 else \
-            " x ".join(FACTORS[k][0] for k in term)
+        what = FACTORS[term[0]]
+        name = f"{what[2]} vs {what[1]}" if len(term) == 1 else " x ".join(FACTORS[k][0] for k in term)
         lines.append(f"  {''.join(term):>3} {name:<44} {e:+.4f} nats [{e - half:+.4f}, {e + half:+.4f}] = "
                      f"{e / s:+.1f} sigma")
     return z, lines
 
 
-def rule(preset, by, codes, steps, seeds, sweep, z, own):
+def rule(preset, by, steps, seeds, sweep, z, own):
     """The gate (each LR bracketed on the calibration seed; every arm's loss falls from the smaller budget to
     the larger on every seed), then the reading of the rule written before the run."""
-    loose = unbracketed(sweep or [])
-    stalled = [f"{c} {a} seed {s}" for c in codes + ["operator-1"] for a in ("base", "loop") for s in seeds
-               if (c, a, steps[0], s) in by and not by[c, a, steps[-1], s]["loss"] < by[c, a, steps[0], s]["loss"]]
-    failed = ([f"the LR is not bracketed for {', '.join(loose) or 'any pair (no sweep)'}"] if loose or not sweep
-              else []) + ([f"the loss does not fall from {steps[0]} to {steps[-1]} steps for {', '.join(stalled)}"]
-                          if stalled else [])
+    arms = [(c, a) for c in configs() + ["operator-1"] for a in ("base", "loop")
+            if (c, a, steps[0], seeds[0]) in by]
+    stalled = [f"{c} {a} seed {s}" for c, a in arms for s in seeds
+               if not by[c, a, steps[-1], s]["loss"] < by[c, a, steps[0], s]["loss"]]
+    loose, failed = unbracketed(sweep or []), []
+    if loose or not sweep:
+        failed.append(f"the LR is not bracketed for {', '.join(loose) or 'any pair (no sweep)'}")
+    if stalled:
+        failed.append(f"the loss does not fall from {steps[0]} to {steps[-1]} steps for {', '.join(stalled)}")
     if failed:
         return ["no reading: the instrument failed: " + "; ".join(failed)]
     lines = [f"gate: every LR bracketed on seed {preset['calibration_seed']}; every arm's loss falls from "
              f"{steps[0]} to {steps[-1]} steps on every seed", "the decision rule's reading:"]
-    lines += [f"  {what} ({k}): " + (f"the loop gains more with {x_}" if z[k] >= 2 else f"the loop gains more with "
-                                     f"{s_}" if z[k] <= -2 else "within noise")
-              for k, (what, s_, x_) in FACTORS.items()]
-    carried = [FACTORS[k][0] for k in FACTORS if z[k] >= 2]
-    lines.append("  the corners' gap is carried by " + (", ".join(carried) or "none of the five causes beyond noise"))
+    for k, (what, s, x_) in FACTORS.items():
+        reading = f"the loop gains more with {x_ if z[k] >= 2 else s}" if abs(z[k]) >= 2 else "within noise"
+        lines.append(f"  {what} ({k}): {reading}")
+    carried = ", ".join(FACTORS[k][0] for k in FACTORS if z[k] >= 2)
+    lines.append(f"  the corners' gap is carried by {carried or 'none of the five causes beyond noise'}")
     if own["base"]["z"] >= 2:
-        lines.append(f"  Operator-1's own recipe costs {own['base']['diff']:+.4f} nats by itself: that much of "
-                     "x-cpu-mini's comparison is the recipe, not the loop")
+        lines.append(f"  Operator-1's own recipe costs {own['base']['diff']:+.4f} nats by itself: that much "
+                     "of x-cpu-mini's comparison is the recipe, not the loop")
     return lines
 
 
 def summary(preset, rows, sweep=None):
     """The README figure's rows (+ where the loop pays): the loop's gain at either corner over both budgets,
     and x-cpu-mini's comparison (Operator-1 with its own recipe minus Loop-2)."""
-    by = {(r["config"], r["arm"], r["steps"], r["seed"]): r["loss"] for r in rows}
-    steps, seeds = sorted({r["steps"] for r in rows}), sorted({r["seed"] for r in rows})
+    by, steps, seeds, _ = gains_of(rows)
+    compared = [(f"the loop at {who}'s corner, equal tokens", c, c)
+                for who, c in zip(("[S]", "[X]"), CORNERS)]
     out = []
-    for label, base, loop in [(f"the loop at {who}'s corner, equal tokens", c, c) for who, c in
-                              zip(("[S]", "[X]"), CORNERS)] + [("Loop-2 vs Operator-1, their own recipes",
-                                                                "operator-1", "xxxxx")]:
-        g = paired({t: [by[base, "base", t, s] - by[loop, "loop", t, s] for s in seeds] for t in steps})
+    for label, base, loop in compared + [("Loop-2 vs Operator-1, their own recipes", "operator-1", "xxxxx")]:
+        g = paired({t: [by[base, "base", t, s]["loss"] - by[loop, "loop", t, s]["loss"] for s in seeds]
+                    for t in steps})
         out.append((f"{preset['name']}: {label}", g["diff"], g["lo"], g["hi"]))
     return out
 
 
 def figures(preset, rows, path, out=None):
     """The loop's gain per configuration with its 95% interval (the pooled noise), a panel per budget."""
-    by = {(r["config"], r["arm"], r["steps"], r["seed"]): r["loss"] for r in rows}
-    steps, seeds = sorted({r["steps"] for r in rows}), sorted({r["seed"] for r in rows})
-    gains = {(c, t): [by[c, "base", t, s] - by[c, "loop", t, s] for s in seeds] for c in configs() for t in steps}
+    _, steps, seeds, gains = gains_of(rows)
     sigma, dof = pooled_std(gains.values())
     half = scipy_stats.t.ppf(0.975, dof) * sigma / math.sqrt(len(seeds))
-    panels = [(f"the loop's gain at {t} steps (nats, + where it pays)", [
-        (c, np.mean(gains[c, t]), np.mean(gains[c, t]) - half, np.mean(gains[c, t]) + half) for c in configs()])
-        for t in steps]
+    panels = []
+    for t in steps:
+        means = [(c, float(np.mean(gains[c, t]))) for c in configs()]
+        panels.append((f"the loop's gain at {t} steps (nats, + where it pays)",
+                       [(c, m, m - half, m + half) for c, m in means]))
     title = f"{preset['name']}: causes in the order R M O S P, s = [S]'s level, x = [X]'s"
     return [path("gains.png")] if plots.plot_contrasts(panels, path("gains.png"), title) else []

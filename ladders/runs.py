@@ -5,7 +5,6 @@ the protocols' sweeps share; the data a preset reads; its CSV files."""
 import contextlib
 import csv
 import json
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -52,22 +51,13 @@ def grid_neighbours(values, extend):
     return lambda v: [float(f"{n:.12g}") for n in (v / ratio, v * ratio) if lo < n < hi]
 
 
-def data_dir(preset, unique_tokens=0):
+def data_dir(preset):
     """The folder a preset's runs read: its train data_dir, or the embedded corpus in its tokenizer (prepared
-    once, offline); with unique_tokens only the first train tokens, so many that the stable region (the
-    first 90%, data/loader.py) holds that many."""
+    once, offline)."""
     if preset["train"].get("data_dir"):
         return preset["train"]["data_dir"]
-    from data import loader, prepare
-    if not unique_tokens:
-        return prepare.prepare_default(None, preset["tokenizer"], verbose=False)
-    n = math.ceil(unique_tokens / (1 - loader.BRANCH_FRACTION))
-    n += n - int(n * loader.BRANCH_FRACTION) < unique_tokens
-    out = f"{loader.default_dir(preset['tokenizer'])}-train{n}"
-    if not loader.read_meta(out, preset["tokenizer"]):
-        prepare.prepare([prepare.DEFAULT_CORPUS], out, preset["tokenizer"], shuffle=True, train_tokens=n,
-                        verbose=False, keep_existing=True)
-    return out
+    from data import prepare
+    return prepare.prepare_default(None, preset["tokenizer"], verbose=False)
 
 
 def folder(out, run_id):
@@ -133,12 +123,12 @@ def worker(conn, gpu):
 
 
 def train_runs(specs, out, train_fn, data, workers, bar):
-    """Train the specs (none waiting for another) with train_fn (train.train, or a task's own): one by one
-    here, or with workers > 1 that many at once in worker processes -> {run_id: result}. A run that had
-    started before starts again from scratch."""
+    """Train the specs (none waiting for another) on the data folder with train_fn (train.train, or a task's
+    own): one by one here, or with workers > 1 that many at once in worker processes -> {run_id: result}. A
+    run that had started before starts again from scratch."""
     jobs, results = [], {}
     for s in specs:
-        settings = dict(s.settings, out_dir=folder(out, s.run_id), data_dir=data[s.meta.get("unique_tokens")])
+        settings = dict(s.settings, out_dir=folder(out, s.run_id), data_dir=data)
         if s.needs:
             settings["init_from"] = os.path.join(folder(out, s.needs[0]), f"ckpt_step{s.needs[1]}.pt")
         shutil.rmtree(settings["out_dir"], ignore_errors=True)
@@ -181,6 +171,20 @@ def train_runs(specs, out, train_fn, data, workers, bar):
         for proc, _ in procs:  # at the end, on Ctrl-C or on an error: no worker keeps training
             proc.kill()
     return results
+
+
+def run_rows(specs, results, columns, sources=False):
+    """runs.csv's rows: one per finished run but the LR sweeps' (role "sweep"), its meta and what train.py
+    counted (tokens D, FLOPs C and F = C / D, the val loss; with sources, the loss per source too)."""
+    out = []
+    for s in (s for s in specs if s.run_id in results and s.meta.get("role") != "sweep"):
+        r = results[s.run_id]
+        row = dict(dict(tpp=r["tokens"] / s.meta["N"], epochs=r.get("epochs")) | s.meta, D=r["tokens"],
+                   C=r["flops"], F=r["flops"] / r["tokens"], loss=r["val_loss"], run_id=s.run_id,
+                   seconds=r["seconds"])
+        by_source = {f"loss_{k}": v for k, v in (r["val_loss_by_source"] or {}).items()} if sources else {}
+        out.append({k: row[k] for k in columns} | by_source)
+    return out
 
 
 def write_csv(path, rows):

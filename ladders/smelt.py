@@ -190,7 +190,8 @@ def report(preset, rows, sweep):
     sigma, dof = pooled_std(groups.values())
     lines = [f"== {preset['name']}: [S] SMELT vs its matched baseline, {len(grid)} cells"]
     if sweep:
-        lines += sweep_lines(sweep, sigma and sigma * math.sqrt(2 / preset["lr"]["seeds"])) + [gate_line(sweep)]
+        noise = sigma and sigma * math.sqrt(2 / preset["lr"]["seeds"])
+        lines += sweep_lines(sweep, noise) + [gate_line(sweep)]
     lines += ["matching ([S] Table 10 ratios, SMELT / baseline; match.match accepts F in [1, 1.05] x, N "
               "within 1.5% and KV within 4%)", f"  {'cell':<12} {'baseline H/E/kv':>16} {'SMELT H/E/kv':>14} "
               f"{'F':>7} {'N':>7} {'KV':>7} {'S_base':>7} {'S_smelt':>7}"]
@@ -235,8 +236,8 @@ def pair_lines(rows, sigma, dof):
     if not pairs or not sigma:
         return lines
     s2 = paired_sd if paired_dof else math.sqrt(2) * sigma
-    lines.append(f"SMELT minus baseline per pair, in sigma_diff = {s2:.4f} nats (" + (
-        "the pairs' own spread" if paired_dof else "sqrt(2) x the baseline's pooled std: one twin seed") + ")")
+    why = "the pairs' own spread" if paired_dof else "sqrt(2) x the baseline's pooled std: one twin seed"
+    lines.append(f"SMELT minus baseline per pair, in sigma_diff = {s2:.4f} nats ({why})")
     scale = lambda cell: cell.rsplit("-", 1)[0]  # noqa: E731  (L8w72-e16 -> L8w72)
     for sc in dict.fromkeys(scale(c) for c, *_ in pairs):
         d = np.array([t["loss"] - b["loss"] for c, t, b in pairs if scale(c) == sc])
@@ -259,12 +260,13 @@ def over_cells(pairs):
     mean over cells)."""
     cell = np.array([np.mean([t["loss"] - b["loss"] for c, t, b in pairs if c == name])
                      for name in dict.fromkeys(c for c, *_ in pairs)])
-    return (cell, *t_interval(cell.mean(), cell.std(ddof=1), len(cell), len(cell) - 1)) if len(cell) > 1 else \
-        (cell, np.nan, np.nan)
+    if len(cell) < 2:
+        return cell, np.nan, np.nan
+    return (cell, *t_interval(cell.mean(), cell.std(ddof=1), len(cell), len(cell) - 1))
 
 
 def summary(preset, rows, sweep=None):
-    """The README figure's row: the baseline minus its SMELT twin (+ where SMELT pays), the mean over cells."""
+    """The README figure's row: the baseline minus its SMELT twin (+ where SMELT pays), over the cells."""
     by = {(r["arch"], r["cell"], r["branch_tpp"], r["seed"]): r for r in rows}
     cell, lo, hi = over_cells([(k[1], by[("smelt",) + k[1:]], r) for k, r in by.items()
                                if k[0] == "baseline" and ("smelt",) + k[1:] in by])
@@ -331,6 +333,5 @@ def figures(preset, rows, path, out=None):
                 log = plots.read_log(os.path.join(out, "runs", name, "log.jsonl"))
                 curves[f"{r['arch']} {label}"] = ([e["tokens"] for e in log], [e["val_loss"] for e in log])
     title = f"{preset['name']}: the stable runs and their decay branches ({top}, the first seed)"
-    if plots.plot_loss_curves(curves, path("decay_branches.png"), title=title):
-        return [path("decay_branches.png")]
-    return []
+    drawn = plots.plot_loss_curves(curves, path("decay_branches.png"), title)
+    return [path("decay_branches.png")] if drawn else []

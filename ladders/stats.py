@@ -1,12 +1,10 @@
-"""The ladders' statistics, beside fit.py's laws: the seed spread, t-intervals, differences of means, the seed
-bootstrap and its agreement, profile intervals, a grid's optimum. Every interval is 95%."""
+"""The ladders' statistics, beside fit.py's laws: the seed spread, t-intervals, contrasts paired by seed, the
+seed bootstrap, profile intervals. Every interval is 95%."""
 
 import math
 
 import numpy as np
 from scipy import stats as scipy_stats
-
-import fit
 
 LEVEL = 0.95
 
@@ -27,27 +25,19 @@ def t_interval(mean, sigma, n, dof):
     return mean - half, mean + half
 
 
-def contrast(terms, sigma, dof):
-    """sum sign x mean over terms [(sign +-1, mean of n seeds, n)] against the pooled seed noise: its sigma is
-    sigma sqrt(sum 1/n) (sqrt(2) sigma for two single runs) -> dict(diff, sigma, z, lo, hi, p)."""
-    d = sum(sign * mean for sign, mean, _ in terms)
-    s = sigma * math.sqrt(sum(1 / n for _, _, n in terms))
-    lo, hi = t_interval(d, s, 1, dof)
-    return dict(diff=d, sigma=s, z=d / s, lo=lo, hi=hi, p=float(2 * scipy_stats.t.sf(abs(d / s), dof)))
-
-
 def paired(diffs):
-    """A contrast paired by seed (a seed fixes the data order and the initial draws of both its arms): diffs
-    {point: [the contrast on each seed]} -> dict(diff, sigma, z, lo, hi, p, dof, means) of the mean over the
-    points (each weighs the same), its noise the spread of the per-seed values pooled over the points."""
+    """A contrast paired by seed: diffs {point: [its value on each seed]} -> dict(diff, sigma, z, lo, hi, p,
+    dof, means) of the mean over the points, its noise the per-seed spread pooled over the points."""
     means = {p: float(np.mean(v)) for p, v in diffs.items()}
     d, (sigma, dof) = float(np.mean(list(means.values()))), pooled_std(diffs.values())
     if not dof:
-        return dict(diff=d, sigma=math.nan, z=math.nan, lo=math.nan, hi=math.nan, p=math.nan, dof=0, means=means)
+        nan = math.nan
+        return dict(diff=d, sigma=nan, z=nan, lo=nan, hi=nan, p=nan, dof=0, means=means, point_sigma=nan)
     s = sigma * math.sqrt(sum(1 / len(v) for v in diffs.values())) / len(diffs)
     lo, hi = t_interval(d, s, 1, dof)
-    return dict(diff=d, sigma=s, z=d / s, lo=lo, hi=hi, p=float(2 * scipy_stats.t.sf(abs(d / s), dof)),
-                dof=dof, means=means, point_sigma=sigma)
+    z = d / s if s else math.copysign(math.inf, d) if d else 0.0  # no spread at all: made-up data
+    return dict(diff=d, sigma=s, z=z, lo=lo, hi=hi, p=float(2 * scipy_stats.t.sf(abs(z), dof)), dof=dof,
+                means=means, point_sigma=sigma)
 
 
 def spreads(groups):
@@ -69,14 +59,6 @@ def seed_draws(means, ns, sigma, dof, n_draws, seed=0):
     return means + sigma / np.sqrt(ns) * rng.standard_t(dof, size=(n_draws, len(means)))
 
 
-def agreement(draws, estimate):
-    """The share of draws (rows) equal to the estimate, per column."""
-    draws = np.asarray(draws)
-    if not len(draws):
-        return np.full(np.shape(estimate), np.nan)
-    return (draws == np.asarray(estimate)[None]).mean(axis=0)
-
-
 def profile_bound(objective, n_points):
     """How far a profiled Huber objective may rise above its minimum inside a 95% profile interval: the
     likelihood-ratio bound chi2(1)/2 x objective / points of a Laplace likelihood (Huber on log-loss in its
@@ -92,17 +74,6 @@ def profile_interval(values, objectives, bound):
     first, last = int(inside[0]), int(inside[-1])
     return (float(values[max(first - 1, 0)]), float(values[min(last + 1, len(values) - 1)]),
             first == 0 or last == len(values) - 1)
-
-
-def interpolated_optimum(xs, losses):
-    """(x*, edge): the vertex of the parabola in log x through the best grid point and its two neighbours; the
-    grid point itself at an edge of the grid (edge -1 / +1, else 0)."""
-    order = np.argsort(xs)
-    grid, y = np.asarray(xs, dtype=float)[order], np.asarray(losses, dtype=float)[order]
-    i = int(np.argmin(y))
-    if i in (0, len(y) - 1):
-        return float(grid[i]), (-1 if i == 0 else 1) if len(y) > 1 else 0
-    return fit.quadratic_vertex(grid[i - 1:i + 2], y[i - 1:i + 2], log_y=False)["x_opt"], 0
 
 
 def fmt(v, spec):

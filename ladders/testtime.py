@@ -1,8 +1,8 @@
-"""[X] Figure 17 in miniature (kind "testtime"): Loop-2 at two sizes, trained at its K = 2 or with random passes
-(each step's K drawn from `choices`), each seed once; every run's checkpoint then read at K = 1..test_passes
-on the same validation windows. The report: the loss against the passes, each K against the trained one
-paired within a model (the same documents), the gate and the reading of the rule written before the run
-(docs/ladder.md)."""
+"""[X] Figure 17 in miniature (kind "testtime"): Loop-2 at two sizes, trained at its K = 2 or with random
+passes (each step's K drawn from `choices`), each seed once; every run's checkpoint then read at K = 1 to
+test_passes on the same validation windows. The report: the loss against the passes, each K against the
+trained one paired within a model (the same documents), the gate and the reading of the rule written before
+the run (docs/ladder.md)."""
 
 import math
 import os
@@ -50,7 +50,8 @@ def evaluate(preset, specs, results, out):
         losses = {}
         for k in range(1, preset["test_passes"] + 1):
             model.plan = execution_plan(model.config, k)
-            losses[k] = val(model, data, preset["train"]["eval_tokens"], preset["train"]["batch_size"])["val_loss"]
+            t = preset["train"]
+            losses[k] = val(model, data, t["eval_tokens"], t["batch_size"])["val_loss"]
         results[s.run_id]["scores"] = losses
     return results
 
@@ -85,7 +86,7 @@ def report(preset, rows, sweep=None):
                           for d in depths for t in ("fixed", "random")}))
     diff = lambda t, k, ref: paired({d: [by[d, t, s, k] - by[d, t, s, ref] for s in seeds]  # noqa: E731
                                      for d in depths})
-    lines.append("each K minus the trained K (fixed: 2; random: its largest, " + str(top) + "), paired within "
+    lines.append(f"each K minus the trained K (fixed: 2; random: its largest, {top}), paired within "
                  "each model (the same windows), over both depths; 95% t-intervals:")
     contrasts = {}
     for t, ref in (("fixed", 2), ("random", top)):
@@ -104,7 +105,7 @@ def report(preset, rows, sweep=None):
     return lines + [
         "gate: the fixed-K model loses at K = 1 beyond noise (its passes are in use)",
         "the decision rule's reading:",
-        f"  fixed K: {'best at its trained K = 2' if fixed_best else 'not best at its trained K'}; at K = {last} "
+        f"  fixed K: {'' if fixed_best else 'not '}best at its trained K = 2; at K = {last} "
         + ("it loses beyond noise" if contrasts["fixed", last]["lo"] > 0 else "no loss beyond noise")
         + f" ({contrasts['fixed', last]['diff']:+.4f}; [X]: +0.008..+0.042)",
         f"  random K: " + (f"flat (K = {last} within +-{MARGIN} of K = {top})" if flat else
@@ -120,19 +121,19 @@ def summary(preset, rows, sweep=None):
     out = []
     for training, ref in (("fixed", 2), ("random", max(preset["choices"]))):
         c = paired({d: [by[d, training, s, ref] - by[d, training, s, last] for s in seeds] for d in depths})
-        out.append((f"{preset['name']}: {training} K, read at K = {last} vs K = {ref}", c["diff"], c["lo"], c["hi"]))
+        label = f"{preset['name']}: {training} K, read at K = {last} vs K = {ref}"
+        out.append((label, c["diff"], c["lo"], c["hi"]))
     return out
 
 
 def figures(preset, rows, path, out=None):
     """The loss against the test-time passes, per depth and training (the mean over seeds)."""
-    curves = {}
-    for r in sorted(rows, key=lambda r: r["passes"]):
-        x, y = curves.setdefault(f"d{r['depth']} {r['training']}", ([], []))
-        if not x or x[-1] != r["passes"]:
-            x.append(r["passes"])
-            y.append(np.mean([q["loss"] for q in rows if (q["depth"], q["training"], q["passes"]) ==
-                              (r["depth"], r["training"], r["passes"])]))
+    losses, curves = {}, {}
+    for r in rows:
+        losses.setdefault((f"d{r['depth']} {r['training']}", r["passes"]), []).append(r["loss"])
+    for (label, k), v in sorted(losses.items()):
+        curves.setdefault(label, ([], []))[0].append(k)
+        curves[label][1].append(np.mean(v))
     title = f"{preset['name']}: Loop-2 read at K passes, trained at K = 2 (fixed) or random K"
     return [path("passes.png")] if plots.plot_loss_curves(curves, path("passes.png"), title,
                                                           xlabel="test-time passes K") else []

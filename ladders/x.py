@@ -18,9 +18,9 @@ import fit
 import grow
 import match
 import plots
-from ladders.runs import RunSpec
+from ladders.runs import RunSpec, run_rows
 from ladders.smelt import compute_active, model_settings, vocab
-from ladders.stats import fmt, pooled_std, seed_draws
+from ladders.stats import fmt, pooled_std, seed_draws, spreads
 from ladders.sweep import gate_line, lr_sweep, sweep_lines
 from model import ModelConfig
 
@@ -117,16 +117,7 @@ def plan(preset, results, train_tokens=None):
 
 def rows(specs, results):
     """runs.csv: the ladder's runs (not the sweep's other values), C and D as train.py counted them."""
-    out = []
-    for s in specs:
-        r = results.get(s.run_id)
-        if r and s.meta.get("role") != "sweep":
-            row = dict(s.meta, C=r["flops"], D=r["tokens"], F=r["flops"] / r["tokens"], loss=r["val_loss"],
-                       tpp=r["tokens"] / s.meta["N"], epochs=r.get("epochs"), run_id=s.run_id,
-                       seconds=r["seconds"])
-            sources = {f"loss_{k}": v for k, v in (r["val_loss_by_source"] or {}).items()}
-            out.append({k: row[k] for k in COLUMNS} | sources)
-    return out
+    return run_rows(specs, results, COLUMNS, sources=True)
 
 
 def depth_means(points):
@@ -179,18 +170,12 @@ def report(preset, rows, sweep):
     lines += ["final validation loss, the mean over seeds", header]
     lines += [f"  {a:>12} " + " ".join(fmt(mean(a, d, "loss"), "9.4f") for d in depths) for a in archs]
     lines += [f"  training FLOPs {min(r['C'] for r in rows):.3g}..{max(r['C'] for r in rows):.3g}; epochs "
-              f"read {min(r['epochs'] or 0 for r in rows):.2f}..{max(r['epochs'] or 0 for r in rows):.2f}",
-              f"tokens / FLOPs relative to {REF} at the same depth", header]
-    for a in archs[1:] if archs[0] == REF else archs:
-        ratios = [f"{mean(a, d, 'D') / mean(REF, d, 'D'):.2f}/{mean(a, d, 'C') / mean(REF, d, 'C'):.2f}"
-                  for d in depths]
-        lines.append(f"  {a:>12} " + " ".join(f"{v:>9}" for v in ratios))
+              f"read {min(r['epochs'] or 0 for r in rows):.2f}..{max(r['epochs'] or 0 for r in rows):.2f} "
+              "(runs.csv: each run's tokens D and FLOPs C; equal depth is not equal compute)"]
     points = {a: [(r["C"], r["loss"], r["depth"]) for r in rows if r["arch"] == a] for a in archs}
-    noise = {a: pooled_std([[l for _, l, d in p if d == depth] for depth in depths])
-             for a, p in points.items()}
-    lines.append("seed std of each architecture, pooled over its depths: "
-                 + ", ".join(f"{a} {fmt(s, '.4f')} ({k} dof)" for a, (s, k) in noise.items()))
-    if len({d for *_, d in points.get(REF, [])}) < 3 or not all(k for _, k in noise.values()):
+    groups = {a: [[l for _, l, d in p if d == depth] for depth in depths] for a, p in points.items()}
+    lines.append(spreads(groups) + " (each pooled over its depths)")
+    if len({d for *_, d in points.get(REF, [])}) < 3 or not all(pooled_std(g)[1] for g in groups.values()):
         return lines + [f"[X7] and [X6] need {REF} at 3 depths and every architecture's seeds"]
     runs = {a: (np.array([c for c, _, _ in p]), np.array([l for _, l, _ in p])) for a, p in points.items()}
     fits = fit.fit_power_laws(runs, REF, C0=float(np.exp(np.mean(np.log(runs[REF][0])))))

@@ -1,10 +1,9 @@
-"""ladder.py and ladders/: the statistics against scipy and known answers (t-intervals, the sqrt(2) of a
-difference, the seed bootstrap, profile intervals); the searches recover a known optimum; the reports' rules
-(a surface reported only where the grid identifies it, the best K and its agreement); a ladder resumes
-without retraining; tiny presets (built here) train end to end; every committed report rebuilds byte for byte
-from its CSVs; --list shows every preset's plan and its budget."""
+"""ladder.py and ladders/: the statistics against scipy and known answers (t-intervals, contrasts paired by
+seed, the seed bootstrap, profile intervals); the searches recover a known optimum; the reports' rules on
+known inputs (a surface reported only where the grid identifies it, each new ladder's gate and reading); a
+ladder resumes without retraining; tiny presets (built here) train end to end; every committed report
+rebuilds byte for byte from its CSVs; --list shows every preset's plan and its budget."""
 
-import importlib.util
 import json
 import math
 import os
@@ -17,15 +16,15 @@ from scipy import stats as scipy_stats
 
 import fit
 import ladder
-from ladders import repeat, smelt, x
+from ladders import khop, recipe, smelt, testtime, x
 from ladders.presets import PRESETS, SEEDS
-from ladders.runs import RunSpec, data_dir, load_results
-from ladders.stats import (agreement, contrast, difference, interpolated_optimum, pooled_std, profile_bound,
+from ladders.runs import RunSpec, load_results
+from ladders.stats import (paired, pooled_std, profile_bound,
                            profile_interval, seed_draws, t_interval)
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ladder")
-KEPT = ["smelt-cpu-mini", "smelt-cpu-surface", "smelt-cpu-decompose", "smelt-cpu-hops", "x-cpu-mini", "x-cpu-mini-tuned",
-        "x-cpu-repeat", "x-cpu-repeat-tuned"]
+KEPT = ["smelt-cpu-mini", "smelt-cpu-surface", "smelt-cpu-decompose", "smelt-cpu-recipe", "smelt-cpu-khop",
+        "x-cpu-mini", "x-cpu-mini-tuned", "x-cpu-testtime"]
 
 
 def preset(name, **changes):
@@ -40,14 +39,10 @@ X_TINY = preset("x-cpu-mini", model=dict(block_size=32), depths=[3], archs=("van
                 seeds=SEEDS[:1], train=dict(batch_size=4, eval_tokens=512),
                 tpp_stored={"vanilla": 0.05, "loop-grow": 0.1}, workers=2,
                 lr=dict(key="matrix_lr", values=[0.04], extend=0, seeds=1, every_point=False))
-REPEAT_TINY = preset("x-cpu-repeat", model=dict(block_size=32), depths=[3], passes=[1], arms=[(2000, 2)],
-                     seeds=SEEDS[:1], train=dict(batch_size=4, eval_tokens=512), workers=1,
-                     weight_decays=[0.1], wd_extend=0, seeded_passes=[], bootstrap=50,
-                     lr=dict(key="matrix_lr", values=[0.04], extend=0, seeds=1, weight_decay=0.1))
-HOPS_TINY = preset("smelt-cpu-hops", scales={"L4w32": dict(n_layer=4, n_embd=32, expert_hidden=16)},
-                   cells=[("L4w32", 16)], task=dict(n_symbols=8, max_hops=4, train_docs=2000, eval_docs=8),
-                   steps=2, seeds=[1, 2], workers=1, train=dict(optimizer="adamw", batch_size=4, warmup_steps=1,
-                                                               eval_tokens=512))
+KHOP_TINY = preset("smelt-cpu-khop", seeds=[1338], max_steps=6, eval_every=3, test_passes=3, workers=1,
+                   train=dict(n_embd=24, n_head=2, head_dim=12, batch_size=4, warmup_steps=2))
+TESTTIME_TINY = preset("x-cpu-testtime", depths=[3], seeds=[1], choices=[1, 2], test_passes=3, tpp_stored=0.1,
+                       workers=1, model=dict(block_size=32), train=dict(batch_size=4, eval_tokens=512))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -64,41 +59,20 @@ def test_t_interval_and_pooled_std_are_scipys():
     assert pooled_std([[1.0], [2.0]]) == (None, 0)
 
 
-def test_a_difference_has_sqrt2_sigma_and_scipys_p():
-    a, b = np.array([1.8847, 1.8751, 1.8916]), np.array([1.8708, 1.8647, 1.8734])
-    sigma, dof = pooled_std([a, b])
-    d = difference(a.mean(), 3, b.mean(), 3, sigma, dof)
-    student = scipy_stats.ttest_ind(a, b, equal_var=True)  # the same pooled two-sample t-test
-    assert d["z"] == pytest.approx(student.statistic) and d["p"] == pytest.approx(student.pvalue)
-    assert difference(2.0, 1, 1.9, 1, 0.01, 5)["sigma"] == pytest.approx(math.sqrt(2) * 0.01)  # two runs
-    c = contrast([(1, 2.0, 2), (-1, 1.9, 2), (-1, 1.5, 3), (1, 1.45, 3)], 0.01, 10)  # differences' difference
-    s = 0.01 * math.sqrt(1 / 2 + 1 / 2 + 1 / 3 + 1 / 3)
-    assert c["diff"] == pytest.approx(0.05) and c["sigma"] == pytest.approx(s)
-    assert c["p"] == pytest.approx(2 * scipy_stats.t.sf(0.05 / s, 10))
-    assert (c["lo"], c["hi"]) == pytest.approx(scipy_stats.t.interval(0.95, 10, 0.05, s))
-
-
 def test_seed_bootstrap_gives_t_intervals_deterministically():
     draws = seed_draws([1.0, 2.0], [3, 1], 0.01, 4, n_draws=40000, seed=7)
     assert np.array_equal(draws, seed_draws([1.0, 2.0], [3, 1], 0.01, 4, n_draws=40000, seed=7))
     for j, (mean, n) in enumerate(((1.0, 3), (2.0, 1))):
         band = np.percentile(draws[:, j], [2.5, 97.5])
         assert band == pytest.approx(t_interval(mean, 0.01, n, 4), abs=0.02 * 0.01 * 2.78 / math.sqrt(n))
-    apart = seed_draws([1.0, 1.1], [3, 3], 0.01, 8, n_draws=2000, seed=0).argmin(axis=1)
-    tied = seed_draws([1.0, 1.0], [3, 3], 0.01, 8, n_draws=2000, seed=0).argmin(axis=1)
-    assert agreement(apart[:, None], [0])[0] == 1.0 and 0.45 < agreement(tied[:, None], [0])[0] < 0.55
 
 
-def test_profile_interval_and_a_grid_optimum():
+def test_profile_interval():
     assert profile_bound(3.74e-4, 54) == pytest.approx(scipy_stats.chi2.ppf(0.95, 1) / 2 * 3.74e-4 / 54)
     a = np.linspace(0, 2, 21)
     lo, hi, edge = profile_interval(a, (a - 1.0) ** 2, 0.045)  # inside: |a - 1| <= 0.2; then the next values
     assert (lo, hi, edge) == (pytest.approx(0.7), pytest.approx(1.3), False)
     assert profile_interval(a, np.zeros_like(a), 0.01) == (0.0, 2.0, True)  # flat: not bounded by the data
-    w = [0.1, 0.2, 0.4, 0.8]
-    x_opt, edge = interpolated_optimum(w, [(np.log(v) - np.log(0.3)) ** 2 for v in w])
-    assert x_opt == pytest.approx(0.3) and edge == 0
-    assert interpolated_optimum(w, [1.0, 1.1, 1.2, 1.3]) == (0.1, -1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -141,107 +115,20 @@ def test_each_sweep_point_brackets_its_own_optimum():
 OPT = {1: (0.2, 0.025), 2: (0.02, 0.4)}  # K: the optimum (LR as the first depth's value, weight decay)
 
 
-def test_repeat_search_recovers_a_known_optimum_at_every_point():
-    """A bowl in log LR and log weight decay around a known optimum per K: the search walks from the carried
-    LR and the grid's best weight decay to it (as near as the grids and their limits go), every best
-    bracketed by its neighbours on both grids; the other seeds run at the best pair."""
-    p = preset("x-cpu-repeat-tuned", depths=[3, 4], passes=[1, 2], arms=[(2000, 2)], seeded_passes=[1, 2],
-               weight_decays=[0.1, 0.4], wd_extend=1, lr=dict(key="matrix_lr", values=[0.02, 0.04], extend=1,
-                                                               seeds=1, weight_decay=0.2))
-
-    def loss(s):
-        lr, wd = OPT[s.meta["K"]]
-        return 3.0 + 0.01 * math.log2(s.meta["grid_lr"] / lr) ** 2 + 0.004 * math.log2(
-            s.settings["weight_decay"] / wd) ** 2 + 0.0005 * (s.meta["seed"] - 1337)
-    specs, _, results = ladder.resolve(p, lambda todo: {s.run_id: dict(val_loss=loss(s)) for s in todo})
-    for k, (lr, wd) in OPT.items():
-        reachable = (min(max(lr, 0.01), 0.08), min(max(wd, 0.025), 1.6))  # the limits: a step beyond
-        for d in p["depths"]:
-            first = {(s.meta["grid_lr"], s.meta["wd"]): results[s.run_id]["val_loss"] for s in specs
-                     if (s.meta["K"], s.meta["depth"], s.meta["seed"]) == (k, d, SEEDS[0])}
-            best = min(first, key=first.get)
-            assert best == pytest.approx(reachable)
-            (lr, wd) = best
-            for n in [(lr / 2, wd), (lr * 2, wd), (lr, wd / 4), (lr, wd * 4)]:  # bracketed, or beyond a limit
-                assert n in first or not (0.01 <= n[0] <= 0.08 and 0.025 <= n[1] <= 1.6)
-            seeds = [s for s in specs if (s.meta["K"], s.meta["depth"], s.meta["role"]) == (k, d, "seed")]
-            assert [(s.meta["grid_lr"], s.meta["wd"], s.meta["seed"]) for s in seeds] == [(*best, SEEDS[1])]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the reports' rules on known answers
-
-def test_repeat_analysis_recovers_known_answers():
-    C1 = [1e12, 2e12, 4e12, 8e12]  # K = 1 improves with size, then overfits; K = 2 costs 1.5x and keeps going
-    frontier = {1: list(zip(C1, [2.0, 1.8, 1.7, 1.75])),
-                2: list(zip([1.5 * c for c in C1], [1.95, 1.72, 1.6, 1.5]))}
-    best, l_star, c_star, reach = repeat.analysis(frontier, [1e12, 2e12, 1.2e13])
-    assert best == [1, 1, 2] and (l_star, c_star) == (1.7, 4e12)
-    assert reach == pytest.approx(3e12 * 2 ** (0.02 / 0.12))  # log-linear: 1.72 at 3e12, 1.6 at 6e12
-    assert repeat.envelope(frontier[1], 1.2e13) == 1.7 and repeat.envelope(frontier[1], 5e11) == np.inf
-    assert math.isnan(repeat.reach_compute(frontier[1], 1.0))
-
-    def pts(gap, spread):  # three seeds per point
-        losses = {1: [2.0, 1.8, 1.7, 1.65], 2: [2.02 + gap, 1.7 + gap, 1.55 + gap, 1.45 + gap]}
-        return {(k, d): (c * (1 + 0.5 * (k - 1)), [v - spread, v, v + spread]) for k in (1, 2)
-                for d, (c, v) in enumerate(zip(C1, losses[k]))}
-    clear = "\n".join(repeat.budget_lines(dict(bootstrap=400), pts(0.0, 1e-3), 1e-3, 16))
-    assert re.search(r"looped K is best at \(from [0-9.e+]+\): [0-9.e+]+, the same in 1.00", clear)
-    tied = "\n".join(repeat.budget_lines(dict(bootstrap=400), pts(0.195, 0.05), 0.05, 16))
-    share = float(re.search(r"the same in ([0-9.]+) of the draws", tied).group(1))
-    assert share < 0.9  # K = 2 ahead at the top only, the noise ten times the difference: the draws disagree
-
-
-def test_budgets_compared_recover_known_answers():
-    """Fresh data where K = 1 stays best, a repeated budget where K = 1 overfits and K = 4 wins: the looping
-    gains, their difference with its sigma over four means, and the best K at the top."""
-    def section(label, epochs, losses):
-        return (label, 1000, epochs), {(k, d): (1e12 * 2 ** d * (1 + 0.5 * (k - 1)), [v - 1e-3, v + 1e-3])
-                                       for k, ls in losses.items() for d, v in enumerate(ls)}
-    fresh = section("1kx1", 1, {1: [2.0, 1.8, 1.6, 1.5], 2: [2.0, 1.82, 1.63, 1.53],
-                                4: [2.05, 1.86, 1.67, 1.57]})
-    rep = section("1kx10", 10, {1: [2.0, 1.9, 1.95, 2.05], 2: [1.98, 1.85, 1.85, 1.9],
-                                4: [1.97, 1.8, 1.75, 1.72]})
-    text = "\n".join(repeat.across_lines(dict(bootstrap=200, passes=[1, 2, 4]), [fresh, rep]))
-    assert "1kx1 -0.0300 (K = 2), 1kx10 +0.1800 (K = 4)" in text
-    sigma = math.sqrt(2) * 1e-3 * math.sqrt(4 / 2)  # the std of [v - 1e-3, v + 1e-3], four means of 2 seeds
-    lo, hi = scipy_stats.t.interval(0.95, 24, 0.21, sigma)
-    assert f"+0.2100 nats [95% t-interval {lo:+.4f}, {hi:+.4f}]" in text
-    assert re.search(r"larger with 1kx10 than with 1kx1 in 1.000", text)
-    assert "held out" not in text
-    # every choice made on the first seed (v - 1e-3), read on the second alone (v + 1e-3): the same gains
-    tuned = "\n".join(repeat.across_lines(dict(bootstrap=200, passes=[1, 2, 4], tune=True, seeds=[7, 8]),
-                                          [fresh, rep]))
-    assert "chosen on seed 7, the losses of the other seeds: looping gain 1kx1 -0.0300 (K = 2), 1kx10 " \
-        "+0.1800 (K = 4)" in tuned
-    lo, hi = scipy_stats.t.interval(0.95, 24, 0.21, math.sqrt(2) * 1e-3 * 2)  # four means of one seed
-    assert f"held out: the gain with 1kx10 minus the gain with 1kx1: +0.2100 nats [95% t-interval {lo:+.4f}, " \
-        f"{hi:+.4f}]" in tuned
-
-
-def test_the_best_k_envelope_interpolates_between_sizes_or_reads_the_sizes_trained():
-    points = [(1e11, 2.0), (4e11, 1.0)]
-    assert repeat.envelope(points, 2e11) == pytest.approx(1.5)  # log-C halfway between the two sizes
-    assert repeat.envelope(points, 2e11, interpolate=False) == 2.0  # only the size affordable at 2e11
-    assert repeat.envelope(points, 0.5e11) == repeat.envelope(points, 0.5e11, interpolate=False) == math.inf
-    frontier = {1: [(1e11, 2.0), (4e11, 1.0)], 2: [(1.5e11, 1.8)]}
-    assert repeat.analysis(frontier, [2e11])[0] == [1] and repeat.analysis(frontier, [2e11], False)[0] == [2]
-
-
 def synthetic_rows(scales):
     runs = fit.synthetic_surface_runs(seed=0, scales=scales, n_checkpoints=3)
     return [dict(arch=a, cell=c, F=F, S=S, D=D, C=F * D, loss=loss, branch_tpp=0, seed=1337)
             for a, c, F, S, D, loss in zip(*(runs[k] for k in ("arch", "cell", "F", "S", "D", "loss")))]
 
 
-@pytest.mark.parametrize("name", ["x-cpu-mini", "x-cpu-repeat"])
+@pytest.mark.parametrize("name", ["x-cpu-mini", "x-cpu-mini-tuned"])
 def test_the_x_ladders_scale_every_lr_with_stored_parameters_by_x16(name):
     """[X16] GLR(N) = GLR(N_0) (N / N_0)^beta, N the stored parameters counted on the built module, N_0 at the
     first depth; the embedding and lm head LRs keep the recipe's ratios to the matrix LR."""
     from model import GPT
     p = PRESETS[name]
-    for arch in (p["archs"] if name == "x-cpu-mini" else ["operator-1"]):
-        beta = p["lr_beta"][arch] if isinstance(p["lr_beta"], dict) else p["lr_beta"]
+    for arch in p["archs"]:
+        beta = p["lr_beta"][arch]
         stored = {d: sum(w.numel() for w in GPT(x.config(p, arch, d)).parameters()) for d in p["depths"]}
         recipe = x.recipe(arch)[1]
         for depth in p["depths"]:
@@ -314,7 +201,7 @@ def test_a_ladder_resumes_without_retraining(tmp_path, monkeypatch):
     assert all(os.path.getmtime(os.path.join(c, "result.json")) == t for c, t in mtimes.items())
     calls.clear()
     text = ladder.run(p, out, train_fn)
-    assert calls == [] and "matching ([S] Table 10" in text and "seed spread of the baseline" in text
+    assert calls == [] and "matching ([S] Table 10" in text and "seed std pooled over every arm" in text
     os.remove(os.path.join(out, "report.txt"))
     assert ladder.main(["--preset", "smelt-micro", "--report_only", "--out", out]) == 0
     assert open(os.path.join(out, "report.txt")).read() == text
@@ -325,7 +212,8 @@ def test_a_ladder_resumes_without_retraining(tmp_path, monkeypatch):
 def test_tiny_presets_train_end_to_end(tmp_path):
     """Real training: SMELT's stable runs save the branch points and each branch forks there (D = its stable
     steps + its decay tokens, its final weights removed); [X] growth doubles the passes at the [X15] step
-    (two worker processes); the data-constrained run reads only its unique tokens, for its epochs."""
+    (two worker processes); k-hop's own loop calibrates (and, not learning in 6 steps, stops there); each
+    test-time checkpoint is read at every K."""
     out = str(tmp_path / "smelt")
     ladder.run(SMELT_TINY, out)
     rows = fit.read_runs(os.path.join(out, "runs.csv"))
@@ -345,24 +233,19 @@ def test_tiny_presets_train_end_to_end(tmp_path):
     assert grown["arch"] == "loop-grow" and set(log[-1]["flops_by_passes"]) == {"2", "4"}
     settings = json.load(open(os.path.join(out, "runs", grown["run_id"], "result.json")))["settings"]
     assert settings["grow_at"] == grown["grow_step"] and settings["optimizer"] == "muon_x"  # its [X] recipe
-    out = str(tmp_path / "repeat")
-    ladder.run(REPEAT_TINY, out, plot=True)
-    (r,) = fit.read_runs(os.path.join(out, "runs.csv"))
-    prepared = json.load(open(os.path.join(data_dir(REPEAT_TINY, 2000), "meta.json")))["train_tokens"]
-    stable = prepared - int(0.1 * prepared)  # the stable region: the 2000 tokens (and at most one more)
-    assert 2000 <= stable <= 2001
-    assert r["epochs"] == pytest.approx(r["D"] / ((2000 - 1) // 32 * 32), rel=0.01) and r["epochs"] >= 2
-    if importlib.util.find_spec("matplotlib"):  # its figures (without matplotlib: one line, no figure)
-        assert all(open(os.path.join(out, f"2kx2-{f}.png"), "rb").read(4) == b"\x89PNG"
-                   for f in ("frontier", "weight_decay"))
-    out = str(tmp_path / "hops")  # the accuracy, from each run's checkpoint: every query once per k and passes
-    ladder.run(HOPS_TINY, out)
+    out = str(tmp_path / "khop")  # its own loop: the calibration (it never learns in 6 steps), no report runs
+    ladder.run(KHOP_TINY, out)
     rows = fit.read_runs(os.path.join(out, "runs.csv"))
-    for arm, passes in dict(A=[1], B=[1], C=[1, 2, 3, 4], D=[1, 2, 3, 4], P=[1, 2, 3, 4], E=[1]).items():
-        for seed in (1, 2):
-            mine = [r for r in rows if r["arm"] == arm and r["seed"] == seed]
-            assert sorted({r["passes"] for r in mine}) == passes and {r["hops"] for r in mine} == {1, 2, 3, 4}
-            assert all(sum(r["queries"] for r in mine if r["passes"] == p) == 8 * 12 for p in passes)
+    assert {(r["role"], r["seed"], r["step"]) for r in rows} == {("calibration", 1, 3), ("calibration", 1, 6),
+                                                                 ("calibration", 2, 3), ("calibration", 2, 6)}
+    assert "no reading: the 4-layer arm did not learn" in open(os.path.join(out, "report.txt")).read()
+    out = str(tmp_path / "testtime")  # each checkpoint read at K = 1..3 on the same windows
+    ladder.run(TESTTIME_TINY, out)
+    rows = fit.read_runs(os.path.join(out, "runs.csv"))
+    assert sorted((r["training"], r["passes"]) for r in rows) == [(t, k) for t in ("fixed", "random")
+                                                                    for k in (1, 2, 3)]
+    fixed = json.load(open(os.path.join(out, "runs", "fixed-d3-s1", "result.json")))
+    assert next(r["loss"] for r in rows if (r["training"], r["passes"]) == ("fixed", 2)) == fixed["val_loss"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -384,9 +267,6 @@ def test_figures_from_the_committed_csvs(tmp_path):
     assert ladder.main(["--preset", "x-cpu-mini", "--report_only", "--plot", "--out", str(tmp_path)]) == 0
     for figure in ("loss_vs_compute.png", "multipliers.png"):
         assert open(tmp_path / figure, "rb").read(4) == b"\x89PNG"
-    shutil.copy(os.path.join(DOCS, "smelt-cpu-hops-runs.csv"), tmp_path / "runs.csv")
-    assert ladder.main(["--preset", "smelt-cpu-hops", "--report_only", "--plot", "--out", str(tmp_path)]) == 0
-    assert open(tmp_path / "L4w64-e16-accuracy.png", "rb").read(4) == b"\x89PNG"
 
 
 def test_list_shows_every_preset_and_the_plan_meets_its_budget(capsys):
@@ -421,90 +301,136 @@ def test_the_decomposition_plans_five_arms_on_the_same_tokens():
 
 
 def test_the_decomposition_reads_its_rule_on_known_losses():
-    """Made-up losses (two seeds each, +-1e-3): narrowing costs 0.05, the loop adds nothing to the narrow
-    model and costs 0.01 at full width, depth nothing: the contrasts, their sigma, the rule's reading."""
+    """Made-up losses (two seeds, a seed effect shared by every arm and a small noise of each run): narrowing
+    costs 0.05, the loop nothing on the narrow model and 0.01 at full width, depth nothing. Paired by seed, the
+    shared seed effect cancels: the contrasts' noise is the runs' own, the rule reads the narrowing."""
     from ladders import decompose
-    rows = [dict(cell=cell, tpp=tpp, arm=arm, seed=seed, loss=loss + e) for cell in ("L4w32-e16", "L4w48-e16")
-            for tpp in (4, 16) for arm, loss in dict(A=2.0, B=2.05, C=2.05, D=2.01, E=2.0).items()
-            for seed, e in ((1, -1e-3), (2, 1e-3))]
+    noise = dict(A=(1e-3, -1e-3), B=(-1e-3, 1e-3), C=(5e-4, -5e-4), D=(-5e-4, 5e-4), E=(0.0, 0.0))
+    rows = [dict(cell=cell, tpp=tpp, arm=arm, seed=seed, loss=loss + (tpp == 4) + 0.03 * seed + noise[arm][seed - 1])
+            for cell in ("L4w32-e16", "L4w48-e16") for tpp in (4, 16)
+            for arm, loss in dict(A=2.0, B=2.05, C=2.05, D=2.01, E=2.0).items() for seed in (1, 2)]
     text = "\n".join(decompose.report(dict(PRESETS["smelt-cpu-decompose"], name="d"), rows))
-    sigma = math.sqrt(2) * 1e-3  # a contrast of two 2-seed means: sigma; averaged over 4 points: sigma / 2
-    lo, hi = scipy_stats.t.interval(0.95, 20, 0.05, sigma / 2)
-    assert f"B - A (narrowing to the twin's shape): +0.0500 nats [{lo:+.4f}, {hi:+.4f}] = +70.7 sigma" in text
+    d = np.array([[1.05 + 0.03 * s + noise["B"][s - 1] - 1.0 - 0.03 * s - noise["A"][s - 1] for s in (1, 2)]] * 4)
+    sigma = np.sqrt(np.var(d, axis=1, ddof=1).mean()) / np.sqrt(8)  # pooled over 4 points, 8 runs a contrast
+    lo, hi = scipy_stats.t.interval(0.95, 4, 0.05, sigma)
+    assert f"B - A (narrowing to the twin's shape): +0.0500 nats [{lo:+.4f}, {hi:+.4f}]" in text
     assert "C - B (the loop on the narrow model): +0.0000" in text and "D - A (the loop at full width): +0.0100" in text
+    assert "gate: every arm's loss falls from tpp 4 to 16" in text
     assert text.endswith("the deficit is the narrowing (B - A above +2 sigma, C - B within 2 sigma of 0)")
     z = {"B-A": 0.0, "C-B": 0.0, "C-A": 0.0, "D-A": 0.0, "E-A": 0.0}
     assert decompose.reading(dict(z, **{"C-B": -2.5})).startswith("the loop helps")
     assert decompose.reading(dict(z, **{"E-A": -3.0})).startswith("depth helps but the loop does not")
     assert decompose.reading(z) == "no reading of the rule holds"
+    stalled = [dict(r, loss=r["loss"] - 2 * (r["tpp"] == 4)) if r["arm"] == "D" else r for r in rows]
+    assert "no reading: the instrument failed" in decompose.report(dict(PRESETS["smelt-cpu-decompose"], name="d"),
+                                                                  stalled)[-1]
 
 
-def test_the_hops_ladder_plans_six_arms_on_the_same_tokens():
-    from ladders import hops
-    specs, _ = hops.plan(dict(PRESETS["smelt-cpu-hops"], name="smelt-cpu-hops"), {})
-    assert len(specs) == 6 * 2 and {s.meta["seed"] for s in specs} == {1338, 1339}  # 1337 chose the LR
-    by = {s.meta["arm"]: s for s in specs if s.meta["seed"] == 1338}
-    assert len({s.settings["max_steps"] for s in specs}) == 1 and {s.meta["lr"] for s in specs} == {0.006}
-    m = {k: s.meta for k, s in by.items()}
-    assert 1 <= m["C"]["F"] / m["A"]["F"] <= 1.05 and abs(m["C"]["N_stored"] / m["A"]["N_stored"] - 1) < 0.05
-    assert m["D"]["N_stored"] == m["A"]["N_stored"] and m["P"]["N_stored"] - m["A"]["N_stored"] == 64  # BO gain
-    assert m["D"]["F"] == pytest.approx(m["E"]["F"], rel=0.01) == m["P"]["F"] and m["E"]["n_layer"] == 6
-    assert (by["P"].settings["layout"], by["P"].settings["n_passes"], by["D"].settings["layout"]) == ("pcc", 2,
-                                                                                                      "smelt")
+def test_the_recipe_fraction_is_balanced_and_keeps_both_corners():
+    """I = RMOS: 16 of the 32 codes, both corners, every cause half at each level, every two causes in all four
+    combinations alike (effects clear of each other); looped and unlooped differ only in the passes."""
+    codes = recipe.configs()
+    assert len(codes) == 16 and {"sssss", "xxxxx"} <= set(codes)
+    for i, j in [(i, j) for i in range(5) for j in range(i + 1, 5)]:
+        combos = [c[i] + c[j] for c in codes]
+        assert all(combos.count(a + b) == 4 for a in "sx" for b in "sx")
+    p = dict(PRESETS["smelt-cpu-recipe"], name="r")
+    for code in ("sssss", "xxxxx", "sxsxs"):
+        base, loop = recipe.model_of(p, code, False), recipe.model_of(p, code, True)
+        assert base.executed_layers() == 4 and loop.executed_layers() == 6 and base.n_blocks == loop.n_blocks == 4
+        assert (base.layout, loop.layout) == (("plain", "smelt") if code[3] == "s" else ("pcc", "pcc"))
+        assert (loop.n_expert > 0) == (code[1] == "s") and (loop.norms == "x") == (code[4] == "x")
+    specs, _ = recipe.plan(p, {})
+    assert {s.meta["config"] for s in specs} == {"sweep-ss", "sweep-sx", "sweep-xs", "sweep-xx"}
+    assert all(s.settings["seed"] == 1337 for s in specs)  # the sweep: the calibration seed only
 
 
-def test_hops_accuracy_reads_every_answer(monkeypatch):
-    """An oracle that knows each next token scores 1 at every k; a model that always says "a" scores the
-    share of answers that are "a"; every query is counted once."""
-    import random
-    import torch
-    from data import synthetic
-    from data.loader import get_tokenizer
-    from ladders import hops
-    task = dict(n_symbols=6, max_hops=3, eval_docs=40, tokenizer="gpt2-257")
-
-    class Oracle(torch.nn.Module):
-        config = type("C", (), dict(eot_token=256))
-
-        def forward(self, idx, n_passes=None):
-            return torch.nn.functional.one_hot(torch.cat([idx[:, 1:], idx[:, :1]], 1), 257).float(), None
-
-    class SaysA(Oracle):
-        def forward(self, idx, n_passes=None):
-            a = get_tokenizer("gpt2-257").encode("a")[0]
-            return torch.nn.functional.one_hot(torch.full_like(idx, a), 257).float(), None
-
-    acc = hops.accuracy(Oracle(), task, batch=16)
-    assert sorted(acc) == [1, 2, 3] and all(c == n for c, n in acc.values())
-    assert sum(n for _, n in acc.values()) == 40 * 12
-    rng = random.Random("hops-eval-1")
-    docs = [synthetic.hops_document(rng, 6, 3) for _ in range(40)]
-    a = sum(text[offset] == "a" for text, answers in docs for offset, _ in answers)
-    assert sum(c for c, _ in hops.accuracy(SaysA(), task, batch=7).values()) == a > 0
-
-
-def test_the_hops_report_reads_its_rule_on_known_accuracies():
-    """Made-up accuracies (two seeds, +-0.01): fresh depth and both loops gain 0.2 at k >= 2, SMELT 0.1, a
-    third pass 0.05 for P only: the contrasts and the rule's three readings."""
-    from ladders import hops
-    base = dict(A=0.2, B=0.15, C=0.3, D=0.4, P=0.4, E=0.4)
+def test_the_recipe_report_reads_known_causes():
+    """Made-up losses: the loop gains 0.06 only where the model is dense (M at x) and the shape is [X]'s (S at
+    x) is irrelevant; a seed effect shared by every arm, a small per-run noise. The report finds M's effect and
+    no other beyond noise, the corners, and Operator-1's recipe cost."""
+    p = dict(PRESETS["smelt-cpu-recipe"], name="r")
     rows = []
-    for arm, v in base.items():
-        for seed, e in ((1, -0.01), (2, 0.01)):
-            for passes in ([1, 2, 3, 4] if arm in "CDP" else [1]):
-                extra = 0.05 if arm == "P" and passes == 3 else 0.0
-                for k in (1, 2, 3, 4):
-                    rows.append(dict(arm=arm, cell="L4w64-e16", seed=seed, F=1.0, N_stored=1, passes=passes,
-                                     hops=k, accuracy=(0.9 if k == 1 else v + e + extra), loss=1.0))
-    text = "\n".join(hops.report(dict(PRESETS["smelt-cpu-hops"], name="h"), rows))
-    sigma = math.sqrt(2) * 0.01  # per run: 0.01 off; a difference of two 2-seed means: sigma
-    lo, hi = scipy_stats.t.interval(0.95, 6, 0.1, sigma)
-    assert f"C - A (SMELT: equal FLOPs, parameters and KV cache): +0.100 [{lo:+.3f}, {hi:+.3f}] = +7.1 sigma" in text
-    assert "P (trained at 2): 1: 0.400 2: 0.400 3: 0.450 4: 0.400; 3 - 2: +0.050" in text
-    assert text.endswith("the second visit pays at equal stored parameters (D - A or P - A above +2 sigma), as "
-                         "much as fresh depth at equal FLOPs\n  SMELT gains at matched compute (C - A above +2 "
-                         "sigma)\n  passes beyond the trained ones pay at test time for P")
-    z = dict.fromkeys(["C-A", "D-A", "P-A", "E-A", "D-E", "P-E", "C-B"], 0.0)
-    assert hops.reading(z, {})[0].startswith("depth does not pay here")
-    assert hops.reading(dict(z, **{"E-A": 3.0}), {})[0].startswith("depth pays (E - A above +2 sigma) but the loop")
-    assert "less than fresh depth" in hops.reading(dict(z, **{"E-A": 5.0, "D-A": 3.0, "D-E": -2.5}), {})[0]
+    for code in recipe.configs() + ["operator-1"]:
+        for arm in (("base",) if code == "operator-1" else ("base", "loop")):
+            for steps in (100, 200):
+                for seed in (1338, 1339, 1340):
+                    gain = 0.06 * (arm == "loop" and code[1] == "x")
+                    loss = 2.5 - 0.2 * (steps == 200) + 0.01 * seed % 3 - gain + 0.04 * (code == "operator-1")
+                    noise = 1e-3 * ((7 * seed + 3 * (arm == "loop")) % 5)  # the same in every configuration
+                    rows.append(dict(config=code, arm=arm, steps=steps, seed=seed, F=1.0, D=1, C=steps * (1.5 if arm
+                                     == "loop" else 1.0), loss=loss + noise, lr=0.1, run_id="r", seconds=1.0))
+    sweep = [dict(arch=a, key="matrix_lr", value=v, val_loss=abs(math.log(v)), carried=v == 1.0)
+             for a in ("ss", "sx", "xs", "xx") for v in (0.5, 1.0, 2.0)]
+    text = "\n".join(recipe.report(p, rows, sweep))
+    assert "  the FFN (M): the loop gains more with dense" in text
+    for cause in ("the loop's updates (R)", "the optimizer (O)", "the loop's shape (S)", "the model recipe (P)"):
+        assert f"  {cause}: within noise" in text, cause
+    assert "the corners' gap is carried by the FFN" in text and "Operator-1's own recipe costs +0.04" in text
+    assert "no reading" in recipe.report(p, rows, sweep[:2])[-1]  # a sweep's best at an edge: no gate
+
+
+def test_the_khop_task_is_sanfords():
+    """The vectorised generator against Sanford et al.'s definition, worked one string at a time: each hop
+    finds the last earlier occurrence of the letter at the pointer and moves one past it."""
+    inputs, targets, ks = khop.sequences(7, 3, 16)
+    assert inputs.shape == targets.shape == (16, khop.LENGTH) and targets[:, 0].eq(khop.BLANK).all()
+    for row, (x, y, k) in enumerate(zip(inputs.tolist(), targets.tolist(), ks)):
+        letters = x[1:]
+        assert x[0] == khop.LETTERS + k - 1 and all(a != b for a, b in zip(letters, letters[1:]))
+        for i, want in enumerate(y[1:]):
+            pointer = i
+            for _ in range(k):
+                earlier = [j for j in range(pointer) if letters[j] == letters[pointer]] if pointer >= 0 else []
+                pointer = earlier[-1] + 1 if earlier else -1
+            assert want == (letters[pointer] if pointer >= 0 else khop.NONE), (row, i)
+    chance = khop.heuristic(2000, 1000)
+    assert all(0.3 < e < 0.75 for e in chance.values())  # below a random letter, far above a lookup
+
+
+def test_the_khop_report_reads_its_rule_on_known_errors():
+    """Made-up errors: 4 layers and SMELT's loop learn k = 1..3, 2 layers only k = 1, prelude-core-coda k = 1
+    and 2: the gate holds and each arm reads as it should."""
+    p = dict(PRESETS["smelt-cpu-khop"], name="k")
+    err = {"L2": (0.01, 0.4, 0.5, 0.6), "L4": (0.01, 0.02, 0.03, 0.3), "P": (0.01, 0.03, 0.3, 0.5),
+           "S": (0.01, 0.02, 0.03, 0.3)}
+    rows = [dict(arm="L4", seed=s, role="calibration", step=250, passes="", k=k, error=0.01, heuristic=0.5)
+            for s in (1, 2) for k in (1, 2, 3, 4)]
+    for arm, errors in err.items():
+        for seed, e in ((1338, 0.0), (1339, 0.004), (1340, 0.008)):
+            for passes in (range(1, 7) if arm in "PS" else [1]):
+                rows += [dict(arm=arm, seed=seed, role="report", step=500, passes=passes, k=k, error=v + e +
+                              0.01 * (passes != 3 and arm in "PS"), heuristic=0.5) for k, v in enumerate(errors, 1)]
+    text = "\n".join(khop.report(p, rows))
+    assert "gate: the 4-layer arm learns k = 1 and 2 on every report seed" in text and "  depth pays" in text
+    assert "  SMELT's loop, 2 run as 4: as good as 4 layers and better than 2" in text
+    assert "  prelude-core-coda, 2 run as 4: between 2 and 4 layers" in text
+    assert "L2 (2 layers)   0.014 (1.00)   0.404 (0.00)" in text
+
+
+def test_the_testtime_report_reads_x_figure_17():
+    """Made-up curves: the fixed-K model best at 2 and 0.03 worse at 8; the random-K model flat from 4 on."""
+    p = dict(PRESETS["x-cpu-testtime"], name="t")
+    rows = [dict(depth=d, training=t, seed=s, passes=k, loss=2.0 + 0.01 * s + (abs(k - 2) * 0.005 + 0.05 * (k == 1)
+                 if t == "fixed" else 0.05 * max(0, 4 - k)) + 1e-4 * ((k * s) % 3), C=1, D=1, run_id="r", seconds=1)
+            for d in (4, 6) for t in ("fixed", "random") for s in (1, 2, 3) for k in range(1, 9)]
+    text = "\n".join(testtime.report(p, rows))
+    assert "  fixed K: best at its trained K = 2; at K = 8 it loses beyond noise (+0.0300" in text
+    assert "  random K: flat (K = 8 within +-0.01 of K = 4); no test-time gain" in text
+    flat = [dict(r, loss=2.0 + 0.01 * r["seed"] + 1e-4 * ((r["passes"] * r["seed"]) % 3)) for r in rows]
+    assert "no reading: the instrument failed" in testtime.report(p, flat)[-1]
+
+
+def test_paired_contrasts_are_scipys_paired_t_test():
+    """One point: the paired t-test (scipy's ttest_rel); several: the per-seed differences' spread pooled
+    over the points, their mean's sigma sqrt(sum 1/n) / points."""
+    a, b = np.array([1.884, 1.875, 1.892, 1.880]), np.array([1.870, 1.866, 1.873, 1.871])
+    c, ref = paired({"p": list(a - b)}), scipy_stats.ttest_rel(a, b)
+    assert c["z"] == pytest.approx(ref.statistic) and c["p"] == pytest.approx(ref.pvalue) and c["dof"] == 3
+    ci = ref.confidence_interval()
+    assert (c["lo"], c["hi"]) == pytest.approx((ci.low, ci.high))
+    d = {"p": [0.01, 0.03], "q": [0.02, 0.05, 0.02]}
+    sigma, dof = pooled_std(d.values())
+    c = paired(d)
+    assert c["diff"] == pytest.approx((0.02 + 0.03) / 2) and dof == 3
+    assert c["sigma"] == pytest.approx(sigma * math.sqrt(1 / 2 + 1 / 3) / 2)

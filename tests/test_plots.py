@@ -49,8 +49,8 @@ def plot_calls():
     sparsities = [0.85, 0.95]
     curves = {f"{arch} L4w32-e16 b{b}": (list(range(b, 60)), [3 + 5 / (1 + x / 10) for x in range(b, 60)])
               for arch in ("baseline", "smelt") for b in (10, 20, 40)}
-    frontier = {1: [(1e12, 3.0), (4e12, 2.8)], 2: [(2e12, 2.95), (8e12, 2.75)]}
-    points = {(1, 2): (1e12, [3.0, 3.02]), (1, 4): (4e12, [2.8]), (2, 2): (2e12, [2.95]), (2, 4): (8e12, [2.75])}
+    contrasts = [("gain (nats)", [("a", 0.02, 0.01, 0.03), ("b", -0.01, -0.02, 0.005)]),
+                 ("effect (nats)", [("c", -0.03, -0.05, -0.01)])]
     return {
         "loss_vs_compute": lambda p: plots.plot_loss_vs_compute(runs, fits, p),
         "multipliers": lambda p: plots.plot_multipliers(ref_C, mult, p, bands=bands, ref="vanilla", title="m"),
@@ -58,14 +58,13 @@ def plot_calls():
         "loss_curves": lambda p: plots.plot_loss_curves(curves, p, title="decay branches", xlabel="step"),
         "surface_frontiers": lambda p: plots.plot_surface_frontiers(fit.frontier_curves(surfaces), sparsities, p,
                                                                     C_range=(1e19, 1e22)),
-        "repeat_frontier": lambda p: plots.plot_repeat_frontier(frontier, points, 2.8, p),
-        "wd_curves": lambda p: plots.plot_wd_curves({"K=1": {2: [(0.1, 3.0), (0.01, 3.1)]}, "K=2": {2: []}}, p),
+        "contrasts": lambda p: plots.plot_contrasts(contrasts, p, title="paired contrasts"),
         "log": lambda p: plots.plot_log(eval_lines(), p, x="flops", title="a run"),
     }
 
 
 PLOTS = ["loss_vs_compute", "multipliers", "power_laws", "loss_curves", "surface_frontiers",
-         "repeat_frontier", "wd_curves", "log"]
+         "contrasts", "log"]
 
 
 @pytest.mark.parametrize("name", PLOTS)
