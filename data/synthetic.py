@@ -46,10 +46,6 @@ def closing_sequence(prefix):
     return stack[::-1]
 
 
-def is_balanced(word):
-    return closing_sequence(word) == []
-
-
 def dyck_items(n, seed, n_types=3, max_depth=6, min_length=4, max_length=20, min_open=1, prompt="",
                boundary="continuation"):
     """n items: a prefix of a random Dyck word with >= min_open brackets open, and its closing sequence."""
@@ -82,13 +78,6 @@ def arithmetic_items(n, seed, n_digits=2, op="+"):
     apply = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}[op]
     pairs = [(rng.randrange(10 ** n_digits), rng.randrange(10 ** n_digits)) for _ in range(n)]
     return [{"context": f"{a}{op}{b}=", "continuation": str(apply(a, b))} for a, b in pairs]
-
-
-def arithmetic_corpus_text(n_docs, seed, n_digits=2, op="+", lines_per_doc=32):
-    """n_docs documents of lines_per_doc lines 'a+b=c'."""
-    rng = random.Random(seed)
-    docs = (arithmetic_items(lines_per_doc, rng.random(), n_digits, op) for _ in range(n_docs))
-    return ["\n".join(i["context"] + i["continuation"] for i in items) for items in docs]
 
 
 def copy_items(n, seed, min_length=3, max_length=8, alphabet="abcdefghij"):

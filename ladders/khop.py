@@ -169,6 +169,15 @@ def rows(specs, results):
     return out
 
 
+def reported(rows):
+    """The report seeds, at(arm, seed, k, passes) -> error, the k the 4-layer arm learns on every seed."""
+    err = {(r["arm"], r["seed"], str(r["passes"]), r["k"]): r["error"] for r in rows if r["role"] == "report"}
+    seeds = sorted({s for _, s, _, _ in err})
+    at = lambda a, s, k, p=None: err[a, s, p or str(ARMS[a]["n_passes"]), k]  # noqa: E731
+    learnt = [k for k in range(1, HOPS + 1) if seeds and all(at("L4", s, k) <= LEARNT for s in seeds)]
+    return seeds, at, learnt
+
+
 def report(preset, rows, sweep=None):
     """The heuristic, the calibration, each arm's error per k beside Sanford's table with the share of seeds
     that learn it, test-time passes, the paired contrasts, the gate and the rule's reading."""
@@ -190,9 +199,7 @@ def report(preset, rows, sweep=None):
     if not rep:
         return lines + ["no reading: the 4-layer arm did not learn k = 1 and 2 on every calibration seed "
                         f"within {preset['max_steps']} steps"]
-    seeds = sorted({r["seed"] for r in rep})
-    err = {(r["arm"], r["seed"], str(r["passes"]), r["k"]): r["error"] for r in rep}
-    at = lambda a, s, k, p=None: err[a, s, p or str(ARMS[a]["n_passes"]), k]  # noqa: E731
+    seeds, at, readable = reported(rows)
     hops = range(1, HOPS + 1)
     lines += [f"report seeds {', '.join(map(str, seeds))}, {rep[0]['step']} steps each (the calibrated "
               "budget): the error per k, the mean over seeds (the share of seeds that learn it)",
@@ -210,7 +217,6 @@ def report(preset, rows, sweep=None):
         for p in range(1, preset["test_passes"] + 1):
             lines.append(f"  {a} at {p} passes: " + " ".join(
                 f"k={k} {np.mean([at(a, s, k, str(p)) for s in seeds]):.3f}" for k in hops))
-    readable = [k for k in hops if all(at("L4", s, k) <= LEARNT for s in seeds)]
     if not {1, 2} <= set(readable):
         return lines + ["no reading: the instrument failed: the 4-layer arm does not learn k = 1 and 2 on "
                         "every report seed"]
@@ -233,16 +239,14 @@ def report(preset, rows, sweep=None):
 
 
 def summary(preset, rows, sweep=None):
-    """The README figure's rows: 2 layers' error minus each other arm's (paired), over every k."""
-    rep = [r for r in rows if r["role"] == "report"]
-    err = {(r["arm"], r["seed"], str(r["passes"]), r["k"]): r["error"] for r in rep}
-    seeds, out = sorted({r["seed"] for r in rep}), []
-    for arm in ("L4", "P", "S"):
-        c = paired({k: [err["L2", s, "1", k] - err[arm, s, str(ARMS[arm]["n_passes"]), k] for s in seeds]
-                    for k in range(1, HOPS + 1)})
-        label = f"{preset['name']}: {preset['arm_names'][arm]} vs 2 layers, over k = 1..{HOPS}"
-        out.append((label, c["diff"], c["lo"], c["hi"]))
-    return out
+    """The README figure's rows: 2 layers' error minus each other arm's, paired, at the k the report reads."""
+    seeds, at, ks = reported(rows)
+    if not {1, 2} <= set(ks):
+        return []
+    pairs = {a: paired({k: [at("L2", s, k) - at(a, s, k) for s in seeds] for k in ks})
+             for a in ("L4", "P", "S")}
+    return [(f"{preset['name']}: {preset['arm_names'][a]} vs 2 layers, at k = {ks[0]}-{ks[-1]}", c["diff"],
+             c["lo"], c["hi"]) for a, c in pairs.items()]
 
 
 def figures(preset, rows, path, out=None):

@@ -187,9 +187,9 @@ def effects(codes, gains, sigma, dof):
     return z, lines
 
 
-def rule(preset, by, steps, seeds, sweep, z, own):
-    """The gate (each LR bracketed on the calibration seed; every arm's loss falls from the smaller budget to
-    the larger on every seed), then the reading of the rule written before the run."""
+def gate(by, steps, seeds, sweep):
+    """What failed of the instrument: each LR bracketed on the calibration seed; every arm's loss falls from
+    the smaller budget to the larger on every seed."""
     arms = [(c, a) for c in configs() + ["operator-1"] for a in ("base", "loop")
             if (c, a, steps[0], seeds[0]) in by]
     stalled = [f"{c} {a} seed {s}" for c, a in arms for s in seeds
@@ -199,6 +199,12 @@ def rule(preset, by, steps, seeds, sweep, z, own):
         failed.append(f"the LR is not bracketed for {', '.join(loose) or 'any pair (no sweep)'}")
     if stalled:
         failed.append(f"the loss does not fall from {steps[0]} to {steps[-1]} steps for {', '.join(stalled)}")
+    return failed
+
+
+def rule(preset, by, steps, seeds, sweep, z, own):
+    """The gate, then the reading of the rule written before the run."""
+    failed = gate(by, steps, seeds, sweep)
     if failed:
         return ["no reading: the instrument failed: " + "; ".join(failed)]
     lines = [f"gate: every LR bracketed on seed {preset['calibration_seed']}; every arm's loss falls from "
@@ -216,15 +222,16 @@ def rule(preset, by, steps, seeds, sweep, z, own):
 
 def summary(preset, rows, sweep=None):
     """The README figure's rows (+ where the loop pays): the loop's gain at either corner over both budgets,
-    and x-cpu-mini's comparison (Operator-1 with its own recipe minus Loop-2)."""
+    and x-cpu-mini's comparison (Operator-1 with its own recipe minus Loop-2); marked if the gate failed."""
     by, steps, seeds, _ = gains_of(rows)
+    failed = " (no reading: its gate failed)" if gate(by, steps, seeds, sweep) else ""
     compared = [(f"the loop at {who}'s corner, equal tokens", c, c)
                 for who, c in zip(("[S]", "[X]"), CORNERS)]
     out = []
     for label, base, loop in compared + [("Loop-2 vs Operator-1, their own recipes", "operator-1", "xxxxx")]:
         g = paired({t: [by[base, "base", t, s]["loss"] - by[loop, "loop", t, s]["loss"] for s in seeds]
                     for t in steps})
-        out.append((f"{preset['name']}: {label}", g["diff"], g["lo"], g["hi"]))
+        out.append((f"{preset['name']}: {label}{failed}", g["diff"], g["lo"], g["hi"]))
     return out
 
 

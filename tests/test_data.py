@@ -292,6 +292,10 @@ def test_prepare_cli(tmp_path, capsys):
 # -----------------------------------------------------------------------------
 # synthetic tasks
 
+def is_balanced(word):
+    return synthetic.closing_sequence(word) == []
+
+
 @pytest.mark.parametrize("n_types,max_depth", [(1, 2), (3, 6), (4, 3)])
 def test_dyck_items_close_the_context_exactly(n_types, max_depth):
     items = synthetic.dyck_items(300, seed=1, n_types=n_types, max_depth=max_depth, max_length=24)
@@ -301,8 +305,8 @@ def test_dyck_items_close_the_context_exactly(n_types, max_depth):
         assert continuation.startswith(" ") and not context.endswith(" ")
         assert set(context.split()) | set(continuation.split()) <= allowed
         assert continuation.split() == synthetic.closing_sequence(context) != []  # the shortest completion
-        assert synthetic.is_balanced(context + continuation)
-        assert not synthetic.is_balanced(context + continuation.rsplit(" ", 1)[0])
+        assert is_balanced(context + continuation)
+        assert not is_balanced(context + continuation.rsplit(" ", 1)[0])
     assert items == synthetic.dyck_items(300, seed=1, n_types=n_types, max_depth=max_depth, max_length=24)
     assert items != synthetic.dyck_items(300, seed=2, n_types=n_types, max_depth=max_depth, max_length=24)
 
@@ -321,8 +325,8 @@ def test_dyck_boundaries_depth_and_corpus():
     for doc in synthetic.dyck_corpus_text(5, seed=0, max_depth=3, words_per_doc=10):
         for line in doc.split("\n"):
             depth = np.cumsum([1 if t in "([{<" else -1 for t in line.split()])
-            assert synthetic.is_balanced(line) and depth.max() <= 3 and depth.min() >= 0
-    assert [synthetic.is_balanced(w) for w in ["( ]", "( (", ") (", "( x )", "( [ ] { < > } )"]] == \
+            assert is_balanced(line) and depth.max() <= 3 and depth.min() >= 0
+    assert [is_balanced(w) for w in ["( ]", "( (", ") (", "( x )", "( [ ] { < > } )"]] == \
         [False] * 4 + [True]
 
 
@@ -330,9 +334,9 @@ def test_arithmetic_copy_and_their_tokens():
     for item in synthetic.arithmetic_items(100, seed=0, n_digits=3):
         a, b = item["context"].rstrip("=").split("+")
         assert int(item["continuation"]) == int(a) + int(b)
-    for line in synthetic.arithmetic_corpus_text(2, seed=0, op="*")[0].split("\n"):
-        lhs, rhs = line.split("=")
-        assert int(lhs.split("*")[0]) * int(lhs.split("*")[1]) == int(rhs)
+    for item in synthetic.arithmetic_items(50, seed=0, op="*"):
+        a, b = item["context"].rstrip("=").split("*")
+        assert int(item["continuation"]) == int(a) * int(b)
     for item in synthetic.copy_items(50, seed=0):
         assert item["continuation"] == item["context"][len("copy"):-2]
     tok = get_tokenizer("gpt2-4096")  # scoring sees the tokens training text has

@@ -406,6 +406,23 @@ def test_the_khop_report_reads_its_rule_on_known_errors():
     assert "  SMELT's loop, 2 run as 4: as good as 4 layers and better than 2" in text
     assert "  prelude-core-coda, 2 run as 4: between 2 and 4 layers" in text
     assert "L2 (2 layers)   0.014 (1.00)   0.404 (0.00)" in text
+    assert [label[-10:] for label, *_ in khop.summary(p, rows)] == ["at k = 1-3"] * 3  # the figure reads there
+    unlearnt = [dict(r, error=0.5) if (r["arm"], r["seed"], r["k"]) == ("L4", 1339, 2) else r for r in rows]
+    assert "no reading: the instrument failed" in khop.report(p, unlearnt)[-1] and khop.summary(p, unlearnt) == []
+
+
+def test_the_summary_figure_reads_what_each_report_reads():
+    """`ladder.py --summary` on the committed CSVs: the k-hop rows are its report's contrasts at the k it reads;
+    the recipe's rows say its gate failed, as its report does."""
+    lines = ladder.summary()
+    report = open(os.path.join(DOCS, "smelt-cpu-khop-report.txt")).read()
+    numbers = lambda text: [float(v) for v in re.findall(r"[+-]\d\.\d+", text)]  # noqa: E731
+    depth = numbers(re.search(r"L2 - L4: (.*?\]) ", report).group(1))
+    row = next(line for line in lines if line.startswith("smelt-cpu-khop: 4 layers vs 2 layers, at k = 1-2:"))
+    assert np.allclose(numbers(row.split(": ")[-1]), depth, atol=5e-4)
+    assert "no reading" in open(os.path.join(DOCS, "smelt-cpu-recipe-report.txt")).read()
+    recipe_rows = [line for line in lines if line.startswith("smelt-cpu-recipe")]
+    assert len(recipe_rows) == 3 and all("(no reading: its gate failed)" in line for line in recipe_rows)
 
 
 def test_the_testtime_report_reads_x_figure_17():
