@@ -1,1 +1,1 @@
-"""The embedded corpus, offline GPT-2 tokenizers and the loader (loader.py), prepare.py, synthetic tasks."""
+"""The embedded corpus, offline GPT-2 tokenizers and the loader (loader.py), prepare.py."""

@@ -12,7 +12,8 @@ import types
 import numpy as np
 import pytest
 
-from data import prepare as prep, synthetic
+import synthetic_tasks as synthetic
+from data import prepare as prep
 from data.loader import BRANCH_FRACTION, Data, default_dir, get_tokenizer, load_data, windows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -345,12 +346,3 @@ def test_arithmetic_copy_and_their_tokens():
     assert all(tok.encode(i["context"]) + tok.encode(i["continuation"]) == tok.encode(i["context"] +
                                                                                       i["continuation"])
                for i in items)
-
-
-def test_synthetic_cli(capsys):
-    synthetic.main([])
-    out = capsys.readouterr().out
-    assert out.splitlines()[0] == "'[ ] { } [' -> ' ]'" and len(out.splitlines()) == 11
-    assert "--max_depth must be >= 1" in cli_error(synthetic.main, ["--max_depth", "0"], capsys,
-                                                   "synthetic.py")
-    assert "invalid choice: 9" in cli_error(synthetic.main, ["--n_types", "9"], capsys, "synthetic.py")

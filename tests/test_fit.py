@@ -11,9 +11,10 @@ import pytest
 from scipy.optimize import brentq, minimize_scalar
 
 import fit
+import synthetic_runs
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "chinchilla_fig4_epoch.csv")
-POWER_EXAMPLE = os.path.join(os.path.dirname(__file__), "data", "power_example.csv")  # fit.synthetic_power_runs()
+POWER_EXAMPLE = os.path.join(os.path.dirname(__file__), "data", "power_example.csv")  # synthetic_power_runs()
 X_LADDERS = os.path.join(os.path.dirname(__file__), "data", "fineweb_ladders.csv")  # [X]'s released ladders
 X_LADDERS_SHA256 = "94e787a140c3094981d82779d9c75c971f40a541970bcfbbdee0e8292d730e2c"  # tests/data/README_fineweb.md
 X_NAMES = {"arm": "arch", "compute_flops": "C", "val_loss": "loss"}
@@ -28,8 +29,8 @@ def arch_arrays(runs, arch):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_surface_recovers_coefficients_from_noisy_data(seed):
-    runs = fit.synthetic_surface_runs(noise=0.002, seed=seed)
-    for arch, true in fit.SYNTHETIC_SURFACES.items():
+    runs = synthetic_runs.synthetic_surface_runs(noise=0.002, seed=seed)
+    for arch, true in synthetic_runs.SYNTHETIC_SURFACES.items():
         f = fit.fit_surface(*arch_arrays(runs, arch))
         for k in ("E", "a", "b", "c"):
             assert abs(getattr(f, k) - true[k]) < 0.02, (arch, k, getattr(f, k), true[k])
@@ -41,9 +42,9 @@ def test_surface_recovers_coefficients_from_noisy_data(seed):
 
 def test_surface_noise_free_is_exact():
     # A plain 72-start grid missed `a` by 0.12 on data like this; variable projection must not.
-    runs = fit.synthetic_surface_runs(noise=0.0)
+    runs = synthetic_runs.synthetic_surface_runs(noise=0.0)
     f = fit.fit_surface(*arch_arrays(runs, "baseline"))
-    true = fit.SYNTHETIC_SURFACES["baseline"]
+    true = synthetic_runs.SYNTHETIC_SURFACES["baseline"]
     for k in ("E", "a", "b", "c"):
         assert abs(getattr(f, k) - true[k]) < 1e-5
     assert f.rmse < 1e-8
@@ -141,8 +142,8 @@ def test_chinchilla_traps_are_avoided():
 # ----------------------------------------------------------------------------- closed forms [S3]-[S5]
 
 def test_gamma_from_published_exponents():
-    assert round(fit.SurfaceFit(**fit.SYNTHETIC_SURFACES["baseline"]).gamma, 3) == 0.237  # [S4] ac / (a + c)
-    assert round(fit.SurfaceFit(**fit.SYNTHETIC_SURFACES["smelt"]).gamma, 3) == 0.250
+    assert round(fit.SurfaceFit(**synthetic_runs.SYNTHETIC_SURFACES["baseline"]).gamma, 3) == 0.237  # [S4] ac / (a + c)
+    assert round(fit.SurfaceFit(**synthetic_runs.SYNTHETIC_SURFACES["smelt"]).gamma, 3) == 0.250
 
 
 def numeric_frontier(f, C, S):
@@ -153,7 +154,7 @@ def numeric_frontier(f, C, S):
 
 
 def test_closed_forms_match_numeric_optimum():
-    f = fit.SurfaceFit(**fit.SYNTHETIC_SURFACES["smelt"])
+    f = fit.SurfaceFit(**synthetic_runs.SYNTHETIC_SURFACES["smelt"])
     for C, S in ((1e20, 0.85), (1e21, 0.95), (3e22, 0.5)):
         F_num, L_num = numeric_frontier(f, C, S)
         assert abs(fit.optimal_flops(f, C, S) / F_num - 1) < 1e-4  # [S3]
@@ -164,7 +165,7 @@ def test_closed_forms_match_numeric_optimum():
 
 
 def test_frontier_curves_hand_the_plot_gamma_and_the_excess_loss():
-    fits = {a: fit.SurfaceFit(**c) for a, c in fit.SYNTHETIC_SURFACES.items()}
+    fits = {a: fit.SurfaceFit(**c) for a, c in synthetic_runs.SYNTHETIC_SURFACES.items()}
     curves = fit.frontier_curves(fits)
     C = np.geomspace(1e19, 1e22, 5)
     assert list(curves) == list(fits)
@@ -175,16 +176,16 @@ def test_frontier_curves_hand_the_plot_gamma_and_the_excess_loss():
 
 
 def test_ce_gain_properties():
-    base = fit.SurfaceFit(**fit.SYNTHETIC_SURFACES["baseline"])
-    same = fit.SurfaceFit(**fit.SYNTHETIC_SURFACES["baseline"])
+    base = fit.SurfaceFit(**synthetic_runs.SYNTHETIC_SURFACES["baseline"])
+    same = fit.SurfaceFit(**synthetic_runs.SYNTHETIC_SURFACES["baseline"])
     C, S = np.array([1e20, 1e21, 1e22]), 0.9
     assert np.all(np.abs(fit.ce_gain(base, same, C, S)) < 1e-12)
-    better = fit.SurfaceFit(**{**fit.SYNTHETIC_SURFACES["baseline"], "A": 2000.0})  # lower frontier
-    worse = fit.SurfaceFit(**{**fit.SYNTHETIC_SURFACES["baseline"], "K": 3e6})
+    better = fit.SurfaceFit(**{**synthetic_runs.SYNTHETIC_SURFACES["baseline"], "A": 2000.0})  # lower frontier
+    worse = fit.SurfaceFit(**{**synthetic_runs.SYNTHETIC_SURFACES["baseline"], "K": 3e6})
     assert np.all(fit.ce_gain(base, better, C, S) > 0)
     assert np.all(fit.ce_gain(base, worse, C, S) < 0)
     # equal to a direct numeric inversion: numeric frontiers, root find in log C
-    tgt = fit.SurfaceFit(**fit.SYNTHETIC_SURFACES["smelt"])
+    tgt = fit.SurfaceFit(**synthetic_runs.SYNTHETIC_SURFACES["smelt"])
     for C1 in (1e20, 1e21):
         L_tgt = numeric_frontier(tgt, C1, S)[1]
         log_c_ref = brentq(lambda lc: numeric_frontier(base, math.exp(lc), S)[1] - L_tgt, math.log(1e17),
@@ -193,11 +194,11 @@ def test_ce_gain_properties():
 
 
 def test_subset_fits_share_exponents():
-    base = fit.SYNTHETIC_SURFACES["baseline"]
+    base = synthetic_runs.SYNTHETIC_SURFACES["baseline"]
     subsets = {"code": dict(base, E=1.30, A=2000.0), "web": dict(base, E=1.55, K=2.5e6)}
     cols = {k: [] for k in ("F", "S", "D", "loss", "subset")}
     for name, coefs in subsets.items():
-        runs = fit.synthetic_surface_runs({name: coefs}, noise=0.001, seed=3)
+        runs = synthetic_runs.synthetic_surface_runs({name: coefs}, noise=0.001, seed=3)
         for k in ("F", "S", "D", "loss"):
             cols[k] += list(runs[k])
         cols["subset"] += [name] * len(runs["loss"])
@@ -334,7 +335,7 @@ def test_cli_power_reads_the_x_ladders(capsys):
 # ----------------------------------------------------------------------------- cell bootstrap
 
 def test_cell_bootstrap_seeded_and_worker_independent():
-    runs = fit.synthetic_surface_runs(noise=0.003, seed=0)
+    runs = synthetic_runs.synthetic_surface_runs(noise=0.003, seed=0)
     kw = dict(budgets=[1e20, 1e21], sparsities=[0.85, 0.95], n_draws=6, seed=7, keep_draws=True)
     one = fit.cell_bootstrap(runs, "baseline", "smelt", n_workers=1, **kw)
     two = fit.cell_bootstrap(runs, "baseline", "smelt", n_workers=2, full_fits=one["full_fits"], **kw)
@@ -407,7 +408,7 @@ def test_x_ladders_file_is_the_released_one():
 
 def test_power_example_file_is_the_generator_written_out():
     rows = fit.read_runs(POWER_EXAMPLE, numbers=("C", "loss"), text=("arch",))
-    gen = fit.synthetic_power_runs()
+    gen = synthetic_runs.synthetic_power_runs()
     assert [r["arch"] for r in rows] == list(gen["arch"])
     np.testing.assert_allclose([r["loss"] for r in rows], gen["loss"], rtol=1e-9)  # 10 significant digits
 
@@ -424,11 +425,11 @@ def surface_csv(tmp_path, runs):
 
 
 def test_cli_surface_json_and_text(tmp_path, capsys):
-    path = surface_csv(tmp_path, fit.synthetic_surface_runs(noise=0.002, seed=0))
+    path = surface_csv(tmp_path, synthetic_runs.synthetic_surface_runs(noise=0.002, seed=0))
     assert fit.main(["surface", path, "--ref", "baseline", "--target", "smelt", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["fits"]["smelt"]) == {"E", "A", "a", "b", "K", "c", "rmse", "gamma"}
-    assert abs(out["fits"]["baseline"]["c"] - fit.SYNTHETIC_SURFACES["baseline"]["c"]) < 0.02
+    assert abs(out["fits"]["baseline"]["c"] - synthetic_runs.SYNTHETIC_SURFACES["baseline"]["c"]) < 0.02
     assert out["budgets"] == [1e20, 1e21] and out["sparsity"] == [0.85, 0.95] and "lo" not in out
     fits = {a: fit.SurfaceFit(**{k: out["fits"][a][k] for k in "EAabKc"}) for a in ("baseline", "smelt")}
     np.testing.assert_allclose(out["value"]["ce_gain"][1][1], fit.ce_gain(fits["baseline"], fits["smelt"], 1e21, 0.95))
@@ -470,8 +471,8 @@ def test_cli_chinchilla_and_power_json(tmp_path, capsys):
 def test_power_example_recovers_its_generating_laws(capsys):
     assert fit.main(["power", POWER_EXAMPLE, "--ref", "vanilla", "--json"]) == 0  # the README's command
     out = json.loads(capsys.readouterr().out)
-    assert abs(out["E"] - fit.SYNTHETIC_POWER_E) < 0.01  # 0.1% noise on 5 points: E = 1.993
-    laws = {a: fit.PowerLawFit(E=fit.SYNTHETIC_POWER_E, **law) for a, law in fit.SYNTHETIC_POWER_LAWS.items()}
+    assert abs(out["E"] - synthetic_runs.SYNTHETIC_POWER_E) < 0.01  # 0.1% noise on 5 points: E = 1.993
+    laws = {a: fit.PowerLawFit(E=synthetic_runs.SYNTHETIC_POWER_E, **law) for a, law in synthetic_runs.SYNTHETIC_POWER_LAWS.items()}
     for a, law in laws.items():
         got = out["fits"][a]
         assert got["E"] == out["E"]
@@ -551,7 +552,7 @@ def test_cli_plot_draws_the_fits(tmp_path, capsys):
     png = tmp_path / "x.png"
     assert fit.main(["power", X_LADDERS, "--ref", "vanilla", "--min-depth", "8", "--json", "--plot", str(png)]) == 0
     assert json.loads(capsys.readouterr().out)["fits"] and png.read_bytes().startswith(b"\x89PNG")
-    path = surface_csv(tmp_path, fit.synthetic_surface_runs(noise=0.002, seed=0))
+    path = surface_csv(tmp_path, synthetic_runs.synthetic_surface_runs(noise=0.002, seed=0))
     assert fit.main(["surface", path, "--ref", "baseline", "--target", "smelt", "--plot", str(png)]) == 0
     assert png.read_bytes().startswith(b"\x89PNG")
 

@@ -15,6 +15,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 import fit
+import synthetic_runs
 import ladder
 from ladders import khop, recipe, smelt, testtime, x
 from ladders.presets import PRESETS, SEEDS
@@ -116,7 +117,7 @@ OPT = {1: (0.2, 0.025), 2: (0.02, 0.4)}  # K: the optimum (LR as the first depth
 
 
 def synthetic_rows(scales):
-    runs = fit.synthetic_surface_runs(seed=0, scales=scales, n_checkpoints=3)
+    runs = synthetic_runs.synthetic_surface_runs(seed=0, scales=scales, n_checkpoints=3)
     return [dict(arch=a, cell=c, F=F, S=S, D=D, C=F * D, loss=loss, branch_tpp=0, seed=1337)
             for a, c, F, S, D, loss in zip(*(runs[k] for k in ("arch", "cell", "F", "S", "D", "loss")))]
 
@@ -148,7 +149,7 @@ def test_a_surface_is_reported_only_where_the_grid_identifies_it(monkeypatch):
     text = "\n".join(smelt.surface_lines(dict(bootstrap=8), synthetic_rows((2.5e8, 5e8, 1e9, 2e9))))
     for arch in smelt.ARCHS:
         lo, hi = map(float, re.search(rf"{arch} .*\n.* a in \[([0-9.e-]+), ([0-9.e-]+)\]", text).groups())
-        assert lo < fit.SYNTHETIC_SURFACES[arch]["a"] < hi
+        assert lo < synthetic_runs.SYNTHETIC_SURFACES[arch]["a"] < hi
     assert "NOT identified" not in text and "cell bootstrap: 8 draws" in text
     assert len(re.findall(r"CE Gain of SMELT at C=.* \[[-+0-9.]+, [-+0-9.]+\]", text)) == 2 * 3
     committed = open(os.path.join(DOCS, "smelt-cpu-mini-report.txt")).read()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import fit
+import synthetic_runs
 import plots
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +37,7 @@ def plot_calls():
     """name -> call(path) for each plot function, on real fits of the synthetic runs."""
     runs = {}
     for seed in (0, 1):  # two seeds: repeated points at every budget
-        cols = fit.synthetic_power_runs(seed=seed)
+        cols = synthetic_runs.synthetic_power_runs(seed=seed)
         for a in dict.fromkeys(cols["arch"].tolist()):
             m = cols["arch"] == a
             C, L = runs.get(a, ((), ()))
@@ -45,7 +46,7 @@ def plot_calls():
     ref_C = runs["vanilla"][0]
     mult = {a: fit.compute_multiplier(*runs["vanilla"], *runs[a]) for a in runs}  # nan outside the range
     bands = {a: (0.95 * m, 1.05 * m) for a, m in mult.items()}
-    surfaces = {a: fit.SurfaceFit(**c) for a, c in fit.SYNTHETIC_SURFACES.items()}
+    surfaces = {a: fit.SurfaceFit(**c) for a, c in synthetic_runs.SYNTHETIC_SURFACES.items()}
     sparsities = [0.85, 0.95]
     curves = {f"{arch} L4w32-e16 b{b}": (list(range(b, 60)), [3 + 5 / (1 + x / 10) for x in range(b, 60)])
               for arch in ("baseline", "smelt") for b in (10, 20, 40)}

@@ -4,7 +4,7 @@ Deterministic: rerunning rewrites identical files. Run from the repo root:
 
     python tests/data/core_bundle/make_bundle.py
 
-The Dyck items come from the project's generator data.synthetic.dyck_items (BIG-bench format,
+The Dyck items come from the tests' generator synthetic_tasks.dyck_items (BIG-bench format,
 boundary="none": the evaluator's " " delimiter joins context and continuation); --local uses the small
 stand-alone generator below instead.
 """
@@ -100,13 +100,13 @@ def write_atomic(path, text):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--local", action="store_true", help="stand-alone Dyck generator instead of data.synthetic")
+    p.add_argument("--local", action="store_true", help="stand-alone Dyck generator instead of synthetic_tasks")
     args = p.parse_args()
     if args.local:
         dyck = local_dyck_items(16, seed=0)
     else:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))  # repo root
-        from data.synthetic import BIGBENCH_DYCK_PROMPT, dyck_items
+        sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests/
+        from synthetic_tasks import BIGBENCH_DYCK_PROMPT, dyck_items
         dyck = dyck_items(16, seed=0, n_types=4, max_depth=4, max_length=12, prompt=BIGBENCH_DYCK_PROMPT,
                           boundary="none")
     rows = {"toy_arith_mc": arith_mc_items(), "toy_winograd": winograd_items(), "dyck_mini": dyck,

@@ -12,7 +12,6 @@ still open; its continuation is the shortest completion. Where the boundary spac
   boundary="context"                 "( [ { } " + "] )"
   boundary="none"                    "( [ { }" + "] )"   BIG-bench's; its evaluator joins with " "
 """
-import argparse
 import itertools
 import random
 
@@ -88,25 +87,3 @@ def copy_items(n, seed, min_length=3, max_length=8, alphabet="abcdefghij"):
         symbols = " ".join(rng.choice(alphabet) for _ in range(rng.randint(min_length, max_length)))
         items.append({"context": f"copy {symbols} :", "continuation": f" {symbols}"})
     return items
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="synthetic.py", usage=argparse.SUPPRESS,
-                                     description="Print a few items of each task and a Dyck document.")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--n_types", type=int, default=3, choices=range(1, len(BRACKETS) + 1),
-                        help="Dyck bracket kinds")
-    parser.add_argument("--max_depth", type=int, default=6, help="Dyck nesting depth, >= 1")
-    args = parser.parse_args(argv)
-    if args.max_depth < 1:
-        parser.error(f"--max_depth must be >= 1, got {args.max_depth}")
-    items = dyck_items(3, args.seed, args.n_types, args.max_depth) + arithmetic_items(2, args.seed) \
-        + copy_items(2, args.seed)
-    for item in items:
-        print(repr(item["context"]), "->", repr(item["continuation"]))
-    print(dyck_corpus_text(1, args.seed, args.n_types, args.max_depth, words_per_doc=4)[0])
-    return 0
-
-
-if __name__ == "__main__":
-    main()
