@@ -335,10 +335,11 @@ def match_candidates(baseline, template, budgets, a_base, heads, search, width_m
 # gradients, bf16 autocast; Muon keeps one fp32 momentum per hidden matrix, AdamW two fp32 moments.
 # DDP: every GPU holds everything, no activation checkpointing. FSDP2 (parallel="fsdp"): fully_shard per
 # stored block and on the root, every parameter sharded on dim 0, bf16 gathered blocks, activation
-# checkpointing per executed block; "fsdp_grad_op" keeps each gathered block from its forward to its backward.
+# checkpointing per executed block unless told not to (train.py checkpoints where a plan without it does not
+# fit); "fsdp_grad_op" keeps each gathered block from its forward to its backward.
 
 GIB = 2 ** 30
-HEADROOM = 0.10  # of each GPU kept free: CUDA context, NCCL buffers, fragmentation, the optimizer step
+HEADROOM = 0.10  # of each GPU kept free: CUDA context, NCCL buffers, fragmentation (expandable segments)
 MODES = ("ddp", "fsdp", "fsdp_grad_op")
 
 
@@ -358,6 +359,18 @@ def state_bytes_per_rank(cfg, world_size=1, optimizer="muon"):
     world_size=1: the whole (DDP). (muon_x's second moment, one number per row, is left out.)"""
     return sum(-(-shape[0] // world_size) * math.prod(shape[1:]) *
                (12 if group == "muon" and optimizer != "adamw" else 16) for shape, group in parameters(cfg))
+
+
+def optimizer_step_bytes(cfg, world_size=1, optimizer="muon", sharded=False):
+    """The optimizer step's temporaries on the fullest rank, as on CUDA (Newton-Schulz in bf16). Muon holds
+    every matrix's update at once: its direction and its orthogonalised result, 4 B each per element this
+    rank holds (muon_x's row-normalised copy 4 B more). Sharded, a 2-D matrix's result comes back as a bf16
+    shard first (2 B), and its owner holds the gathered pieces and the result, 2 B each, of one world-th of
+    them. AdamW, fused on CUDA as train.py runs it: none."""
+    per_element = 0 if optimizer == "adamw" else 8 + 4 * (optimizer == "muon_x")
+    held = lambda shape: -(-shape[0] // world_size) * math.prod(shape[1:])  # noqa: E731
+    return sum(held(shape) * (per_element + 6 * (sharded and len(shape) == 2))
+               for shape, group in parameters(cfg) if group == "muon" and per_element)
 
 
 def activation_bytes(cfg, micro_batch, mixed_precision=True, checkpointing=False, kernels=False,
@@ -419,7 +432,7 @@ def weight_copy_bytes(cfg, n_passes=None):
 
 
 def memory_plan(cfg, world_size, micro_batch, optimizer="muon", gpu_gb=80, mixed_precision=True,
-                kernels=False, n_passes=None, headroom=HEADROOM):
+                kernels=False, n_passes=None, headroom=HEADROOM, checkpointing=True):
     """GiB per GPU of training cfg with micro_batch sequences per GPU on world_size GPUs of gpu_gb GiB, for
     each parallel mode: states (state_bytes_per_rank), activations (activation_bytes), transient (the rest
     of the peak), total, fits (total <= (1 - headroom) gpu_gb), max_micro_batch, and for FSDP2 the GiB
@@ -428,7 +441,9 @@ def memory_plan(cfg, world_size, micro_batch, optimizer="muon", gpu_gb=80, mixed
     cross-entropy's backward (every saved tensor, the logits' gradient, the unsharded fp32 root: FSDP2 keeps
     it gathered, two gathered bf16 blocks) and a block's backward (without the head's tensors, one block
     recomputed, the root's weights and gradients, two gathered blocks, one block's bf16 gradient and its
-    fp32 copy for the reduce-scatter); fsdp_grad_op keeps every other stored block gathered too."""
+    fp32 copy for the reduce-scatter); fsdp_grad_op keeps every other stored block gathered too. The optimizer
+    step's own peak (optimizer_step_bytes over the states; DDP's gradient buckets too) is the last moment.
+    checkpointing=False: FSDP2 without activation checkpointing."""
     p = 2 if mixed_precision else 4  # a gathered block parameter (and its gradient)
     n_params = sum(math.prod(shape) for shape, _ in parameters(cfg))
     block = block_shapes(cfg)["total"]
@@ -438,13 +453,16 @@ def memory_plan(cfg, world_size, micro_batch, optimizer="muon", gpu_gb=80, mixed
     ddp_extra = 4 * n_params + (weight_copy_bytes(cfg, n_passes) if mixed_precision else 0)
 
     def peak(mode, micro_batch):  # (activations, total) in bytes
-        a = activation_bytes(cfg, micro_batch, mixed_precision, mode != "ddp", kernels, n_passes)
+        a = activation_bytes(cfg, micro_batch, mixed_precision, mode != "ddp" and checkpointing, kernels,
+                             n_passes)
+        step = states[mode] + optimizer_step_bytes(cfg, 1 if mode == "ddp" else world_size, optimizer,
+                                                   sharded=mode != "ddp")
         if mode == "ddp":
-            return a["total"], states[mode] + a["total"] + ddp_extra
+            return a["total"], max(states[mode] + a["total"] + ddp_extra, step + 4 * n_params)
         kept = (cfg.n_blocks - 1) * block * p if mode == "fsdp_grad_op" else 0
         cross_entropy = a["saved"] + a["logits_grad"] + root * 4 + 2 * p * block
         block_backward = a["saved"] - a["head"] + a["recompute"] + root * 8 + (3 * p + 4) * block
-        return a["total"], states[mode] + kept + head_copy + max(cross_entropy, block_backward)
+        return a["total"], max(states[mode] + kept + head_copy + max(cross_entropy, block_backward), step)
 
     usable = (1 - headroom) * gpu_gb * GIB
     plan = dict(world_size=world_size, micro_batch=micro_batch, tokens_per_gpu=micro_batch * cfg.block_size,
@@ -458,7 +476,8 @@ def memory_plan(cfg, world_size, micro_batch, optimizer="muon", gpu_gb=80, mixed
             lo, hi = (mid, hi) if peak(mode, mid)[1] <= usable else (lo, mid - 1)
         plan[mode] = dict(states_gb=states[mode] / GIB, activations_gb=act / GIB,
                           transient_gb=(total - states[mode] - act) / GIB, total_gb=total / GIB,
-                          fits=total <= usable, activation_checkpointing=mode != "ddp", max_micro_batch=lo)
+                          fits=total <= usable, activation_checkpointing=mode != "ddp" and checkpointing,
+                          max_micro_batch=lo)
         if mode in gathers:
             plan[mode]["all_gather_gb"] = gathers[mode] * (world_size - 1) / world_size / GIB
     return plan

@@ -9,8 +9,9 @@ Two variants, each one function (original_update, x_update). Stacked matrices ar
 `opt.gram` (None: x @ x.mT) is the iteration's Gram product, which kernels.apply sets to a Triton kernel.
 FSDP2: parameters may be DTensors sharded on dim 0 of a 1-D mesh, or of the shard dim of a 2-D (replicate,
 shard) mesh (HSDP: each replica group steps alike). Momentum is elementwise and stays sharded; each
-(out, in) matrix split across ranks is orthogonalised whole by one owner rank (owners()), which gathers the
-shards and scatters the result; experts sharded on E are whole where they are.
+(out, in) matrix split across ranks is orthogonalised whole by one owner rank (owners), which gathers the
+shards and scatters the result; experts sharded on E are whole where they are. DDP: plain tensors under a
+process group of several ranks are taken as replicas, each orthogonalised by its owner, which broadcasts it.
 """
 
 import contextlib
@@ -201,25 +202,27 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # closure: unused (torch.distributed.checkpoint passes one)
         """Each update runs to its yield, every direction is orthogonalised, each update runs to its end."""
-        split, whole = [], []  # (p, group, direction, its update): matrices split across ranks / whole here
+        split, replicas, whole = [], [], []  # (p, group, direction, its update)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 self.state[p] = self.state[p] or self.empty_state(p)
                 state = {name: local(buffer) for name, buffer in self.state[p].items()}
-                split_here = p in self.split_layout
-                reduce = split_here and functools.partial(all_reduce_sum,
-                                                          group=self.split_layout[p][0].get_group())
+                split_here = split_dim(p) is not None
+                reduce = split_here and functools.partial(all_reduce_sum, group=sharding(p)[0].get_group())
                 update = VARIANTS[self.variant]["update"](local(p), local(p.grad), state, group, p.shape,
                                                           reduce)
                 direction = next(update)
                 if split_here:
                     split.append((p, group, direction, update))
+                elif p in self.owners:
+                    replicas.append((p, group, direction, update))
                 elif direction.numel():  # (a rank may hold no expert of a small E)
                     whole.append((p, group, direction, update))
         results = self.orthogonalize_whole(whole) + self.orthogonalize_split(split)
-        for (*_, update), result in zip(whole + split, results):
+        results += self.orthogonalize_replicas(replicas)
+        for (*_, update), result in zip(whole + split + replicas, results):
             with contextlib.suppress(StopIteration):  # the update runs to its end
                 update.send(result)
 
@@ -234,27 +237,33 @@ class Muon(torch.optim.Optimizer):
             out.update(zip(members, self.orthogonalize(torch.stack([whole[i][2] for i in members]), steps)))
         return [out[i] for i in range(len(whole))]
 
-    def split_matrices(self):
-        return [p for group in self.param_groups for p in group["params"] if split_dim(p) is not None]
-
     @functools.cached_property
-    def split_layout(self):
-        """{split matrix: (its 1-D mesh, the dim it is cut along, its owner rank)}: fixed once the optimizer
-        is built over sharded parameters, so worked out at its first step only."""
-        return {p: (*sharding(p), owner) for p, owner in zip(self.split_matrices(), self.owners())}
-
     def owners(self):
-        """The rank that orthogonalises each split matrix: largest Newton-Schulz work first, each to the
-        least-loaded rank. From shapes only: every rank computes the same owners."""
-        matrices = self.split_matrices()
-        cost = [newton_schulz_cost(p.shape) for p in matrices]
-        owners, work = [None] * len(matrices), {}
-        for i in sorted(range(len(matrices)), key=lambda i: -cost[i]):
-            mesh = sharding(matrices[i])[0]
-            load = work.setdefault(mesh, [0] * mesh.size())
-            owners[i] = load.index(min(load))
-            load[owners[i]] += cost[i]
+        """{matrix split across ranks, or DDP replica (a plain tensor, several ranks): the rank that
+        orthogonalises it}. Largest Newton-Schulz work first, each to its group's least-loaded rank: from
+        shapes only, so every rank computes the same owners."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        shared = [p for g in self.param_groups for p in g["params"] if split_dim(p) is not None or
+                  world > 1 and not is_dtensor(p)]
+        owners, work = {}, {}
+        for p in sorted(shared, key=lambda p: -newton_schulz_cost(p.shape)):
+            ranks = sharding(p)[0].get_group() if is_dtensor(p) else dist.group.WORLD
+            load = work.setdefault(ranks, [0] * dist.get_world_size(ranks))
+            owners[p] = load.index(min(load))
+            load[owners[p]] += newton_schulz_cost(p.shape)
         return owners
+
+    def orthogonalize_replicas(self, replicas):
+        """Each rank orthogonalises the DDP replicas it owns (batched as orthogonalize_whole batches) and
+        broadcasts them in the Newton-Schulz dtype (exact: computed in it). All in flight, then waited on."""
+        mine = [entry for entry in replicas if self.owners[entry[0]] == dist.get_rank()]
+        done = dict(zip([p for p, *_ in mine], self.orthogonalize_whole(mine)))
+        out = [torch.empty_like(d, dtype=self.ns_dtype or newton_schulz_dtype(d)) for _, _, d, _ in replicas]
+        handles = [dist.broadcast(o.copy_(done[p]) if p in done else o, self.owners[p], async_op=True)
+                   for o, (p, *_) in zip(out, replicas)]
+        for handle in handles:
+            handle.wait()
+        return [o.to(d.dtype) for o, (_, _, d, _) in zip(out, replicas)]
 
     def orthogonalize_split(self, split):
         """This rank's shard of each split matrix's orthogonalised direction: every rank gathers its shard
@@ -262,7 +271,7 @@ class Muon(torch.optim.Optimizer):
         orthogonalises the whole matrix and scatters it back. All gathers in flight, then all scatters."""
         shards, pieces, handles = [], [], []
         for p, group, direction, _ in split:
-            mesh, dim, owner = self.split_layout[p]
+            (mesh, dim), owner = sharding(p), self.owners[p]
             shard = pad(direction.to(self.ns_dtype or newton_schulz_dtype(direction)), dim,
                         -(-p.shape[dim] // mesh.size()))
             shards.append(shard)
@@ -274,7 +283,7 @@ class Muon(torch.optim.Optimizer):
             handle.wait()
         results, handles = [], []
         for (p, group, direction, _), shard, gathered in zip(split, shards, pieces):
-            mesh, dim, owner = self.split_layout[p]
+            (mesh, dim), owner = sharding(p), self.owners[p]
             if gathered is not None:  # the owner: the whole matrix, without the padding, then cut again
                 whole = torch.cat(gathered, dim).narrow(dim, 0, p.shape[dim])
                 whole = pad(self.orthogonalize(whole, group["ns_steps"]), dim, mesh.size() * shard.size(dim))
@@ -285,7 +294,7 @@ class Muon(torch.optim.Optimizer):
             results.append(result.narrow(dim, 0, direction.size(dim)))
         for handle in handles:
             handle.wait()
-        return results
+        return [result.to(direction.dtype) for result, (_, _, direction, _) in zip(results, split)]
 
 
 def newton_schulz_cost(shape):

@@ -67,10 +67,10 @@ class TrainConfig:
     decay_tokens: int = 0  # > 0 with init_from=<checkpoint>: a decay branch [S] of so many tokens
     n_passes_choices: list = ()  # e.g. [1, 2, 3]: each step's K (or r), drawn seeded by the step
     grow_at: float = 0.0  # [X] growth to twice the passes at this step (>= 1) or fraction (< 1)
-    parallel: str = "ddp"  # under torchrun: ddp; fsdp (FSDP2, activations checkpointed); fsdp_grad_op (each
-    #   block kept gathered from its forward to its backward: fewer all-gathers, more memory); hsdp (FSDP2
-    #   sharded within a node, replicated across nodes: several nodes)
-    compile: bool = False  # torch.compile the model
+    parallel: str = "ddp"  # under torchrun: ddp; fsdp (FSDP2); fsdp_grad_op (each block kept gathered from
+    #   its forward to its backward: fewer all-gathers, more memory); hsdp, hsdp_grad_op (the same sharded
+    #   within a node, replicated across nodes: gradients cross nodes once a step)
+    compile: bool = True  # on CUDA, torch.compile each block and the loss; a CPU run stays eager
     triton: bool = False  # the Triton kernels in the model and Muon (kernels/, opt-in)
     wandb_log: bool = False  # log the evals to Weights & Biases
     wandb_project: str = "loopstudy"
@@ -78,7 +78,7 @@ class TrainConfig:
 
     def __post_init__(self):
         # (holds, the setting, why): the first that fails is the error, before the run writes anything
-        parallels = ("ddp", "fsdp", "fsdp_grad_op", "hsdp")
+        parallels = ("ddp", "fsdp", "fsdp_grad_op", "hsdp", "hsdp_grad_op")
         positive = ("max_steps", "batch_size", "eval_interval", "eval_tokens")
         non_negative = ("global_batch", "seed", "matrix_lr", "embedding_lr", "unembedding_lr", "weight_decay",
                         "warmup_steps", "decay_tokens", "grow_at")
@@ -108,6 +108,14 @@ MUON_MOMENTUM = 0.95
 X_MOMENTUM_WARMUP = 300 / 2355  # [X] code: momentum 0.85 -> 0.95 over the first 300 of d8's 2,355 steps
 X_REWARM = 40 / 2563  # [X] code: the LR re-warms from 0 over 40 steps after growth (d8 Loop-Grow: 2,563)
 LOG_INTERVAL = 10  # read the losses to the host every so many steps (the bar, the non-finite check)
+# MFU's denominator: a GPU's dense bf16 FLOP/s, from the vendors' sheets (the first name in the device's)
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def peak_flops(device):
+    """The GPU's bf16 dense peak in FLOP/s by its name (PEAK_FLOPS), None on a CPU or an unknown GPU."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -138,7 +146,8 @@ def build_optimizers(model, config, bf16):
         group = dict(params=[p for _, p in named], param_names=[n for n, _ in named], name=name, lr=lr,
                      base_lr=lr, weight_decay=wd)
         (adamw if kind == "adamw" else muon).append(group)
-    optimizers = [torch.optim.AdamW(adamw, betas=ADAM_BETAS, eps=ADAM_EPS, fused=False)]
+    # fused on CUDA: one kernel, and no fp32 temporary of a whole group as foreach's
+    optimizers = [torch.optim.AdamW(adamw, betas=ADAM_BETAS, eps=ADAM_EPS, fused=bf16)]
     if muon:
         variant = "x" if config.optimizer == "muon_x" else "original"
         ns_dtype = torch.bfloat16 if bf16 else torch.float32  # Newton-Schulz's
@@ -259,17 +268,25 @@ def shard(model, config, bf16):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                   cast_forward_inputs=False) if bf16 else MixedPrecisionPolicy()
-    mesh = None
-    if config.parallel == "hsdp":
+    mesh, shards = None, dist.get_world_size()
+    if config.parallel.startswith("hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        mesh = init_device_mesh("cuda" if bf16 else "cpu", (dist.get_world_size() // per_node, per_node),
+        shards = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        mesh = init_device_mesh("cuda" if bf16 else "cpu", (dist.get_world_size() // shards, shards),
                                 mesh_dim_names=("replicate", "shard"))
+    gather_once = config.parallel.endswith("grad_op")  # each block kept gathered from forward to backward
     for block in model.blocks:  # a looped block's gradients accumulate over its visits, reduced once
-        fully_shard(block, mesh=mesh, mp_policy=policy,
-                    reshard_after_forward=config.parallel != "fsdp_grad_op")
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not gather_once)
     fully_shard(model, mesh=mesh)
-    model.activation_checkpointing = True  # keep each executed block's input, recompute the rest
+    # Recompute each executed block in the backward (keep only its input) where match.py's planner says the
+    # activations do not fit this GPU; a CPU run, a rehearsal of the large-model path, always recomputes.
+    model.activation_checkpointing = True
+    if torch.cuda.is_available():
+        mode = "fsdp_grad_op" if gather_once else "fsdp"
+        gpu_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / match.GIB
+        plan = match.memory_plan(model.config, shards, config.batch_size, config.optimizer, gpu_gb,
+                                 checkpointing=False)
+        model.activation_checkpointing = not plan[mode]["fits"]
     return model
 
 
@@ -323,16 +340,42 @@ def grow_model(model, optimizers, config, bf16, device, sharded):
     return grown, optimizers
 
 
+def compile_blocks(model, backend="inductor"):
+    """torch.compile block by block, as torchtitan compiles under FSDP2: each block's forward one graph (the
+    looped blocks share it), FSDP2's hooks outside it; and the loss, one graph with its fp32 cast fused."""
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
+    model.cross_entropy = torch.compile(model.cross_entropy, fullgraph=True, backend=backend)
+
+
 def wrap(model, config, world, device):
-    """The module a step calls: DDP around the model (several processes), then torch.compile. Random
-    passes may leave an untied core without a gradient: DDP is told."""
+    """The module a step calls: the blocks compiled on CUDA, then DDP around the model (several
+    processes). Random passes may leave an untied core without a gradient: DDP is told."""
+    if config.compile and device.type == "cuda":
+        compile_blocks(model)
     if world > 1 and config.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         unused = any({s.block for s in execution_plan(model.config, k) if s.kind == "block"} !=
                      set(range(model.config.n_blocks)) for k in config.n_passes_choices)
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                         find_unused_parameters=unused)
-    return torch.compile(model) if config.compile else model
+    return model
+
+
+def shared_folder_or_refuse(out_dir, master, device):
+    """Several nodes write one run: every rank writes its checkpoint shards there and a resume reads them
+    all. So every rank must see the file rank 0 writes, or the run stops at its start, on every rank."""
+    probe = os.path.join(out_dir, ".shared")
+    if master:
+        open(probe, "w").close()
+    dist.barrier()
+    missing = torch.tensor([float(not os.path.exists(probe))], device=device)
+    dist.all_reduce(missing)
+    if master:
+        os.remove(probe)
+    if missing.item():
+        raise ValueError(f"out_dir={out_dir}: {int(missing.item())} processes do not see what rank 0 writes "
+                         "there; on several nodes the run folder must be one shared folder")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -383,7 +426,8 @@ def train(overrides=None, model_fields=None):
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     sharded, master, bf16 = config.parallel != "ddp", rank == 0, device.type == "cuda"
-    if bf16:
+    if bf16:  # an allocator that grows its segments in place: the fragmentation match.py's planner assumes
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if bf16 else "gloo"  # gloo lacks gather and all-gather of CUDA tensors
     if not dist.is_initialized() and world > 1:
@@ -452,6 +496,8 @@ def train(overrides=None, model_fields=None):
 
     # the run's folder and log (a resumed log is cut back to its checkpoint), wandb, the header
     os.makedirs(config.out_dir, exist_ok=True)
+    if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):  # several nodes: one shared run folder
+        shared_folder_or_refuse(config.out_dir, master, device)
     if master and resume:
         lines = [line for line in open(log_path) if json.loads(line)["step"] <= state["step"]]
         open(log_path, "w").writelines(lines)
@@ -484,7 +530,7 @@ def train(overrides=None, model_fields=None):
                       flops_by_passes={str(k): v for k, v in sorted(state["flops_by_passes"].items())}, lr=lr,
                       train_loss=mean(state["window"], None), **metrics,
                       epochs=state["data_position"] / stream.n_windows,
-                      n_passes=mean(state["passes"], model.config.n_passes),
+                      n_passes=mean(state["passes"], model.config.n_passes), **speed,
                       seconds=round(time.time() - t0, 3))
         if master:
             with open(log_path, "a") as f:
@@ -505,6 +551,10 @@ def train(overrides=None, model_fields=None):
         handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
     t0, lr, losses, unread = time.time(), 0.0, [], []
+    # speed: over each read's interval, and the run's (this process's training; evals and saves left out)
+    peak = peak_flops(device)
+    clock, trained = [t0, state["tokens"], state["flops"]], [0.0, 0, 0.0]  # (seconds, tokens, FLOPs)
+    speed = dict(tokens_per_s=None, mfu=None)
     record = evaluate_and_log(lr) if state["step"] == 0 else None  # a new run's step-0 eval
     bar = tqdm(total=max_steps, initial=state["step"], unit="step", disable=not master or None)
     while state["step"] < max_steps:
@@ -527,7 +577,8 @@ def train(overrides=None, model_fields=None):
         n_passes = passes_of_step(config, step)
 
         # forward and backward over the micro-batches (rank r reads its slice), then the update. DDP
-        # reduces the gradients once, at the last (no_sync before); FSDP2 reduce-scatters each, sharded
+        # reduces the gradients once, at the last (no_sync before); FSDP2 reduce-scatters each, sharded,
+        # and HSDP's replicas (the nodes) all-reduce those once, at the last
         unread.append(torch.zeros(2, dtype=torch.float64, device=device))  # (CE, loss), read later
         for micro in range(grad_accum):
             first = state["data_position"] + (rank * grad_accum + micro) * config.batch_size
@@ -535,6 +586,8 @@ def train(overrides=None, model_fields=None):
             last = micro == grad_accum - 1
             no_sync = step_model.no_sync() if hasattr(step_model, "no_sync") and not last \
                 else contextlib.nullcontext()
+            if sharded:
+                model.set_requires_all_reduce(last)
             with no_sync, autocast:
                 _, loss, stats = step_model(x, y, n_passes=n_passes, return_stats=True)
                 (loss / grad_accum).backward()
@@ -575,7 +628,14 @@ def train(overrides=None, model_fields=None):
                 diverged("the loss")
             losses += read[:, 0].tolist()
             state["window"] += read[:, 0].tolist()
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}")
+            # the speed since the last read (the host has just waited for the device)
+            interval = [time.time() - clock[0], state["tokens"] - clock[1], state["flops"] - clock[2]]
+            speed = dict(tokens_per_s=round(interval[1] / interval[0]),
+                         mfu=peak and round(interval[2] / interval[0] / (peak * world), 4))
+            trained = [a + b for a, b in zip(trained, interval)]
+            clock = [time.time(), state["tokens"], state["flops"]]
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}", tok_s=speed["tokens_per_s"],
+                            **{"mfu": speed["mfu"]} if peak else {})
 
         # eval, checkpoint, then its log line; extra checkpoints (decay branches fork there); a stop
         if at_eval:
@@ -591,6 +651,8 @@ def train(overrides=None, model_fields=None):
             save_checkpoint(path, model, optimizers, settings, state, tokenizer, sharded)
         if stopping:
             break
+        if at_eval or at_save:
+            clock[0] = time.time()  # the next speed leaves the eval and the saves out
     bar.close()
     if master and config.wandb_log:
         wandb.finish()
@@ -616,11 +678,13 @@ def train(overrides=None, model_fields=None):
                    tokens=state["tokens"], flops=state["flops"], val_loss=record["val_loss"],
                    val_bpb=record["val_bpb"], val_loss_by_source=record.get("val_loss_by_source"),
                    train_losses=losses, unigram_entropy=data.meta["unigram_entropy"],
-                   seconds=time.time() - t0)
+                   seconds=time.time() - t0, tokens_per_s=round(trained[1] / trained[0]),
+                   mfu=peak and round(trained[2] / trained[0] / (peak * world), 4))
+    mfu = f", MFU {summary['mfu']:.1%} of {world} x {peak:.3g} FLOP/s" if peak else ""
     log(f"step {state['step']}: val loss {record['val_loss']:.4f} nats ({record['val_bpb']:.4f} bits/byte) "
         f"vs unigram entropy {data.meta['unigram_entropy']:.4f} ({state['tokens']:,} tokens, "
-        f"{state['flops']:.3e} FLOPs, {summary['seconds']:.0f} s)\ncheckpoint: {summary['ckpt_path']}\n"
-        f"log:        {log_path}")
+        f"{state['flops']:.3e} FLOPs, {summary['seconds']:.0f} s; {summary['tokens_per_s']:,} tokens/s"
+        f"{mfu})\ncheckpoint: {summary['ckpt_path']}\nlog:        {log_path}")
     return summary
 
 

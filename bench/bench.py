@@ -7,9 +7,8 @@ The bench: one JSON line per measurement, each ratio beside its two times (machi
     python3 bench/bench.py --gpu                   # CUDA, bf16 autocast, larger sizes (bench/gpu_check.sh)
 
 Stages (both sides of a ratio run in turn in the same rounds, so they see the same machine load; medians):
-  efficiency  a training step (forward, backward, AdamW) of each layout at one shape: GFLOP/s from match.py's
-              analytic FLOPs (every executed block counted), vs_plain = its GFLOP/s over the plain model's,
-              of_peak = over a large matmul's (fp32 2048^3 on a CPU, bf16 8192^3 on CUDA).
+  efficiency  a training step (forward, backward, AdamW) of each layout and of nanoGPT's GPT-2 at one shape:
+              GFLOP/s by match.py's count (every executed block), vs_plain / vs_gpt2 = over plain's / GPT-2's.
   moe         the MoE layer (64 experts, top-8, sort by expert + grouped GEMM) forward + backward vs a dense
               SwiGLU of equal active FLOPs (hidden = top_k x expert_hidden): ratio = moe / dense.
   moe_bytes   the bytes one MoE layer's forward + backward moves per token at the [S] 200M twin's widths
@@ -38,11 +37,11 @@ from model import GPT, MLP, MoE, ModelConfig  # noqa: E402
 
 SIZES = {  # the efficiency stage's model and batch, the MoE stage's tokens, the kernels' rows, the peak mm
     "cpu": dict(batch=8, block_size=256, n_embd=256, n_layer=4, vocab_size=4096, moe_tokens=4096, rows=64,
-                experts=64, mm=2048),
+                experts=64, mm=2048, copy_mb=64),
     "cuda": dict(batch=8, block_size=1024, n_embd=1024, n_layer=8, vocab_size=50304, moe_tokens=65536,
-                 rows=16384, experts=64, mm=8192),
+                 rows=16384, experts=64, mm=8192, copy_mb=1024),
     "dry": dict(batch=2, block_size=32, n_embd=64, n_layer=2, vocab_size=256, moe_tokens=256, rows=32,
-                experts=4, mm=256),
+                experts=4, mm=256, copy_mb=4),
 }
 S95_MOE = dict(n_embd=1056, n_head=12, head_dim=88, n_expert=288, top_k=8, expert_hidden=352)  # [S] 200M twin
 LAYOUTS = {"plain": {}, "smelt_r2": dict(layout="smelt", n_passes=2),
@@ -79,12 +78,42 @@ def autocast(device):
     return torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
 
 
-def train_step(cfg, batch, device):
-    """One training step on fixed random tokens (no eot: one document per row), flops = its analytic FLOPs."""
+class GPT2(torch.nn.Module):
+    """nanoGPT's GPT-2: pre-LayerNorm, biases, causal SDPA, GELU MLP 4x, learned positions, a tied head."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        nn, d, V, L = torch.nn, cfg.n_embd, cfg.vocab_size, cfg.n_layer
+        self.config, self.wte, self.wpe = cfg, nn.Embedding(V, d), nn.Embedding(cfg.block_size, d)
+        self.h = nn.ModuleList(nn.ModuleDict(dict(
+            ln_1=nn.LayerNorm(d), attn=nn.Linear(d, 3 * d), proj=nn.Linear(d, d), ln_2=nn.LayerNorm(d),
+            mlp=nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)))) for _ in range(L))
+        self.ln_f = nn.LayerNorm(d)
+        # nanoGPT's init of the tied embedding: PyTorch's N(0, 1) gives 16x larger logits, a slower step
+        nn.init.normal_(self.wte.weight, std=0.02)
+
+    def forward(self, idx, targets):
+        F, T, H = torch.nn.functional, idx.size(1), self.config.n_head
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for b in self.h:
+            q, k, v = (t.unflatten(2, (H, -1)).transpose(1, 2) for t in b.attn(b.ln_1(x)).chunk(3, dim=2))
+            x = x + b.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+            x = x + b.mlp(b.ln_2(x))
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def gpt2_flops_per_token(cfg):
+    """match.py's count for cfg's plain model, its SwiGLU's 3 d x hidden weights swapped for GPT-2's 8 d^2."""
+    return match.flops_per_token(cfg) + 6 * cfg.n_layer * cfg.n_embd * (8 * cfg.n_embd - 3 * cfg.mlp_hidden)
+
+
+def train_step(cfg, size, device, build=GPT, flops_per_token=match.flops_per_token):
+    """One training step of build(cfg): forward, backward, AdamW, on fixed random tokens (no eot)."""
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    model = build(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, cfg.vocab_size - 1, (batch, cfg.block_size), device=device)
+    x = torch.randint(0, cfg.vocab_size - 1, (size["batch"], cfg.block_size), device=device)
 
     def step():
         with autocast(device):
@@ -92,32 +121,20 @@ def train_step(cfg, batch, device):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    step.flops = match.flops_per_token(cfg) * x.numel()
-    return step
-
-
-def matmul(n, device):
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    step = lambda: a @ b  # noqa: E731
-    step.flops = 2 * n ** 3
+    step.flops = flops_per_token(cfg) * x.numel()
     return step
 
 
 def efficiency(size, device, rounds):
-    shape = {k: size[k] for k in ("block_size", "n_embd", "n_layer", "vocab_size")}
-    steps = {name: train_step(ModelConfig(**shape, n_head=4, **kw), size["batch"], device)
-             for name, kw in LAYOUTS.items()}
-    steps["peak"] = matmul(size["mm"], device)
+    shape = dict(n_head=4, **{k: size[k] for k in ("block_size", "n_embd", "n_layer", "vocab_size")})
+    steps = {name: train_step(ModelConfig(**shape, **kw), size, device) for name, kw in LAYOUTS.items()}
+    steps["gpt2"] = train_step(ModelConfig(**shape), size, device, GPT2, gpt2_flops_per_token)
     median = interleaved(steps, rounds, device, "efficiency")
     gflops = {name: steps[name].flops / median[name] / 1e9 for name in steps}
-    for name in LAYOUTS:
+    for name in steps:
         emit(stage="efficiency", model=name, ms=round(1e3 * median[name], 2), gflops=round(gflops[name], 2),
-             vs_plain=round(gflops[name] / gflops["plain"], 3),
-             of_peak=round(gflops[name] / gflops["peak"], 3),
+             **{f"vs_{ref}": round(gflops[name] / gflops[ref], 3) for ref in ("plain", "gpt2")},
              batch=f"{size['batch']}x{size['block_size']}", **{k: size[k] for k in ("n_embd", "n_layer")})
-    emit(stage="efficiency", model="peak_matmul", ms=round(1e3 * median["peak"], 2),
-         gflops=round(gflops["peak"], 2))
 
 
 def fwd_bwd(module, x):
@@ -259,80 +276,21 @@ def kernel_vs_twin(size, device, rounds):
 
 
 # ----------------------------------------------------------------------------------------------------
-# What a first GPU run must return (bench/gpu_check.sh): the machine's ceilings, the real shapes, a profile
+# What a GPU run must return (bench/gpu_check.sh): the machine's ceilings, train.py's steps, their profile
 
-GPU_SHAPES = {  # the [S] 200M twin's MoE layer and attention (config/smelt_200m_s95.py), the [X] d8 loss
-    "cuda": dict(S95_MOE, tokens=16384, seq=4096, heads=12, kv_heads=2, loss_tokens=32768, vocab=50304,
-                 copy_mb=1024),
-    "dry": dict(tokens=256, n_embd=64, n_expert=8, expert_hidden=16, seq=64, heads=4, kv_heads=2,
-                loss_tokens=512, vocab=256, copy_mb=4),
-}
-CEILING = {}  # the matmul's TFLOP/s, once measured: the profile's MFU is against it
-
-
-def shape_size(size):
-    return GPU_SHAPES["dry" if size is SIZES["dry"] else "cuda"]
+CEILING = {}  # the matmul's TFLOP/s, once measured: the profile's second MFU is against it
 
 
 def ceilings(size, device, rounds):
     """The machine's own ceilings: a large matmul (bf16 on CUDA) and a device-to-device copy."""
-    mm = matmul(size["mm"], device)
-    src = torch.empty(shape_size(size)["copy_mb"] * 2 ** 18, device=device)
+    n, dtype = size["mm"], torch.bfloat16 if device == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    src = torch.empty(size["copy_mb"] * 2 ** 18, device=device)
     dst = torch.empty_like(src)
-    median = interleaved({"matmul": mm, "copy": lambda: dst.copy_(src)}, rounds, device, "ceilings")
-    CEILING["tflops"] = mm.flops / median["matmul"] / 1e12
+    median = interleaved(dict(matmul=lambda: a @ b, copy=lambda: dst.copy_(src)), rounds, device, "ceilings")
+    CEILING["tflops"] = 2 * n ** 3 / median["matmul"] / 1e12
     emit(stage="ceilings", matmul_tflops=round(CEILING["tflops"], 1), matmul_n=size["mm"],
          copy_gb_s=round(2 * src.nbytes / median["copy"] / 1e9, 1), copy_mb=src.nbytes // 2 ** 20)
-
-
-def shapes(size, device, rounds):
-    """Forward + backward at the real shapes, each row's sides timed in turn: the MoE layer vs its bare
-    grouped GEMMs (the same rows, sorted) vs a dense SwiGLU of equal active FLOPs; FlexAttention with the
-    document mask at the twins' head sizes 88 and 56 vs 128 and 64, and SDPA's causal kernel (CUDA only:
-    flex has no CPU backward); the loss over loss_tokens x vocab logits in bf16: fp32 whole vs
-    model.cross_entropy's chunks vs compiled."""
-    import torch.nn.functional as F
-    import model
-    z, dtype = shape_size(size), torch.bfloat16 if device == "cuda" else torch.float32
-    cfg = ModelConfig(n_embd=z["n_embd"], n_head=4, n_expert=z["n_expert"], top_k=8,
-                      expert_hidden=z["expert_hidden"], mlp_hidden=8 * z["expert_hidden"])
-    moe, dense = MoE(cfg).to(device, dtype), MLP(cfg).to(device, dtype)
-    for p in [*moe.parameters(), *dense.parameters()]:
-        torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(z["tokens"], cfg.n_embd, device=device, requires_grad=True)
-    rows = torch.randn(8 * z["tokens"], cfg.n_embd, device=device, dtype=dtype, requires_grad=True)
-    counts = torch.full((cfg.n_expert,), 8 * z["tokens"] // cfg.n_expert, device=device)
-    counts[0] += 8 * z["tokens"] - counts.sum()
-    bare = lambda: model.run_experts(rows, torch.arange(len(rows), device=device), counts,  # noqa: E731
-                                     moe.w_gate_up, moe.w_down).float().sum().backward()
-    cases = {"moe": {"moe_layer": fwd_bwd(moe, x[None]), "grouped_gemms": bare,
-                     "dense_swiglu": fwd_bwd(dense, x[None])}}
-    if device == "cuda":
-        docs = torch.arange(z["seq"], device=device)[None] // 512  # documents of 512 tokens
-        mask = model.flex_block_mask(docs)
-
-        def attention(head_dim, flex):
-            q = torch.randn(1, z["heads"], z["seq"], head_dim, device=device, dtype=dtype, requires_grad=True)
-            kv = [torch.randn(1, z["kv_heads"], z["seq"], head_dim, device=device, dtype=dtype,
-                              requires_grad=True) for _ in range(2)]
-            run = (lambda: model.flex_attention(q, *kv, mask)) if flex else (  # noqa: E731
-                lambda: F.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=True))
-            return lambda: run().float().sum().backward()
-        cases["attention"] = {f"flex_d{d}": attention(d, True) for d in (88, 128, 56, 64)}  # twins: 88, 56
-        cases["attention"]["sdpa_d128"] = attention(128, False)
-    logits = torch.randn(z["loss_tokens"], z["vocab"], device=device, dtype=dtype, requires_grad=True)
-    targets = torch.randint(0, z["vocab"], (z["loss_tokens"],), device=device)
-    whole = lambda lg, t: F.cross_entropy(lg.float(), t)  # noqa: E731
-    compiled = torch.compile(whole, backend="inductor" if device == "cuda" else "aot_eager")
-    cases["loss"] = {name: (lambda fn=fn: fn(logits, targets).backward())
-                     for name, fn in (("fp32_whole", whole), ("chunked", model.cross_entropy),
-                                      ("compiled", compiled))}
-    for case, fns in cases.items():
-        median = interleaved(fns, rounds, device, case)
-        first = next(iter(fns))
-        emit(stage="shapes", case=case, **{f"{name}_ms": round(1e3 * t, 3) for name, t in median.items()},
-             **{f"{name}_vs_{first}": round(t / median[first], 3) for name, t in median.items()
-                if name != first})
 
 
 def run_config(path, dry, **dry_shape):
@@ -348,119 +306,118 @@ def run_config(path, dry, **dry_shape):
                                               if k not in train.MODEL_SETTINGS})
 
 
-def training_steps(model, config, device, batch):
-    """(forward_backward, optimizer_step): a micro-batch and every optimizer's step, as train.py runs them."""
+def timed_steps(model, config, device, rounds, desc):
+    """A micro-batch (forward + backward) and every optimizer's step as train.py runs them, compiled as it
+    compiles (block by block; Inductor on CUDA, aot_eager on a CPU): the warm-up's seconds (two of each, the
+    compile with them), then each one's median seconds, timed apart; the peak memory from the warm-up on."""
     import train
     optimizers = train.build_optimizers(model, config, device == "cuda")
-    x = torch.randint(0, model.config.vocab_size - 1, (batch, model.config.block_size), device=device)
+    x = torch.randint(0, model.config.vocab_size - 1, (config.batch_size, model.config.block_size),
+                      device=device)
     x[:, ::512] = model.config.eot_token  # documents of 512 tokens: the document mask is on
-    step_model = torch.compile(model, backend="inductor" if device == "cuda" else "aot_eager") \
-        if config.compile else model
+    if config.compile:
+        train.compile_blocks(model, "inductor" if device == "cuda" else "aot_eager")
 
-    def forward_backward():
+    def micro_batch():
         with autocast(device):
-            loss = step_model(x, x)[1]
+            loss = model(x, x)[1]
         loss.backward()
 
-    def optimizer_step():
+    def optimizer():
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
-    return forward_backward, optimizer_step
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    warmup = seconds(lambda: [(micro_batch(), optimizer()) for _ in range(2)], device)
+    median = interleaved(dict(micro_batch=micro_batch, optimizer=optimizer), rounds, device, desc)
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
+    return dict(warmup_s=round(warmup, 1), micro_batch_s=round(median["micro_batch"], 4),
+                optimizer_s=round(median["optimizer"], 4), peak_gb=peak and round(peak, 2)), micro_batch
 
 
-def profile_d8(size, device, rounds):
-    """[X] d8 Loop-2 (config/x_d8_loop2.py, vocabulary 50,304, micro-batch 16 x 2048) stepped as train.py
-    steps it on one GPU, eager then compiled: the first 2 micro-batches' seconds (the compile), a micro-batch
-    and the optimizer step timed apart, so a step of 16 micro-batches and one optimizer step: its seconds,
-    tokens/s and MFU (of this run's matmul); peak memory vs the planner's, host syncs
-    (torch.cuda.set_sync_debug_mode), dynamo's graphs and breaks, and a torch.profiler trace of 2
-    micro-batches, each with an optimizer step: the 30 kernels with the most time."""
-    import warnings
+def mfu(flops, seconds, device):
+    """MFU of the GPU's bf16 peak (train.PEAK_FLOPS) and of this run's measured matmul (ceilings)."""
+    import train
+    peak = train.peak_flops(torch.device(device))
+    return dict(mfu=peak and round(flops / seconds / peak, 3),
+                mfu_of_matmul=round(flops / seconds / 1e12 / CEILING["tflops"], 3) if CEILING else None)
+
+
+def profile_d8(size, device, rounds, compiled=True):
+    """[X] d8 Loop-2 (config/x_d8_loop2.py, vocabulary 50,304, micro-batch 16 x 2048) on one GPU as train.py
+    steps it, compiled (profile_d8_eager: eager): a step of 16 micro-batches and one optimizer step, its
+    tokens/s and MFU; the warm-up's seconds; peak memory vs the planner's (one GPU, no checkpointing);
+    dynamo's graphs and breaks; the 20 kernels with the most time in one micro-batch (torch.profiler)."""
     import torch._dynamo.utils
     from torch.profiler import ProfilerActivity, profile
-    dry = size is SIZES["dry"]
-    cfg, config = run_config("config/x_d8_loop2.py", dry, n_layer=3, n_embd=32, n_head=2, block_size=64,
-                             batch_size=2)
+    cfg, config = run_config("config/x_d8_loop2.py", size is SIZES["dry"], n_layer=3, n_embd=32, n_head=2,
+                             block_size=64, batch_size=2)
     accum = config.global_batch // config.batch_size  # train.py's micro-batches per step on one GPU
     tokens = config.global_batch * cfg.block_size
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        config.compile = compiled
-        torch.manual_seed(0)
-        model = GPT(cfg).to(device)
-        forward_backward, optimizer_step = training_steps(model, config, device, config.batch_size)
-        run = lambda: [(forward_backward(), optimizer_step()) for _ in range(2)]  # noqa: E731
-        warmup = seconds(run, device)  # and the compile
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            median = interleaved({"micro_batch": forward_backward, "optimizer": optimizer_step}, rounds,
-                                 device, "d8")
-        step = accum * median["micro_batch"] + median["optimizer"]
-        if device == "cuda":
-            torch.cuda.set_sync_debug_mode(0)
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
-        flops = match.flops_per_token(cfg) * tokens
-        planned = match.memory_plan(cfg, 1, config.batch_size, config.optimizer)["ddp"]["total_gb"]
-        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
-        counters = torch._dynamo.utils.counters
-        emit(stage="profile_d8", compiled=compiled, step_s=round(step, 3), tokens_per_s=round(tokens / step),
-             micro_batch_s=round(median["micro_batch"], 4), optimizer_s=round(median["optimizer"], 4),
-             mfu=round(flops / step / 1e12 / CEILING["tflops"], 3) if CEILING else None,
-             peak_gb=peak and round(peak, 2), planned_gb=round(planned, 2), host_syncs=syncs,
-             graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
-             micro_batches=accum, tokens_per_step=tokens, warmup_s=round(warmup, 1))
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with profile(activities=activities) as prof:
-            run()
-        attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-        top = sorted(prof.key_averages(), key=lambda e: -getattr(e, attr, 0))[:30]
-        emit(stage="profile_d8_kernels", compiled=compiled,
-             top_ms_per_micro_batch_with_optimizer=[[e.key[:90], round(getattr(e, attr, 0) / 2e3, 3)]
-                                                    for e in top])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    config.compile = compiled
+    torch.manual_seed(0)
+    times, micro_batch = timed_steps(GPT(cfg).to(device), config, device, rounds, "d8")
+    step = accum * times["micro_batch_s"] + times["optimizer_s"]
+    planned = match.memory_plan(cfg, 1, config.batch_size, config.optimizer)["ddp"]["total_gb"]
+    counters = torch._dynamo.utils.counters
+    emit(stage="profile_d8", compiled=compiled, step_s=round(step, 3), tokens_per_s=round(tokens / step),
+         **mfu(match.flops_per_token(cfg) * tokens, step, device), **times, planned_gb=round(planned, 2),
+         graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
+         micro_batches=accum, tokens_per_step=tokens)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        micro_batch()
+    attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    top = sorted(prof.key_averages(), key=lambda e: -getattr(e, attr, 0))[:20]
+    emit(stage="profile_d8_kernels", compiled=compiled,
+         top_ms_per_micro_batch=[[e.key[:90], round(getattr(e, attr, 0) / 1e3, 3)] for e in top])
 
 
 def sharded_s95(size, device, rounds):
-    """The [S] 200M twin (config/smelt_200m_s95.py, 3.9B parameters) built sharded in one process as train.py
-    builds it (meta device, FSDP2, each parameter drawn in place): build seconds, forward + backward and the
-    optimizer step timed apart, peak memory against the planner's (fsdp on one GPU)."""
+    """The [S] 200M twin (config/smelt_200m_s95.py, 3.9B parameters) and its baseline (smelt_200m_base.py),
+    each built sharded in one process as train.py builds it (meta device, FSDP2, each parameter drawn in
+    place) and compiled, with activation checkpointing and, where the planner says it fits, without: a
+    micro-batch and the optimizer step timed apart, a micro-batch's tokens/s and MFU, peak memory vs the
+    planner's (FSDP2 on one GPU)."""
     import torch.distributed as dist
     import train
     dry = size is SIZES["dry"]
-    cfg, config = run_config("config/smelt_200m_s95.py", dry, n_embd=64, n_head=2, head_dim=32, n_kv_head=1,
-                             n_expert=8, expert_hidden=16, block_size=128, batch_size=1)
-    config.parallel = "fsdp"
     dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", store=dist.HashStore(),
                             rank=0, world_size=1)
     try:
-        t0 = seconds(lambda: None, device) and time.perf_counter()
-        torch.manual_seed(0)
-        model = train.build_model(cfg, config, device == "cuda", torch.device(device), True)
-        built = time.perf_counter() - t0
-        forward_backward, optimizer_step = training_steps(model, config, device, config.batch_size)
-        forward_backward()
-        optimizer_step()  # the optimizer state exists from here on
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        median = interleaved({"forward_backward": forward_backward, "optimizer": optimizer_step}, rounds,
-                             device, "s95")
-        planned = match.memory_plan(cfg, 1, config.batch_size, config.optimizer)["fsdp"]["total_gb"]
-        emit(stage="s95_sharded", build_s=round(built, 2),
-             forward_backward_s=round(median["forward_backward"], 4),
-             optimizer_s=round(median["optimizer"], 4), params=sum(p.numel() for p in model.parameters()),
-             peak_gb=round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if device == "cuda" else None,
-             planned_gb=round(planned, 2), tokens=config.batch_size * cfg.block_size)
+        for name in ("s95", "base"):
+            cfg, config = run_config(f"config/smelt_200m_{name}.py", dry, n_embd=64, n_head=2, head_dim=32,
+                                     n_kv_head=1, n_expert=8, expert_hidden=16, block_size=128, batch_size=1)
+            config.parallel, gib = "fsdp", 2 ** 30
+            gpu_gb = torch.cuda.get_device_properties(0).total_memory / gib if device == "cuda" else 80
+            for checkpointing in (True, False):
+                plan = match.memory_plan(cfg, 1, config.batch_size, config.optimizer, gpu_gb,
+                                         checkpointing=checkpointing)["fsdp"]
+                if not plan["fits"] and not checkpointing and not dry:
+                    emit(stage="s95_sharded", model=name, checkpointing=False, planned_gb=plan["total_gb"])
+                    continue
+                torch._dynamo.reset()
+                torch.manual_seed(0)
+                model = train.build_model(cfg, config, device == "cuda", torch.device(device), True)
+                model.activation_checkpointing = checkpointing
+                times = timed_steps(model, config, device, rounds, f"{name} checkpointing {checkpointing}")[0]
+                tokens = config.batch_size * cfg.block_size
+                emit(stage="s95_sharded", model=name, checkpointing=checkpointing,
+                     tokens_per_s=round(tokens / times["micro_batch_s"]),
+                     **mfu(match.flops_per_token(cfg) * tokens, times["micro_batch_s"], device), **times,
+                     planned_gb=round(plan["total_gb"], 2), tokens=tokens)
+                del model
     finally:
         dist.destroy_process_group()
 
 
 STAGES = {"efficiency": efficiency, "moe": moe_vs_dense, "moe_bytes": moe_bytes,
           "moe_bytes_compiled": moe_bytes_compiled, "kernels": kernel_vs_twin, "ceilings": ceilings,
-          "shapes": shapes, "profile_d8": profile_d8, "s95_sharded": sharded_s95}
+          "profile_d8": profile_d8, "s95_sharded": sharded_s95,
+          "profile_d8_eager": lambda size, device, rounds: profile_d8(size, device, rounds, compiled=False)}
 DEFAULT_STAGES = ("efficiency", "moe", "moe_bytes", "moe_bytes_compiled", "kernels")  # the others need a GPU
 
 

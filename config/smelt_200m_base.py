@@ -44,10 +44,10 @@ save_steps = [10000, 20000, 50000, 100000, 150000]
 # your corpus: python data/prepare.py DOCS --tokenizer gpt2-4096 --out data/cache/smelt_gpt2_4096
 data_dir = "data/cache/smelt_gpt2_4096"
 # a node of 8 GPUs of 80 GB, or two: FSDP2 (replicated, the 3.9B parameters' weights, gradients and optimizer
-# state alone take 43 GiB per GPU); 4 sequences per GPU, grad_accum from the world size (8 on 8 GPUs, 4 on
+# state alone take 43 GiB per GPU); 8 sequences per GPU, grad_accum from the world size (4 on 8 GPUs, 2 on
 # 16); python match.py config/smelt_200m_base.py --memory for the per-GPU memory
 parallel = "fsdp_grad_op"  # each block gathered once per micro-batch, not per visit: 50 vs 152 GiB gathered
-batch_size = 4
+batch_size = 8  # the largest power of 2 whose activations fit 80 GB unrecomputed (planner: 61 GiB s95)
 global_batch = 256  # sequences per step on any number of GPUs (grad_accum follows)
 # validation: [S] averages its loss over billions of held-out tokens from 39 sources; every eval here reads
 # 100M tokens spread over the split (each source in); a branch's command may ask for more (--eval_tokens=2e9)

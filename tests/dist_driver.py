@@ -1,5 +1,6 @@
 """Run by tests/test_parallel.py under torchrun: several training runs in one process group (one launch),
-each with the resumes that follow it, and models built sharded; rank 0 writes every run's summaries.
+each with the resumes that follow it, models built sharded and Muon on DDP replicas; rank 0 writes every
+run's summaries.
 
     torchrun --standalone --nproc_per_node=2 tests/dist_driver.py JOBS.json RESULTS.json"""
 import json
@@ -12,11 +13,53 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from model import ModelConfig  # noqa: E402
+from muon import Muon  # noqa: E402
+
+# tall, square (two: one bucket of the x variant), wide, tall and thin, stacked experts: 8 (out, in) matrices
+MUON_SHAPES = [(16, 8), (8, 8), (8, 8), (5, 8), (7, 3), (3, 6, 4)]
+
+
+class CountingMuon(Muon):
+    """Muon that counts the (out, in) matrices it orthogonalises."""
+    counted = 0
+
+    def orthogonalize(self, update, steps):
+        self.counted += update.shape[:-2].numel()
+        return super().orthogonalize(update, steps)
+
+
+def muon_steps(variant, steps=2):
+    """`steps` Muon steps on seeded matrices and gradients, the same in every process (DDP replicas when a
+    process group of several ranks is up), Newton-Schulz in bf16 as on CUDA: (the weights, how many (out, in)
+    matrices this process orthogonalised)."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(*shape, generator=g) for shape in MUON_SHAPES]
+    opt = CountingMuon(params, lr=0.1, weight_decay=0.1, variant=variant, ns_dtype=torch.bfloat16)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return [p.tolist() for p in params], opt.counted
+
+
+def count_cross_node_all_reduces(crossings):
+    """Count, in crossings[0], the all-reduces over a group that spans nodes (HSDP's replicas): the
+    default group's (the losses read to the host) are not counted."""
+    all_reduce = dist.all_reduce
+
+    def counted(*args, group=None, **kwargs):
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        if group is not None and len({r // per_node for r in dist.get_process_group_ranks(group)}) > 1:
+            crossings[0] += 1
+        return all_reduce(*args, group=group, **kwargs)
+    dist.all_reduce = counted
+
 
 if __name__ == "__main__":
     jobs_path, results_path = sys.argv[1:3]
     dist.init_process_group("gloo")
-    results = {}
+    results, crossings = {}, [0]
+    count_cross_node_all_reduces(crossings)
     for job in json.load(open(jobs_path)):
         if "build" in job:  # a model built sharded, its consolidated weights saved (rank 0)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -27,12 +70,23 @@ if __name__ == "__main__":
             if dist.get_rank() == 0:
                 torch.save(weights, job["path"])
             continue
+        if "muon" in job:  # every rank's muon_steps, gathered
+            results[job["name"]] = [None] * dist.get_world_size()
+            dist.all_gather_object(results[job["name"]], muon_steps(job["muon"]))
+            continue
         os.environ["LOCAL_WORLD_SIZE"] = str(job.get("per_node", os.environ["LOCAL_WORLD_SIZE"]))  # nodes of so many
-        summaries = [train.train(job["settings"])]
+        if job.get("unshared"):  # each rank its own folder, as nodes without a shared filesystem have
+            job["settings"]["out_dir"] += f"_{dist.get_rank()}"
+        crossings[0] = 0
+        try:
+            summaries = [train.train(job["settings"])]
+        except ValueError as e:
+            results[job["name"]] = str(e)
+            continue
         for more in job.get("then", []):
             summaries.append(train.train(dict(out_dir=job["settings"]["out_dir"], init_from="resume") | more))
         results[job["name"]] = [{k: s[k] for k in ("step", "log_path", "ckpt_path", "train_losses", "val_loss")}
-                                for s in summaries]
+                                | dict(cross_node_all_reduces=crossings[0]) for s in summaries]
     if dist.get_rank() == 0:
         json.dump(results, open(results_path, "w"))
     dist.destroy_process_group()

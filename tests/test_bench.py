@@ -1,6 +1,7 @@
 """bench/bench.py and bench/gpu_check.sh, proven on this CPU at toy sizes: one JSON line per measurement
 with its ratio beside the times, and the GPU script's dry run writes its summary and logs in two files."""
 import json
+import math
 import os
 import re
 import subprocess
@@ -69,16 +70,42 @@ def test_the_compiled_moe_moves_under_0_5_mb_per_token_at_the_s95_widths(capsys)
     assert 0.3 < row["mb_per_token"] <= 0.5  # the grouped GEMMs alone move 0.27
 
 
-def test_efficiency_counts_flops_per_layout_against_plain(capsys, monkeypatch):
+def test_efficiency_counts_flops_per_layout_against_plain_and_gpt2(capsys, monkeypatch):
     monkeypatch.setattr(bench, "LAYOUTS", {k: bench.LAYOUTS[k] for k in ("plain", "smelt_r2", "moe_8e_top2")})
     bench.main(["--dry-run", "efficiency"])
     rows = {r["model"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert list(rows) == ["plain", "smelt_r2", "moe_8e_top2", "peak_matmul"]
-    assert rows["plain"]["vs_plain"] == 1.0
-    for name in ("smelt_r2", "moe_8e_top2"):  # GFLOP/s = the analytic FLOPs of a step over its time
+    assert list(rows) == ["plain", "smelt_r2", "moe_8e_top2", "gpt2"]
+    assert rows["plain"]["vs_plain"] == 1.0 and rows["gpt2"]["vs_gpt2"] == 1.0
+    for name in ("smelt_r2", "moe_8e_top2", "gpt2"):  # GFLOP/s = the analytic FLOPs of a step over its time
         assert rows[name]["gflops"] > 0
-        expected = rows[name]["gflops"] / rows["plain"]["gflops"]
-        assert abs(rows[name]["vs_plain"] - expected) < 0.01 * expected + 1e-3
+        for ref in ("plain", "gpt2"):
+            expected = rows[name]["gflops"] / rows[ref]["gflops"]
+            assert abs(rows[name][f"vs_{ref}"] - expected) < 0.01 * expected + 1e-3
+
+
+def test_the_gpt2_twin_steps_and_counts_its_flops_as_match_py_counts_ours():
+    """bench.GPT2 (nanoGPT's model) takes a training step, and both sides of vs_gpt2 count FLOPs one way: a
+    step's matmuls as torch's FlopCounterMode counts them (it has no formula for SDPA's CPU kernel), plus
+    match.py's attention (4 x width x the mean keys per query) and norms (4 x width each), forward + backward.
+    Width 64: our SwiGLU is 176 wide, so GPT-2's 8 x width^2 MLP weights differ from its 3 x 64 x 176."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    import match
+    from model import GPT, ModelConfig
+    cfg = ModelConfig(vocab_size=256, block_size=32, n_embd=64, n_layer=2, n_head=4)
+    assert cfg.mlp_hidden == 176
+    tokens, d, L = 2 * 32, 64, 2
+    attention_and_norms = 3 * (4 * d * match.resolve_attended(cfg) * L + 4 * d * (2 * L + 1))
+    for build, flops in ((GPT, match.flops_per_token), (bench.GPT2, bench.gpt2_flops_per_token)):
+        step = bench.train_step(cfg, dict(batch=2), "cpu", build, flops)
+        with FlopCounterMode(display=False) as counter:
+            step()
+        counted = counter.get_total_flops() + tokens * attention_and_norms
+        assert step.flops == pytest.approx(counted, rel=1e-12)
+    assert counter.get_total_flops() == 6 * tokens * (12 * d * d * L + d * 256)  # GPT-2's matmuls, tied head
+    twin = bench.GPT2(cfg)
+    logits, loss = twin(torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32)))
+    assert logits.shape == (2, 32, 256) and abs(loss.item() - math.log(256)) < 0.5  # nanoGPT's small init
 
 
 def test_a_bad_stage_is_one_line_with_status_2(capsys):
@@ -97,9 +124,16 @@ def test_gpu_check_dry_run_writes_its_summary_and_logs(tmp_path):
     summary = [json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines()]
     assert run.stdout.splitlines() == [json.dumps(row) for row in summary]
     status = {row["stage"]: row["rc"] for row in summary if "rc" in row}
-    assert status == dict(env=0, bench=0, tests=0), run.stdout
-    stages = {row.get("stage") for row in summary}
-    assert {"ceilings", "shapes", "profile_d8", "profile_d8_kernels", "s95_sharded"} <= stages
+    assert status == dict(env=0, d8=0, train=0, s95=0, tests=0, d8_eager=0), run.stdout
+    rows = {}
+    for row in summary[1:]:  # after env's line, the measurements' lines by stage
+        rows.setdefault(row["stage"] if "rc" not in row else "rc", []).append(row)
+    assert [r["compiled"] for r in rows["profile_d8"]] == [True, False]  # the compiled step first
+    assert rows["profile_d8"][0]["graphs"] == 2 and rows["profile_d8"][0]["graph_breaks"] == 0
+    assert [(r["model"], r["checkpointing"]) for r in rows["s95_sharded"]] == [
+        ("s95", True), ("s95", False), ("base", True), ("base", False)]
+    assert all(r["mfu_of_matmul"] > 0 for r in rows["profile_d8"] + rows["s95_sharded"])
+    assert rows["resume"][0]["exact"] and rows["resume"][0]["tokens_per_s"] > 0
     assert summary[0]["torch"] == __import__("torch").__version__ and summary[0]["gpu"] is None
     with tarfile.open(tmp_path / "logs.tar.gz") as logs:
         assert {os.path.basename(n) for n in logs.getnames()} >= {f"{stage}.txt" for stage in status}

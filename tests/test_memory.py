@@ -238,7 +238,7 @@ def tracked_peak(cfg, world, micro_batch, mode, optimizer, steps=2):
             model.activation_checkpointing = True
             muon = [p for n, p in model.named_parameters() if is_muon(n, p) and optimizer == "muon"]
             optimizers = [torch.optim.AdamW([p for p in model.parameters() if all(p is not q for q in muon)])]
-            optimizers += [Muon(muon, ns_dtype=torch.float32)] if muon else []
+            optimizers += [Muon(muon, ns_dtype=torch.bfloat16)] if muon else []  # as on CUDA
             tracker = FSDPMemTracker(model, optimizers[-1])
             with tracker:
                 for _ in range(steps):
@@ -272,3 +272,40 @@ def test_planner_agrees_with_pytorchs_fsdp_memory_tracker(layout, optimizer, mod
     cfg = ModelConfig(vocab_size=512, block_size=256, n_embd=128, n_head=4, **layout)
     ratio = match.memory_plan(cfg, 4, 8, optimizer)[mode]["total_gb"] * 2 ** 30 / tracked_peak(cfg, 4, 8, mode, optimizer)
     assert 0.9 <= ratio <= 1.1, ratio
+
+
+@pytest.mark.parametrize("layout, world", [(dict(layout="pcc", n_layer=3, n_passes=2), 1),
+                                           (dict(layout="smelt", n_layer=4, n_passes=2, n_expert=8, top_k=2), 2)])
+def test_the_planner_counts_the_optimizer_step(layout, world):
+    """16 tokens a micro-batch: Muon's step is the peak (every matrix's update held at once), the planner's
+    total is the states plus optimizer_step_bytes, within 5% of the tracker's peak."""
+    pytest.importorskip("torch.distributed._tools.fsdp2_mem_tracker")
+    cfg = ModelConfig(vocab_size=512, block_size=16, n_embd=256, n_head=4, **layout)
+    planned = match.memory_plan(cfg, world, 1, "muon")["fsdp"]["total_gb"] * 2 ** 30
+    step = match.state_bytes_per_rank(cfg, world) + match.optimizer_step_bytes(cfg, world, sharded=True)
+    assert planned == step > match.state_bytes_per_rank(cfg, world) * 1.5
+    assert planned / tracked_peak(cfg, world, 1, "fsdp", "muon") == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.mark.parametrize("room", ["ample", "tight"])
+def test_fsdp_recomputes_the_blocks_only_where_the_planner_says_they_do_not_fit(room, monkeypatch):
+    """train.shard on a (pretended) GPU: activation checkpointing off where the plan without it fits (80
+    GiB), on where only the plan with it fits (a GPU between the two totals)."""
+    import types
+    import train
+    cfg = ModelConfig(vocab_size=512, block_size=256, n_embd=64, n_head=2, layout="pcc", n_layer=3, n_passes=2)
+    with_it, without = (match.memory_plan(cfg, 1, 8, checkpointing=c)["fsdp"]["total_gb"] for c in (True, False))
+    assert without > with_it
+    gpu_gb = 80 if room == "ample" else (with_it + without) / 2 / (1 - match.HEADROOM)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(
+        total_memory=gpu_gb * 2 ** 30))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        train.shard(model, train.TrainConfig(parallel="fsdp", batch_size=8), bf16=False)
+    finally:
+        dist.destroy_process_group()
+    assert model.activation_checkpointing == (room == "tight")

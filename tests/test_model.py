@@ -299,6 +299,27 @@ def test_document_mask_of_a_batch_is_per_row(monkeypatch):
                     torch.testing.assert_close(logits[row, start:end], alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cached", [0, 50])
+def test_sdpa_by_blocks_of_queries_equals_one_call(cached):
+    """model.sdpa runs SDPA under the mask 128 queries at a time, each block with the keys up to its last
+    query only (SDPA skips the keys past the diagonal under is_causal alone): the outputs and gradients of
+    one call over every key, at 300 queries (a partial last block), GQA, documents and cached keys."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 300, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, cached + 300, 16, generator=g, requires_grad=True) for _ in range(2))
+    docs = torch.zeros(2, cached + 300, dtype=torch.long)
+    docs[0, cached + 70:], docs[0, cached + 260:] = 1, 2  # row 1: one document
+    allowed = model_module.attention_mask(docs[:, cached:], docs, cached)
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))  # additive, as GPT.forward's
+    one_call = lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    outs = []
+    for attention in (model_module.sdpa, one_call):
+        y = attention(q, k, v, mask)
+        outs.append([y, *torch.autograd.grad(y.square().sum(), (q, k, v))])
+    for blocks, whole in zip(*outs):
+        torch.testing.assert_close(blocks, whole, rtol=1e-5, atol=1e-5)
+
+
 # ---- MoE
 
 

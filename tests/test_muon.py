@@ -278,13 +278,12 @@ def check_sharded_muon(rank, mesh, ns_dtype, checkpoint_dir, variant="original")
 
     # each (out, in) matrix (told apart by its shape) is orthogonalised whole, by its owner alone;
     # stacked experts where they are, whole experts of this rank's shard
-    matrices, owners = opt.split_matrices(), opt.owners()
-    assert sorted(tuple(p.shape) for p in matrices) == [(1, 5), (5, 8), (7, 3), (8, 8)]
-    mine = [tuple(p.shape) for p, owner in zip(matrices, owners) if owner == rank]
+    assert sorted(tuple(p.shape) for p in opt.owners) == [(1, 5), (5, 8), (7, 3), (8, 8)]
+    mine = [tuple(p.shape) for p, owner in opt.owners.items() if owner == rank]
     assert sorted(s for s in opt.orthogonalised if len(s) == 2) == sorted(2 * mine)  # 2 steps
     everyone = [None] * mesh.size()
     dist.all_gather_object(everyone, mine)
-    assert sorted(sum(everyone, [])) == sorted(tuple(p.shape) for p in matrices)  # disjoint, covering
+    assert sorted(sum(everyone, [])) == sorted(tuple(p.shape) for p in opt.owners)  # disjoint, covering
     local_experts = [tuple(model.experts.to_local().shape), tuple(model.expert.to_local().shape)]
     assert local_experts == ([(2, 6, 4), (1, 4, 4)] if rank == 0 else [(1, 6, 4), (0, 4, 4)])
     held = [s for s in local_experts if s[0] > 0]  # rank 1 holds no expert of `expert`: nothing to do

@@ -37,6 +37,9 @@ def two(tmp_path_factory, data_dir, torchrun):
     jobs = [dict(name=name, settings=SMALL | s | dict(data_dir=data_dir, out_dir=str(root / name)))
             for name, s in JOBS.items()]
     jobs += [dict(build=BUILDS[name], path=str(root / f"{name}.pt")) for name in BUILDS]
+    jobs += [dict(name=f"muon_{variant}", muon=variant) for variant in ("original", "x")]
+    jobs.append(dict(name="unshared", per_node=1, unshared=True,  # 2 nodes of 1, a folder each
+                     settings=SMALL | dict(data_dir=data_dir, out_dir=str(root / "unshared"))))
     jobs.append(dict(name="fsdp_resumed", settings=SMALL | dict(parallel="fsdp", decay_fraction=0.0, max_steps=2,
                      data_dir=data_dir, out_dir=str(root / "fsdp_resumed")), then=[dict(max_steps=4)]))
     (root / "jobs.json").write_text(json.dumps(jobs))
@@ -99,11 +102,39 @@ def test_one_seed_draws_the_same_weights_whatever_the_parallelism(two, name):
         assert w.abs().max() > 0 or "o_proj" in k or "w_down" in k or "lm_head" in k, k  # drawn, not left empty
 
 
+@pytest.mark.parametrize("variant", ["original", "x"])
+def test_muon_on_two_ddp_replicas_splits_the_orthogonalisation(two, variant):
+    """Muon on plain tensors under 2 processes (DDP replicas): each rank orthogonalises its share of the
+    matrices only, and both take the single-process steps. The owner runs the same Newton-Schulz as one
+    process (bf16, as on CUDA) and broadcasts its result, so the ranks agree exactly; atol 1e-6 on O(1)
+    weights allows a batch of the x variant cut otherwise than in one process (0 difference observed)."""
+    import torch
+    from dist_driver import muon_steps
+    weights, counted = muon_steps(variant)  # one process: every matrix here
+    ranks = two[0][f"muon_{variant}"]
+    assert sum(count for _, count in ranks) == counted == 16  # 8 matrices, 2 steps
+    assert all(0 < count < counted for _, count in ranks), ranks
+    for rank_weights, _ in ranks:
+        assert rank_weights == ranks[0][0]
+        for w, expected in zip(rank_weights, weights):
+            torch.testing.assert_close(torch.tensor(w), torch.tensor(expected), rtol=0, atol=1e-6)
+
+
+def test_two_nodes_without_a_shared_folder_are_refused_at_the_start(two):
+    """2 processes taken as 2 nodes, each seeing only its own run folder: every rank stops with one line
+    before the run writes its log."""
+    results, root = two
+    assert "on several nodes the run folder must be one shared folder" in results["unshared"]
+    assert "1 processes do not see what rank 0 writes" in results["unshared"]
+    assert not any((root / f"unshared_{rank}" / "log.jsonl").exists() for rank in (0, 1))
+
+
 def test_hsdp_on_two_nodes_of_two_processes_trains_what_one_process_trains(tmp_path, data_dir, torchrun):
     """--parallel=hsdp on 4 processes taken as 2 nodes of 2 (LOCAL_WORLD_SIZE=2): shards within a node,
     replicas across them; Muon's x variant orthogonalises on the shard dim of the 2-D mesh. The same losses
-    as one process with the same global batch."""
-    settings = SMALL | dict(optimizer="muon_x", batch_size=2, global_batch=8, data_dir=data_dir)
+    as one process with the same global batch. Of 2 micro-batches a step, only the last all-reduces across
+    the nodes: once a step for each sharded module (the 2 blocks and the root)."""
+    settings = SMALL | dict(optimizer="muon_x", batch_size=2, global_batch=16, data_dir=data_dir)
     jobs = [dict(name="hsdp", per_node=2, settings=settings | dict(parallel="hsdp", out_dir=str(tmp_path / "h")))]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     torchrun(["tests/dist_driver.py", str(tmp_path / "jobs.json"), str(tmp_path / "results.json")], nproc=4)
@@ -111,3 +142,4 @@ def test_hsdp_on_two_nodes_of_two_processes_trains_what_one_process_trains(tmp_p
     one = train.train(settings | dict(out_dir=str(tmp_path / "one")))  # one plain process
     assert hsdp["train_losses"] == pytest.approx(one["train_losses"], **TOL)
     assert hsdp["val_loss"] == pytest.approx(one["val_loss"], **TOL)
+    assert hsdp["cross_node_all_reduces"] == hsdp["step"] * 3

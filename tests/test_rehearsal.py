@@ -196,6 +196,34 @@ def test_random_passes_compile_once_per_choice_and_growth_once(untie):
 
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_the_blocks_and_the_loss_compile_one_graph_each_under_ddp_and_fsdp(name, parallel):
+    """train.compile_blocks, CUDA's default, with aot_eager: each block's forward and the loss one graph with
+    no break (fullgraph: a break raises), DDP's and FSDP2's hooks outside them, shared by every block and
+    visit (one per residual scale), recomputed in the backward under FSDP2; later batches make no new graph,
+    and the losses are eager's."""
+    import torch._dynamo
+    import torch._dynamo.utils
+    from torch.nn.parallel import DistributedDataParallel
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    eager, model = build(LAYOUTS[name]), build(LAYOUTS[name])
+    if parallel == "fsdp":
+        train.shard(model, train.TrainConfig(parallel="fsdp"), bf16=False)
+        assert model.activation_checkpointing  # a CPU run recomputes: the compiled forward runs twice
+    train.compile_blocks(model, backend="aot_eager")
+    step_model = DistributedDataParallel(model) if parallel == "ddp" else model
+    graphs = compiled_training_steps(model, step_model, 3)
+    scales = {s.scale for s in model.plan if s.kind == "block"}
+    assert graphs == [len(scales) + 1] * 3, graphs
+    compiled_training_steps(eager, eager, 3)  # the same batches and updates, eager
+    idx = tokens(B=4, T=32)
+    assert step_model(idx, idx)[1].item() == pytest.approx(eager(idx, idx)[1].item(), rel=1e-4)
+
+
 @pytest.mark.parametrize("layout", [dict(n_expert=4, top_k=2, layout="smelt", n_passes=2),
                                     dict(layout="pcc", n_layer=3, n_passes=2)])
 def test_fsdp_bf16_policy_keeps_the_residual_stream_fp32(layout):

@@ -33,8 +33,8 @@ def log_of(summary):
     return [json.loads(line) for line in open(summary["log_path"])]
 
 
-def strip(log):  # a log without its wall-clock times
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in log]
+def strip(log):  # a log without its wall-clock times and speeds
+    return [{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s", "mfu")} for r in log]
 
 
 def main_error(argv, capsys):
@@ -162,6 +162,10 @@ def test_loss_falls_on_the_tiny_default(tmp_path, data_dir):
         match.flops_per_token(model.config, avg_doc_len=avg_doc_len) * last["tokens"])
     assert ckpt["state"]["step"] == 20 and ckpt["config"]["data_dir"] == data_dir
     assert set(ckpt["optimizers"]["state"]) == {n for n, _ in model.named_parameters()}  # keyed by name
+    # the speed: none before a step; over the last 10 steps' interval, and the run's, at most what the
+    # wall clock allows (evals and saves left out); no MFU on a CPU
+    assert log[0]["tokens_per_s"] is None and last["mfu"] is None is summary["mfu"]
+    assert 0 < last["tokens_per_s"] and 20 * 8 * 128 / last["seconds"] < summary["tokens_per_s"]
 
 
 def test_each_eval_logs_the_mean_training_loss_since_the_last_eval(tmp_path, data_dir):
