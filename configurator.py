@@ -1,9 +1,9 @@
 """
-nanoGPT's configurator: settings = defaults, then config files (plain Python, executed: only run files you
-trust, as you run your own code), then --key=value (a Python literal, else a string).
+nanoGPT's configurator: the defaults, then config files (Python, run as code: trust them), then
+--key=value (a Python literal, else a string).
 
     python train.py config/x_d8_loop2.py --max_steps=100
-    overrides = configure(DEFAULTS, sys.argv[1:])  # an unknown key or a bad value: one ValueError line
+    overrides = configure(DEFAULTS, sys.argv[1:])  # a bad key or value: ValueError
 
 A config file may start with `include("other.py")` to take another file's settings first.
 """
@@ -14,12 +14,13 @@ import os
 
 
 def read_config(path):
-    """{name: value} of the assignments of a config file (names starting with _ are its own)."""
+    """{name: value} of a config file's assignments, but names starting with _."""
     if not os.path.isfile(path):
         raise ValueError(f"config file not found: {path}")
     namespace = {}
 
-    def include(name):  # another config file's settings first, relative to this one
+    # An included file is found relative to this one.
+    def include(name):
         namespace.update(read_config(os.path.join(os.path.dirname(path), name)))
 
     with open(path) as f:
@@ -28,7 +29,7 @@ def read_config(path):
 
 
 def configure(defaults, argv):
-    """{key: value} of the config files, then --key=value, each checked against its default's type."""
+    """{key: value} of the config files, then --key=value, each checked against its default."""
     settings = {}
     for arg in argv:
         if arg.startswith("--"):
@@ -39,22 +40,28 @@ def configure(defaults, argv):
                 value = text
             settings[key] = checked(defaults, key, value)
         else:
-            settings.update({k: checked(defaults, k, v, arg) for k, v in read_config(arg).items()})
+            for k, v in read_config(arg).items():
+                settings[k] = checked(defaults, k, v, arg)
     return settings
 
 
 def checked(defaults, key, value, where="the command line"):
+    """The value in its default's type, or a ValueError."""
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ValueError(f"unknown setting {key!r} in {where}{hint}; python train.py --help lists them")
+        raise ValueError(
+            f"unknown setting {key!r} in {where}{hint}; python train.py --help lists them"
+        )
     default = defaults[key]
+    # --matrix_lr=1 is 1.0, and --max_steps=1e4 is 10000.
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)  # --matrix_lr=1 is 1.0
+        value = float(value)
     if isinstance(default, int) and isinstance(value, float) and value.is_integer():
-        value = int(value)  # --max_steps=1e4 is 10000
+        value = int(value)
     if isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
         value = type(default)(value)
     if type(value) is not type(default):
-        raise ValueError(f"{key}={value!r} in {where}: expected a {type(default).__name__} like {default!r}")
+        expected = f"expected a {type(default).__name__} like {default!r}"
+        raise ValueError(f"{key}={value!r} in {where}: {expected}")
     return value

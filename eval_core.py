@@ -1,16 +1,16 @@
 """
-DCLM CORE as nanochat scores it [X17], answer NLL [X18], k-shot sweeps [S ICL], and the validation loss by
-document length [S].
+DCLM CORE as nanochat scores it [X17], answer NLL [X18], k-shot sweeps [S ICL],
+and the validation loss by document length [S].
 
-    python eval_core.py --ckpt out/tiny/ckpt.pt --bundle tests/data/core_bundle
-    python eval_core.py --ckpt out/tiny/ckpt.pt --bundle ~/eval_bundle --max_per_task 500 --fewshot_seeds 0,1
-    python eval_core.py --ckpt out/tiny/ckpt.pt --bundle ~/eval_bundle --kshot_sweep --length_buckets
+    python eval_core.py --ckpt CKPT --bundle tests/data/core_bundle   # the self-made toy bundle
+    python eval_core.py --ckpt CKPT --bundle ~/eval_bundle --fewshot_seeds 0,1,2  # [X]'s seeds
+    python eval_core.py --ckpt CKPT --bundle ~/eval_bundle --kshot_sweep --json   # k = 0 to 32
+    python eval_core.py --ckpt CKPT --length_buckets   # the run's val loss by document length
 
-The bundle (core.yaml, eval_data/**.jsonl, eval_meta_data.csv) is read from the path given, never downloaded.
-Scoring is nanochat's core_eval.py (tests/test_eval_core.py holds a transcription of it equal item by item);
-where nanochat would fail we go on and count it: fewer other items than k shots (all are used,
-`fewshot_used`), an LM prompt whose BPE merge crosses the join (the span starts at the common prefix,
-`boundary_fixed`). Prompts longer than block_size lose their first tokens, as nanochat crops them.
+The bundle is an unzipped DCLM/nanochat eval bundle; nothing is downloaded (nanochat's
+carries DCLM's v1 baselines). Scoring is nanochat's core_eval.py, checked item by item in
+tests; where it would raise or assert (too few items for the shots, a crop into the answer,
+a BPE merge across the prompt/answer join) we go on and count it, or stop with one line.
 """
 import argparse
 import csv
@@ -29,45 +29,62 @@ from tqdm import tqdm
 from data.loader import get_tokenizer, load_data
 from model import load_checkpoint
 
-SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234  # nanochat's
+# nanochat's seeds for the item shuffle and the few-shot draw.
+SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234
 KSHOT_SWEEP = (0, 1, 2, 4, 8, 16, 32)  # [S ICL]
-LENGTH_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # [S] upper bounds, tokens per document
-CORE17_LABELS = (  # [X Table 10]'s frozen subset of nanochat's 22 tasks, in the public bundle's labels
-    "hellaswag_zeroshot", "jeopardy", "bigbench_qa_wikidata", "arc_easy", "arc_challenge", "copa", "piqa",
-    "openbook_qa", "lambada_openai", "hellaswag", "winograd", "winogrande", "bigbench_dyck_languages",
-    "agi_eval_lsat_ar", "bigbench_operators", "squad", "coqa")
-# the rows of DCLM's eval_meta_data.csv that changed on 2025-09-05: random baselines (v1, 2025-09-05), percent
-BASELINE_CHANGES = {"commonsense_qa": (20.0, 40.3), "agi_eval_lsat_ar": (20.0, 25.0),
-                    "bigbench_language_identification": (9.1, 25.0)}
-KNOWN_FINGERPRINTS = {"e908e4e0e145860290d46fb37c5d1bad52bbf22da843073ff0e6b6f624250e52":
-                      "karpathy's eval_bundle.zip, as the [X] code pins it"}
+# [S] Upper bounds of the length buckets, in tokens.
+LENGTH_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+# [X Table 10]'s frozen subset of nanochat's 22 tasks.
+CORE17_LABELS = (
+    "hellaswag_zeroshot", "jeopardy", "bigbench_qa_wikidata", "arc_easy",
+    "arc_challenge", "copa", "piqa", "openbook_qa", "lambada_openai",
+    "hellaswag", "winograd", "winogrande", "bigbench_dyck_languages",
+    "agi_eval_lsat_ar", "bigbench_operators", "squad", "coqa",
+)
+# DCLM's random baselines (percent) changed on 2025-09-05: (v1,
+# new).
+BASELINE_CHANGES = {
+    "commonsense_qa": (20.0, 40.3),
+    "agi_eval_lsat_ar": (20.0, 25.0),
+    "bigbench_language_identification": (9.1, 25.0),
+}
+KNOWN_FINGERPRINTS = {
+    "e908e4e0e145860290d46fb37c5d1bad52bbf22da843073ff0e6b6f624250e52":
+    "karpathy's eval_bundle.zip, as the [X] code pins it"
+}
 
 
 # -------------------- The bundle
 
 
 def load_bundle(bundle_dir, baselines="bundle"):
-    """{dir, tasks, fingerprint, baselines}: core.yaml's tasks with their random baselines (percent);
-    baselines 'v1' or '2025-09-05' sets the three rows that changed to that published table."""
+    # core.yaml's tasks, with random baselines (percent) from the
+    # bundle or a published table.
     try:
         with open(os.path.join(bundle_dir, "core.yaml")) as f:
             entries = yaml.safe_load(f)["icl_tasks"]
         with open(os.path.join(bundle_dir, "eval_meta_data.csv"), newline="") as f:
-            random_baseline = {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
-        tasks = [dict(label=t["label"], icl_task_type=t["icl_task_type"], num_fewshot=t["num_fewshot"][0],
+            rows = csv.DictReader(f)
+            random_baseline = {r["Eval Task"]: float(r["Random baseline"]) for r in rows}
+        tasks = [dict(label=t["label"], icl_task_type=t["icl_task_type"],
+                      num_fewshot=t["num_fewshot"][0],
                       continuation_delimiter=t.get("continuation_delimiter", " "),
                       random_baseline=random_baseline[t["label"]],
-                      path=os.path.join(bundle_dir, "eval_data", t["dataset_uri"])) for t in entries]
+                      path=os.path.join(bundle_dir, "eval_data", t["dataset_uri"]))
+                 for t in entries]
     except (KeyError, TypeError, ValueError, yaml.YAMLError) as e:
-        raise ValueError(f"{bundle_dir}: not a readable eval bundle ({' '.join(str(e).split())})") from None
-    if baselines != "bundle":  # a published table for the three rows that changed
+        reason = " ".join(str(e).split())
+        raise ValueError(f"{bundle_dir}: not a readable eval bundle ({reason})") from None
+    if baselines != "bundle":
         for t in (t for t in tasks if t["label"] in BASELINE_CHANGES):
-            t["random_baseline"] = BASELINE_CHANGES[t["label"]][baselines == "2025-09-05"]
-    return dict(dir=bundle_dir, tasks=tasks, fingerprint=fingerprint(bundle_dir), baselines=baselines)
+            v1, new = BASELINE_CHANGES[t["label"]]
+            t["random_baseline"] = new if baselines == "2025-09-05" else v1
+    digest = fingerprint(bundle_dir)
+    return dict(dir=bundle_dir, tasks=tasks, fingerprint=digest, baselines=baselines)
 
 
 def fingerprint(bundle_dir):
-    """sha256 over (relative path, sha256 of the file) of every file in sorted order (the [X] code's)."""
+    # The [X] code's sha256 over every (path, file sha256), sorted.
     digest = hashlib.sha256()
     for root, dirs, files in os.walk(bundle_dir):
         dirs.sort()
@@ -80,7 +97,6 @@ def fingerprint(bundle_dir):
 
 
 def load_task_data(task):
-    """A task's items, one JSON object per non-blank line."""
     with open(task["path"]) as f:
         try:
             return [json.loads(line) for line in f if line.strip()]
@@ -89,16 +105,20 @@ def load_task_data(task):
 
 
 def shuffle_and_cut(items, max_per_task=-1):
-    """nanochat's subsample: shuffle with Random(1337), keep the first max_per_task (-1: all)."""
+    # nanochat's subsample: shuffle, keep max_per_task (-1: all).
     items = list(items)
     random.Random(SHUFFLE_SEED).shuffle(items)
     return items[:max_per_task] if max_per_task > 0 else items
 
 
 def sample_fewshot(data, idx, k, seed=FEWSHOT_SEED):
-    """Random(seed + idx).sample(the other items, k), as nanochat draws them (all of them when fewer than k).
-    sample() picks positions, so positions in range(n - 1), mapped past idx, are the very same draw."""
-    picks = random.Random(seed + idx).sample(range(len(data) - 1), min(k, len(data) - 1)) if k > 0 else []
+    # nanochat's Random(seed + idx).sample(others, k), or all others
+    # when fewer: sample() draws positions, so range(n - 1) mapped
+    # past idx is the very same draw.
+    if k <= 0:
+        return []
+    n_other = len(data) - 1
+    picks = random.Random(seed + idx).sample(range(n_other), min(k, n_other))
     return [data[j if j < idx else j + 1] for j in picks]
 
 
@@ -106,19 +126,18 @@ def sample_fewshot(data, idx, k, seed=FEWSHOT_SEED):
 
 
 def render_mc(item, delim, fewshot=()):
-    """One prompt per choice: few-shot "query{delim}gold choice" blocks, then "query{delim}choice"."""
     prefix = "".join(f"{ex['query']}{delim}{ex['choices'][ex['gold']]}\n\n" for ex in fewshot)
-    return [f"{prefix}{item['query']}{delim}{choice}" for choice in item["choices"]]
+    return [f"{prefix}{item['query']}{delim}{c}" for c in item["choices"]]
 
 
 def render_schema(item, delim, fewshot=()):
-    """One prompt per context option, all ending in the shared continuation."""
-    prefix = "".join(f"{ex['context_options'][ex['gold']]}{delim}{ex['continuation']}\n\n" for ex in fewshot)
-    return [f"{prefix}{ctx}{delim}{item['continuation']}" for ctx in item["context_options"]]
+    shots = (f"{ex['context_options'][ex['gold']]}{delim}{ex['continuation']}" for ex in fewshot)
+    prefix = "".join(f"{shot}\n\n" for shot in shots)
+    return [f"{prefix}{c}{delim}{item['continuation']}" for c in item["context_options"]]
 
 
 def render_lm(item, delim, fewshot=()):
-    """[the prompt without the continuation (stripped), the prompt with it]."""
+    # The prompt without the continuation (stripped), and with it.
     prefix = "".join(f"{ex['context'].strip()}{delim}{ex['continuation']}\n\n" for ex in fewshot)
     base = f"{prefix}{item['context'].strip()}{delim}"
     return [base.strip(), base + item["continuation"]]
@@ -126,12 +145,14 @@ def render_lm(item, delim, fewshot=()):
 
 def common_prefix_len(seqs):
     n = min(len(s) for s in seqs)
-    return next((i for i in range(n) if any(s[i] != seqs[0][i] for s in seqs)), n)
+    differs = (i for i in range(n) if any(s[i] != seqs[0][i] for s in seqs))
+    return next(differs, n)
 
 
 def common_suffix_len(seqs):
     n = min(len(s) for s in seqs)
-    return next((i for i in range(n) if any(s[-1 - i] != seqs[0][-1 - i] for s in seqs)), n)
+    differs = (i for i in range(n) if any(s[-1 - i] != seqs[0][-1 - i] for s in seqs))
+    return next(differs, n)
 
 
 def encode_with_bos(tokenizer, text):
@@ -139,13 +160,16 @@ def encode_with_bos(tokenizer, text):
 
 
 def build_example(item, task_type, delim, tokenizer, fewshot=(), max_len=None):
-    """Render, tokenize and crop one item -> dict(tokens=[seq, ...], starts, ends, gold, answer_start,
-    boundary_fixed, answer_cropped); seq r's scored span is tokens[r][starts[r]:ends[r]]."""
+    # Render, tokenize and crop one item; the span of sequence r,
+    # tokens[r][starts[r]:ends[r]], is scored.
     fixed = False
     if task_type == "language_modeling":
-        without, with_ = (encode_with_bos(tokenizer, p) for p in render_lm(item, delim, fewshot))
+        prompts = render_lm(item, delim, fewshot)
+        without, with_ = (encode_with_bos(tokenizer, p) for p in prompts)
         s = len(without)
-        if with_[:s] != without:  # nanochat asserts: a BPE merge across the join moved the boundary
+        # A BPE merge across the join moved the boundary (nanochat
+        # asserts): score from the common prefix.
+        if with_[:s] != without:
             s, fixed = common_prefix_len([with_, without]), True
         if s >= len(with_):
             raise ValueError(f"continuation {item['continuation']!r} has no tokens of its own")
@@ -153,43 +177,54 @@ def build_example(item, task_type, delim, tokenizer, fewshot=(), max_len=None):
     else:
         mc = task_type == "multiple_choice"
         prompts = (render_mc if mc else render_schema)(item, delim, fewshot)
-        tokens, gold = [encode_with_bos(tokenizer, p) for p in prompts], item["gold"]
+        tokens = [encode_with_bos(tokenizer, p) for p in prompts]
+        gold = item["gold"]
         ends = [len(t) for t in tokens]
-        suffix = common_suffix_len(tokens)
-        starts = [common_prefix_len(tokens)] * len(tokens) if mc else [e - suffix for e in ends]
-        # [X18] the answer starts at the common prefix of tokens(prompt) and tokens(prompt minus answer)
+        if mc:
+            starts = [common_prefix_len(tokens)] * len(tokens)
+        else:
+            suffix = common_suffix_len(tokens)
+            starts = [e - suffix for e in ends]
+        # [X18] The answer starts at the common prefix of
+        # tokens(prompt) and tokens(prompt minus answer).
         answer = item["choices"][gold] if mc else item["continuation"]
         context = encode_with_bos(tokenizer, prompts[gold][:len(prompts[gold]) - len(answer)])
         a = min(common_prefix_len([tokens[gold], context]), len(tokens[gold]) - 1)
     cropped = False
-    if max_len is not None:  # crop each sequence from the left to the model's context, as nanochat does
+    if max_len is not None:
+        # Crop from the left to the model's context, as nanochat does.
         for r, t in enumerate(tokens):
             crop = max(0, len(t) - max_len)
             tokens[r], starts[r], ends[r] = t[crop:], starts[r] - crop, ends[r] - crop
             a -= crop if r == gold else 0
-        # nanochat asserts start >= 0; at start 0 its MC/schema mean is nan, its LM comparison fails
+        # nanochat asserts start >= 0; at 0 its MC mean is nan and its
+        # LM comparison fails.
         if min(starts) < (task_type == "language_modeling"):
-            raise ValueError(f"the continuation does not fit in the model context of {max_len} tokens "
-                             "(nanochat's crop would assert)")
-        a, cropped = max(a, 1), a < 1  # the crop cut into the answer: its NLL covers what is left
-    return dict(tokens=tokens, starts=starts, ends=ends, gold=gold, answer_start=a, boundary_fixed=fixed,
-                answer_cropped=cropped)
+            raise ValueError(
+                f"the continuation does not fit in the model context of "
+                f"{max_len} tokens (nanochat's crop would assert)"
+            )
+        # If the crop cut into the answer, its NLL covers the rest.
+        a, cropped = max(a, 1), a < 1
+    return dict(tokens=tokens, starts=starts, ends=ends, gold=gold, answer_start=a,
+                boundary_fixed=fixed, answer_cropped=cropped)
 
 
 # -------------------- Scoring
 
 
 def load_model_and_tokenizer(path, device="cpu"):
-    """(model in eval mode on device, its tokenizer, the checkpoint's info) from a ckpt.pt or an export."""
     model, info = load_checkpoint(path, device)
     return model.eval(), get_tokenizer(info["tokenizer"]), info
 
 
 @torch.no_grad()
 def forward_logits(model, idx, n_passes=None, cache=None, autocast_dtype=None):
-    """The logits (B, T, V) in float32, under autocast when autocast_dtype is given (bf16 on CUDA)."""
-    with torch.autocast(idx.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        out = model(idx) if n_passes is None and cache is None else model(idx, n_passes=n_passes, cache=cache)
+    with torch.autocast(idx.device.type, dtype=autocast_dtype, enabled=bool(autocast_dtype)):
+        if n_passes is None and cache is None:
+            out = model(idx)
+        else:
+            out = model(idx, n_passes=n_passes, cache=cache)
     return (out[0] if isinstance(out, tuple) else out).float()
 
 
@@ -199,9 +234,9 @@ def model_device(model):
 
 @torch.no_grad()
 def score_sequences(model, seqs, spans, pad_id, batch_tokens=16384, autocast_dtype=None):
-    """(losses, greedy hits) of each sequence's targets at positions [lo, hi) of its span: sequences sorted by
-    length, right-padded with pad_id, up to batch_tokens tokens per forward."""
+    # (losses, greedy hits) of each sequence's span [lo, hi).
     device = model_device(model)
+    # Longest first, right-padded, batch_tokens per forward.
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
     losses, hits = [None] * len(seqs), [None] * len(seqs)
     pos = 0
@@ -216,29 +251,34 @@ def score_sequences(model, seqs, spans, pad_id, batch_tokens=16384, autocast_dty
         logits = forward_logits(model, idx, autocast_dtype=autocast_dtype)
         for r, i in enumerate(batch):
             lo, hi = spans[i]
-            pred, target = logits[r, lo - 1:hi - 1], idx[r, lo:hi]  # position p predicts token p + 1
+            # Position p predicts token p + 1.
+            pred, target = logits[r, lo - 1:hi - 1], idx[r, lo:hi]
             losses[i] = F.cross_entropy(pred, target, reduction="none").cpu()
             hits[i] = (pred.argmax(dim=-1) == target).cpu()
     return losses, hits
 
 
 def nanochat_choice(mean_losses):
-    """mean_losses.index(min(mean_losses)): min keeps its first best unless a later value is smaller, and nan
-    compares False both ways, so a nan first option wins, a nan elsewhere never does."""
+    # nanochat's mean_losses.index(min(mean_losses)): a nan first
+    # option wins, a later nan never does.
     best = 0
     for r, loss in enumerate(mean_losses):
         best = r if loss < mean_losses[best] else best
     return best
 
 
-def score_examples(model, examples, task_type, pad_id, batch_tokens=16384, autocast_dtype=None):
-    """Scored examples -> [dict(correct, pred, answer_nll, mean_losses)]."""
+def score_examples(model, examples, task_type, pad_id, batch_tokens=16384,
+                   autocast_dtype=None):
     seqs, spans, owner = [], [], []
     for e, ex in enumerate(examples):
         for r, t in enumerate(ex["tokens"]):
-            lo = max(ex["starts"][r], 1)  # position 0 predicts nothing
+            # Position 0 predicts nothing. Gold is scored from its
+            # answer start too, for the answer NLL.
+            lo = max(ex["starts"][r], 1)
+            if r == ex["gold"]:
+                lo = min(lo, ex["answer_start"])
             seqs.append(t)
-            spans.append((min(lo, ex["answer_start"]) if r == ex["gold"] else lo, ex["ends"][r]))
+            spans.append((lo, ex["ends"][r]))
             owner.append((e, r))
     losses, hits = score_sequences(model, seqs, spans, pad_id, batch_tokens, autocast_dtype)
     scored = {key: (losses[i], hits[i], spans[i][0]) for i, key in enumerate(owner)}
@@ -248,44 +288,51 @@ def score_examples(model, examples, task_type, pad_id, batch_tokens=16384, autoc
         for r, start in enumerate(ex["starts"]):
             loss, _, lo = scored[(e, r)]
             span = loss[start - lo:] if start >= 1 else loss[:0]
-            mean_losses.append(span.mean().item() if span.numel() else float("nan"))  # nanochat: empty -> nan
+            # nanochat's mean of an empty span is nan.
+            mean_losses.append(span.mean().item() if span.numel() else float("nan"))
         g_loss, g_hits, g_lo = scored[(e, ex["gold"])]
-        if task_type == "language_modeling":  # every greedy token exact
+        if task_type == "language_modeling":
+            # Correct when every greedy token is exact.
             pred, correct = 0, bool(g_hits[ex["starts"][0] - g_lo:].all())
         else:
             pred = nanochat_choice(mean_losses)
             correct = pred == ex["gold"]
+        answer_nll = g_loss[ex["answer_start"] - g_lo:].mean().item()  # [X18]
         results.append(dict(correct=correct, pred=pred, mean_losses=mean_losses,
-                            answer_nll=g_loss[ex["answer_start"] - g_lo:].mean().item()))  # [X18]
+                            answer_nll=answer_nll))
     return results
 
 
 def centered_accuracy(accuracy, random_baseline_percent):
-    """[X17] c = (a - b) / (1 - b), b the random baseline as a fraction."""
+    # [X17] c = (a - b) / (1 - b), b the random baseline.
     b = 0.01 * random_baseline_percent
     return (accuracy - b) / (1.0 - b)
 
 
-def evaluate_task(model, tokenizer, task, data, num_fewshot=None, fewshot_seed=FEWSHOT_SEED, max_len=None,
-                  batch_tokens=16384, autocast_dtype=None):
-    """Accuracy, mean answer NLL and the per-item results of one task on its (shuffled, cut) data."""
+def evaluate_task(model, tokenizer, task, data, num_fewshot=None,
+                  fewshot_seed=FEWSHOT_SEED, max_len=None, batch_tokens=16384,
+                  autocast_dtype=None):
     k = task["num_fewshot"] if num_fewshot is None else num_fewshot
     max_len = max_len or model.config.block_size
-    examples = []
+    task_type, examples = task["icl_task_type"], []
     for idx, item in enumerate(data):
         try:
             shots = sample_fewshot(data, idx, k, fewshot_seed)
-            examples.append(build_example(item, task["icl_task_type"], task["continuation_delimiter"],
-                                          tokenizer, shots, max_len))
+            delim = task["continuation_delimiter"]
+            example = build_example(item, task_type, delim, tokenizer, shots, max_len)
         except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise ValueError(f"task {task['label']!r} item {idx} (after the shuffle): {e!r}") from None
-    items = score_examples(model, examples, task["icl_task_type"], tokenizer.eot_token, batch_tokens,
+            where = f"task {task['label']!r} item {idx} (after the shuffle)"
+            raise ValueError(f"{where}: {e!r}") from None
+        examples.append(example)
+    items = score_examples(model, examples, task_type, tokenizer.eot_token, batch_tokens,
                            autocast_dtype)
     n = len(items)
-    return dict(n=n, accuracy=sum(r["correct"] for r in items) / n, fewshot_used=min(k, n - 1),
-                answer_nll=sum(r["answer_nll"] for r in items) / n, items=items,
-                boundary_fixed=sum(ex["boundary_fixed"] for ex in examples),
-                answer_cropped=sum(ex["answer_cropped"] for ex in examples))
+    return dict(
+        n=n, accuracy=sum(r["correct"] for r in items) / n, fewshot_used=min(k, n - 1),
+        answer_nll=sum(r["answer_nll"] for r in items) / n, items=items,
+        boundary_fixed=sum(ex["boundary_fixed"] for ex in examples),
+        answer_cropped=sum(ex["answer_cropped"] for ex in examples),
+    )
 
 
 def mean(xs):
@@ -293,54 +340,69 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def evaluate_core(model, tokenizer, bundle, max_per_task=-1, fewshot_seeds=(FEWSHOT_SEED,), labels=None,
-                  num_fewshot=None, batch_tokens=16384, autocast_dtype=None):
-    """Every task of a bundle (a path or load_bundle's dict); CORE = mean centered accuracy [X17], CORE NLL =
-    mean answer NLL [X18]. With several few-shot seeds a task's numbers are seed means (0-shot runs once)."""
+def evaluate_core(model, tokenizer, bundle, max_per_task=-1,
+                  fewshot_seeds=(FEWSHOT_SEED,), labels=None, num_fewshot=None,
+                  batch_tokens=16384, autocast_dtype=None):
     bundle = load_bundle(bundle) if isinstance(bundle, str) else bundle
+    chosen = [t for t in bundle["tasks"] if labels is None or t["label"] in labels]
     tasks = {}
-    for task in tqdm([t for t in bundle["tasks"] if labels is None or t["label"] in labels], desc="CORE",
-                     disable=None, file=sys.stderr):
+    for task in tqdm(chosen, desc="CORE", disable=None, file=sys.stderr):
         data = shuffle_and_cut(load_task_data(task), max_per_task)
         k = task["num_fewshot"] if num_fewshot is None else num_fewshot
-        runs = [evaluate_task(model, tokenizer, task, data, k, s, None, batch_tokens, autocast_dtype)
-                for s in (fewshot_seeds if k else fewshot_seeds[:1])]
+        # Means over the few-shot seeds; a 0-shot task runs once.
+        runs = [
+            evaluate_task(model, tokenizer, task, data, k, s, None, batch_tokens, autocast_dtype)
+            for s in (fewshot_seeds if k else fewshot_seeds[:1])
+        ]
         accuracy = mean(r["accuracy"] for r in runs)
         tasks[task["label"]] = dict(
-            task_type=task["icl_task_type"], num_fewshot=k, fewshot_used=runs[0]["fewshot_used"],
-            n=runs[0]["n"], accuracy=accuracy, per_seed_accuracy=[r["accuracy"] for r in runs],
-            random_baseline=task["random_baseline"], answer_nll=mean(r["answer_nll"] for r in runs),
-            centered=centered_accuracy(accuracy, task["random_baseline"]),  # affine: the seeds' mean centered
-            items=runs[0]["items"], boundary_fixed=max(r["boundary_fixed"] for r in runs),
+            task_type=task["icl_task_type"],
+            num_fewshot=k,
+            fewshot_used=runs[0]["fewshot_used"],
+            n=runs[0]["n"],
+            accuracy=accuracy,
+            per_seed_accuracy=[r["accuracy"] for r in runs],
+            random_baseline=task["random_baseline"],
+            answer_nll=mean(r["answer_nll"] for r in runs),
+            # Centering is affine: the seeds' mean centered.
+            centered=centered_accuracy(accuracy, task["random_baseline"]),
+            items=runs[0]["items"],
+            boundary_fixed=max(r["boundary_fixed"] for r in runs),
             answer_cropped=max(r["answer_cropped"] for r in runs))
-    out = dict(bundle=bundle["dir"], fingerprint=bundle["fingerprint"], baselines=bundle["baselines"],
-               fewshot_seeds=list(fewshot_seeds), max_per_task=max_per_task, tasks=tasks, n_tasks=len(tasks))
-    for name, names in (("core", list(tasks)), ("core17", CORE17_LABELS)):  # CORE-17: [X Table 10]
-        have = all(label in tasks for label in names)
-        out[name] = mean(tasks[label]["centered"] for label in names) if have else None
-        out[name + "_nll"] = mean(tasks[label]["answer_nll"] for label in names) if have else None
+    out = dict(bundle=bundle["dir"], fingerprint=bundle["fingerprint"],
+               baselines=bundle["baselines"], fewshot_seeds=list(fewshot_seeds),
+               max_per_task=max_per_task, tasks=tasks, n_tasks=len(tasks))
+    # CORE: mean centered accuracy [X17]; CORE NLL: mean answer NLL
+    # [X18]. CORE-17 needs all of its tasks.
+    for name, names in (("core", list(tasks)), ("core17", CORE17_LABELS)):
+        out[name] = out[name + "_nll"] = None
+        if all(label in tasks for label in names):
+            out[name] = mean(tasks[label]["centered"] for label in names)
+            out[name + "_nll"] = mean(tasks[label]["answer_nll"] for label in names)
     return out
 
 
-def kshot_sweep(model, tokenizer, bundle, ks=KSHOT_SWEEP, labels=None, max_per_task=-1,
-                fewshot_seed=FEWSHOT_SEED, batch_tokens=16384, autocast_dtype=None):
-    """[S ICL] accuracy, centered accuracy and answer NLL of each task at every k (default tasks: the bundle's
-    few-shot ones), and their means over the tasks."""
+def kshot_sweep(model, tokenizer, bundle, ks=KSHOT_SWEEP, labels=None,
+                max_per_task=-1, fewshot_seed=FEWSHOT_SEED, batch_tokens=16384,
+                autocast_dtype=None):
+    # [S ICL] Each task at every k; by default the few-shot ones.
     bundle = load_bundle(bundle) if isinstance(bundle, str) else bundle
-    tasks = [t for t in bundle["tasks"] if t["label"] in labels] if labels else \
-        [t for t in bundle["tasks"] if t["num_fewshot"] > 0]
+    if labels:
+        tasks = [t for t in bundle["tasks"] if t["label"] in labels]
+    else:
+        tasks = [t for t in bundle["tasks"] if t["num_fewshot"] > 0]
     out = {}
     for task in tqdm(tasks, desc="k-shot sweep", disable=None, file=sys.stderr):
         data = shuffle_and_cut(load_task_data(task), max_per_task)
         out[task["label"]] = {}
         for k in ks:
-            r = evaluate_task(model, tokenizer, task, data, k, fewshot_seed, None, batch_tokens,
-                              autocast_dtype)
+            r = evaluate_task(model, tokenizer, task, data, k, fewshot_seed,
+                              None, batch_tokens, autocast_dtype)
+            centered = centered_accuracy(r["accuracy"], task["random_baseline"])
             out[task["label"]][k] = dict(accuracy=r["accuracy"], answer_nll=r["answer_nll"],
-                                         centered=centered_accuracy(r["accuracy"], task["random_baseline"]),
-                                         fewshot_used=r["fewshot_used"])
-    means = {k: {m: mean(t[k][m] for t in out.values()) for m in ("accuracy", "centered", "answer_nll")}
-             for k in ks}
+                                         centered=centered, fewshot_used=r["fewshot_used"])
+    metrics = ("accuracy", "centered", "answer_nll")
+    means = {k: {m: mean(t[k][m] for t in out.values()) for m in metrics} for k in ks}
     return dict(ks=list(ks), tasks=out, mean=means)
 
 
@@ -348,37 +410,43 @@ def kshot_sweep(model, tokenizer, bundle, ks=KSHOT_SWEEP, labels=None, max_per_t
 
 
 def split_documents(tokens, eot):
-    """[(start, end)] of each document's own tokens: the runs of non-eot tokens (eot starts a document)."""
+    # The (start, end) of each document's own tokens.
     cuts = np.flatnonzero(np.asarray(tokens) == eot)
     bounds = np.concatenate([[-1], cuts, [len(tokens)]])
     return [(int(a) + 1, int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b - a > 1]
 
 
 def bucket_of(n_tokens, bounds=LENGTH_BUCKETS):
-    """The smallest upper bound >= n_tokens, or '>last'."""
+    # The smallest upper bound >= n_tokens, or '>last'.
     return next((str(b) for b in bounds if n_tokens <= b), f">{bounds[-1]}")
 
 
-def length_bucket_loss(model, tokens, eot, bounds=LENGTH_BUCKETS, max_tokens=None, batch_tokens=16384):
-    """[S] mean next-token loss of the documents grouped by their token count -> {bucket: {n_docs, n_tokens,
-    loss}}. A document is read as [eot] + doc (each token predicted from its own document only), a long one
-    in consecutive windows of block_size tokens, each a fresh context."""
+def length_bucket_loss(model, tokens, eot, bounds=LENGTH_BUCKETS,
+                       max_tokens=None, batch_tokens=16384):
     spans = split_documents(tokens, eot)
-    if max_tokens is not None:  # whole documents, until max_tokens are read
-        spans = spans[:int(np.searchsorted(np.cumsum([b - a for a, b in spans]), max_tokens)) + 1]
-    seqs, owner, step = [], [], model.config.block_size - 1  # a window's targets: all but its first token
+    if max_tokens is not None:
+        # Whole documents, until max_tokens are read.
+        read = np.cumsum([b - a for a, b in spans])
+        spans = spans[:int(np.searchsorted(read, max_tokens)) + 1]
+    # [S] A document is read as [eot] + doc, so it predicts from
+    # itself only, in windows of block_size tokens.
+    seqs, owner, step = [], [], model.config.block_size - 1
     for d, (a, b) in enumerate(spans):
         doc = [eot] + [int(t) for t in tokens[a:b]]
-        seqs += [doc[w:w + step + 1] for w in range(0, b - a, step)]
-        owner += [d] * len(range(0, b - a, step))
+        starts = range(0, b - a, step)
+        seqs += [doc[w:w + step + 1] for w in starts]
+        owner += [d] * len(starts)
     losses, _ = score_sequences(model, seqs, [(1, len(s)) for s in seqs], eot, batch_tokens)
-    out = {label: dict(n_docs=0, n_tokens=0, loss=0.0) for label in [*map(str, bounds), f">{bounds[-1]}"]}
+    labels = [*map(str, bounds), f">{bounds[-1]}"]
+    out = {label: dict(n_docs=0, n_tokens=0, loss=0.0) for label in labels}
     for d, loss in zip(owner, losses):
-        out[bucket_of(spans[d][1] - spans[d][0], bounds)]["loss"] += loss.double().sum().item()
+        bucket = bucket_of(spans[d][1] - spans[d][0], bounds)
+        out[bucket]["loss"] += loss.double().sum().item()
     for a, b in spans:
         o = out[bucket_of(b - a, bounds)]
         o["n_docs"], o["n_tokens"] = o["n_docs"] + 1, o["n_tokens"] + b - a
-    for o in out.values():  # token-weighted means
+    # Token-weighted means.
+    for o in out.values():
         o["loss"] = o["loss"] / o["n_tokens"] if o["n_tokens"] else None
     return out
 
@@ -390,21 +458,28 @@ def print_report(report, data_dir):
     res = report.get("core")
     if res:
         known = KNOWN_FINGERPRINTS.get(res["fingerprint"], "not a known public bundle")
-        print(f"bundle {res['bundle']}: sha256 {res['fingerprint']} ({known})\nrandom baselines "
-              f"{res['baselines']}; seeds {res['fewshot_seeds']}; max_per_task {res['max_per_task']}")
+        print(f"bundle {res['bundle']}: sha256 {res['fingerprint']} ({known})\n"
+              f"random baselines {res['baselines']}; seeds {res['fewshot_seeds']}; "
+              f"max_per_task {res['max_per_task']}")
         print(f"{'task':34s} {'type':17s} shots {'n':>6s}  accuracy  centered answer_nll")
         for label, r in res["tasks"].items():
-            print(f"{label:34s} {r['task_type']:17s} {r['fewshot_used']:5d} {r['n']:6d} {r['accuracy']:9.4f} "
-                  f"{r['centered']:9.4f} {r['answer_nll']:10.4f}")
-        for name, key in ((f"CORE ({res['n_tasks']} tasks) [X17] [X18]", "core"), ("CORE-17 [X]", "core17")):
-            print(f"{name:74s} {res[key]:9.4f} {res[key + '_nll']:10.4f}" if res[key] is not None else
-                  f"{name}: n/a (the bundle lacks some of its tasks)")
+            print(f"{label:34s} {r['task_type']:17s} {r['fewshot_used']:5d} {r['n']:6d} "
+                  f"{r['accuracy']:9.4f} {r['centered']:9.4f} {r['answer_nll']:10.4f}")
+        core = f"CORE ({res['n_tasks']} tasks) [X17] [X18]"
+        for name, key in ((core, "core"), ("CORE-17 [X]", "core17")):
+            if res[key] is None:
+                print(f"{name}: n/a (the bundle lacks some of its tasks)")
+            else:
+                print(f"{name:74s} {res[key]:9.4f} {res[key + '_nll']:10.4f}")
     if "kshot" in report:  # [S ICL]
-        print(f"\nk-shot sweep: accuracy\n{'task':34s} " + " ".join(f"{f'k={k}':>7s}" for k in KSHOT_SWEEP))
-        rows = list(report["kshot"]["tasks"].items()) + [("mean centered", report["kshot"]["mean"])]
+        heads = " ".join(f"{f'k={k}':>7s}" for k in KSHOT_SWEEP)
+        print(f"\nk-shot sweep: accuracy\n{'task':34s} " + heads)
+        sweep = report["kshot"]
+        rows = list(sweep["tasks"].items()) + [("mean centered", sweep["mean"])]
         for label, per_k in rows:
             key = "centered" if label == "mean centered" else "accuracy"
-            print(f"{label:34s} " + " ".join(f"{per_k[k][key]:7.4f}" for k in KSHOT_SWEEP))
+            cells = " ".join(f"{per_k[k][key]:7.4f}" for k in KSHOT_SWEEP)
+            print(f"{label:34s} " + cells)
     if "length_buckets" in report:  # [S]
         print(f"\nvalidation loss by document length ({data_dir or 'the embedded corpus'})\n"
               f"{'tokens':>8s} {'docs':>7s} {'tokens':>9s} {'loss':>8s}")
@@ -417,50 +492,59 @@ def print_report(report, data_dir):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="eval_core.py", usage=argparse.SUPPRESS,
                                 description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("--ckpt", required=True, help="a ckpt.pt or an export folder")
-    p.add_argument("--bundle", help="an eval bundle folder (core.yaml, eval_data/, eval_meta_data.csv)")
-    p.add_argument("--max_per_task", type=int, default=-1, help="items per task after the shuffle; -1: all")
-    p.add_argument("--fewshot_seeds", type=lambda s: [int(x) for x in s.split(",")], default=[FEWSHOT_SEED],
-                   help="comma list; item idx draws with Random(seed + idx); 0,1,2 are [X]'s (default: 1234)")
-    p.add_argument("--tasks", type=lambda s: s.split(","), help="comma list of task labels (default: all)")
-    p.add_argument("--baselines", choices=["bundle", "v1", "2025-09-05"], default="bundle",
-                   help="the bundle's random baselines, or a published table for the 3 rows that changed")
-    p.add_argument("--kshot_sweep", action="store_true", help=f"[S ICL] every k in {KSHOT_SWEEP}")
-    p.add_argument("--length_buckets", action="store_true", help="[S] validation loss by document length")
-    p.add_argument("--data_dir", default=None, help="its data (default: the run's)")
-    p.add_argument("--length_tokens", type=int, default=1 << 20, help="its validation tokens")
-    p.add_argument("--batch_tokens", type=int, default=16384, help="padded tokens per forward")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="bf16 on CUDA")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    arg = p.add_argument
+    arg("--ckpt", required=True, help="a ckpt.pt or an export folder")
+    arg("--bundle", help="an eval bundle folder (core.yaml, eval_data/, eval_meta_data.csv)")
+    arg("--max_per_task", type=int, default=-1, help="items per task after the shuffle; -1: all")
+    arg("--fewshot_seeds", type=lambda s: [int(x) for x in s.split(",")], default=[FEWSHOT_SEED],
+        help="comma list; item idx draws with Random(seed + idx); 0,1,2 are [X]'s (default: 1234)")
+    arg("--tasks", type=lambda s: s.split(","), help="comma list of task labels (default: all)")
+    arg("--baselines", choices=["bundle", "v1", "2025-09-05"], default="bundle",
+        help="the bundle's random baselines, or a published table for the 3 rows that changed")
+    arg("--kshot_sweep", action="store_true", help=f"[S ICL] every k in {KSHOT_SWEEP}")
+    arg("--length_buckets", action="store_true", help="[S] validation loss by document length")
+    arg("--data_dir", help="its data (default: the run's)")
+    arg("--length_tokens", type=int, default=1 << 20, help="its validation tokens")
+    arg("--batch_tokens", type=int, default=16384, help="padded tokens per forward")
+    arg("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="bf16 on CUDA")
+    arg("--json", action="store_true", help="one JSON object instead of tables")
     args = p.parse_args(argv)
     if not args.bundle and not args.length_buckets:
         p.error("give --bundle (CORE) and/or --length_buckets")
     try:
         bundle = load_bundle(args.bundle, args.baselines) if args.bundle else None
         model, tokenizer, info = load_model_and_tokenizer(args.ckpt, args.device)
-        data_dir = (info.get("config") or {}).get("data_dir", "") if args.data_dir is None else args.data_dir
+        data_dir = args.data_dir
+        if data_dir is None:
+            data_dir = (info.get("config") or {}).get("data_dir", "")
         data = load_data(data_dir) if args.length_buckets else None
-    except (OSError, ValueError, RuntimeError) as e:  # a missing or bad file, a bad --device
+    except (OSError, ValueError, RuntimeError) as e:
+        # A missing or bad file, or a bad --device.
         p.error(str(e).splitlines()[0])
     unknown = set(args.tasks or ()) - {t["label"] for t in bundle["tasks"]} if bundle else set()
-    if unknown or (data is not None and data.meta["tokenizer"] != tokenizer.name):
-        p.error(f"--tasks: not in {args.bundle}: {sorted(unknown)}" if unknown else f"{data.data_dir} holds "
-                f"{data.meta['tokenizer']} tokens, the checkpoint reads {tokenizer.name}")
+    if unknown:
+        p.error(f"--tasks: not in {args.bundle}: {sorted(unknown)}")
+    if data is not None and data.meta["tokenizer"] != tokenizer.name:
+        p.error(f"{data.data_dir} holds {data.meta['tokenizer']} tokens, "
+                f"the checkpoint reads {tokenizer.name}")
     autocast = torch.bfloat16 if model_device(model).type == "cuda" else None
     report = {"ckpt": args.ckpt}
     try:
         if bundle:
-            report["core"] = evaluate_core(model, tokenizer, bundle, args.max_per_task, args.fewshot_seeds,
-                                           args.tasks, None, args.batch_tokens, autocast)
+            report["core"] = evaluate_core(model, tokenizer, bundle, args.max_per_task,
+                                           args.fewshot_seeds, args.tasks, None,
+                                           args.batch_tokens, autocast)
         if bundle and args.kshot_sweep:
-            ks = KSHOT_SWEEP
-            report["kshot"] = kshot_sweep(model, tokenizer, bundle, ks, args.tasks, args.max_per_task,
-                                          args.fewshot_seeds[0], args.batch_tokens, autocast)
-    except (OSError, ValueError) as e:  # a malformed task file or item
+            report["kshot"] = kshot_sweep(model, tokenizer, bundle, KSHOT_SWEEP, args.tasks,
+                                          args.max_per_task, args.fewshot_seeds[0],
+                                          args.batch_tokens, autocast)
+    except (OSError, ValueError) as e:
+        # A malformed task file or item.
         p.error(str(e))
     if data is not None:
-        report["length_buckets"] = length_bucket_loss(model, data.val, tokenizer.eot_token, LENGTH_BUCKETS,
-                                                      args.length_tokens, args.batch_tokens)
+        report["length_buckets"] = length_bucket_loss(model, data.val, tokenizer.eot_token,
+                                                      LENGTH_BUCKETS, args.length_tokens,
+                                                      args.batch_tokens)
     for r in report.get("core", {}).get("tasks", {}).values():
         r.pop("items")
     print(json.dumps(report)) if args.json else print_report(report, data_dir)

@@ -1,27 +1,27 @@
 """
-Train one model: Muon + AdamW, a warmup-stable-decay (WSD) schedule with decay branches [S], growth of the
-passes mid-training [X], DDP or FSDP2, exact resume. nanoGPT's shape: settings, model and optimizers,
-data, then the loop. With no arguments it trains the tiny looped MoE on the embedded corpus on a CPU.
+Train one model: Muon + AdamW, a warmup-stable-decay (WSD) schedule with decay branches [S],
+growth of the passes mid-training [X], DDP or FSDP2, exact resume.
 
-    python train.py                                     # the tiny default, a minute or two on a CPU
+    python train.py                                     # the tiny default, minutes on a CPU
     python train.py config/x_d8_loop2.py --max_steps=5  # a config file, then --key=value
-    python train.py --out_dir=out/tiny --init_from=resume                  # continue a run
-    python train.py --init_from=out/tiny/ckpt_step100.pt --decay_tokens=40000   # a decay branch [S]
-    torchrun --standalone --nproc_per_node=8 train.py config/x_d8_vanilla.py    # one node (DDP)
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=10.0.0.1 train.py config/NAME.py
+    python train.py --out_dir=out/tiny --init_from=resume                      # continue a run
+    python train.py --init_from=out/tiny/ckpt_step100.pt --decay_tokens=40000  # a decay branch
+    torchrun --standalone --nproc_per_node=8 train.py config/x_d8_vanilla.py   # one node (DDP)
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=HOST train.py config/NAME.py
 
-A run writes out_dir/ckpt.pt (FSDP: ckpt.dcp/, and ckpt.pt at the end) and log.jsonl, a JSON line per
-eval. Trusted inputs: config files (they run as code) and a run's own ckpt.dcp/ (its resume state).
-In-process: `train.train({"max_steps": 100})` returns the run's summary.
+A run writes out_dir/ckpt.pt (FSDP: ckpt.dcp/, and ckpt.pt at the end) and log.jsonl, a JSON
+line per eval. `train.train({"max_steps": 100})` runs in-process and returns a summary.
 """
 
 import contextlib
+import inspect
 import json
 import math
 import os
 import shutil
 import signal
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -36,105 +36,177 @@ import grow
 import match
 from data.loader import BRANCH_FRACTION, load_data
 from loss_eval import evaluate
-from model import (GPT, MLP, TINY, BoundaryOperator, ModelConfig, MoE, RMSNorm, execution_plan,
-                   load_checkpoint)
+from model import (
+    GPT,
+    MLP,
+    TINY,
+    BoundaryOperator,
+    ModelConfig,
+    MoE,
+    RMSNorm,
+    execution_plan,
+    load_checkpoint,
+)
 from muon import Muon
 
-# --------------------------------------------------------------------------------------------------
-# Settings: these, the model's (MODEL_SETTINGS of ModelConfig, model.py), and the tiny default on top
+# Settings: these, the model's, and the tiny default. --help prints the comment above each.
 
 
 @dataclass
 class TrainConfig:
-    out_dir: str = "out/tiny"  # the run's folder: ckpt.pt, log.jsonl
-    data_dir: str = ""  # a data/prepare.py folder; "" -> the embedded corpus
-    seed: int = 1337  # model init, data order, random passes
-    max_steps: int = 200  # optimizer steps of the whole run
-    batch_size: int = 16  # sequences per micro-batch per process
-    global_batch: int = 0  # sequences per step on all processes; 0 -> batch_size x processes
-    eval_interval: int = 50  # eval, checkpoint and a log line every this many steps (and at the end)
-    eval_tokens: int = 8192  # validation tokens per eval (the same windows each time)
-    save_steps: list = ()  # extra checkpoints ckpt_step<N>.pt at these steps (decay branches fork there)
-    optimizer: str = "muon"  # muon: Muon on hidden matrices, AdamW on the rest; muon_x: the [X] code's
-    #   recipe (its Muon, momentum warmup, linear warm-down, no clipping); adamw: AdamW on all
-    matrix_lr: float = 0.0  # LR of the hidden matrices; 0 -> 0.02 with Muon, 3e-3 with AdamW
-    embedding_lr: float = 0.1  # AdamW LR of the token embedding
-    unembedding_lr: float = 0.004  # AdamW LR of the lm head
-    weight_decay: float = 0.0  # decoupled decay of the matrices, embedding and lm head ([X] code)
-    warmup_steps: int = 20  # linear LR warmup from 0
-    decay_fraction: float = 0.3  # the last fraction of max_steps decays; 0 -> stable (branch later)
-    init_from: str = ""  # resume: continue out_dir; a ckpt.pt / ckpt_step<N>: a new run from it
-    decay_tokens: int = 0  # > 0 with init_from=<checkpoint>: a decay branch [S] of so many tokens
-    n_passes_choices: list = ()  # e.g. [1, 2, 3]: each step's K (or r), drawn seeded by the step
-    grow_at: float = 0.0  # [X] growth to twice the passes at this step (>= 1) or fraction (< 1)
-    parallel: str = "ddp"  # under torchrun: ddp; fsdp (FSDP2); fsdp_grad_op (each block kept gathered from
-    #   its forward to its backward: fewer all-gathers, more memory); hsdp, hsdp_grad_op (the same sharded
-    #   within a node, replicated across nodes: gradients cross nodes once a step)
-    compile: bool = True  # on CUDA, torch.compile each block and the loss; a CPU run stays eager
-    triton: bool = False  # the Triton kernels in the model and Muon (kernels/, opt-in)
-    wandb_log: bool = False  # log the evals to Weights & Biases
+    # The run's folder.
+    out_dir: str = "out/tiny"
+    # A data/prepare.py folder; "" -> the embedded corpus.
+    data_dir: str = ""
+    # Seeds the init, data order and random passes.
+    seed: int = 1337
+    # Optimizer steps in all.
+    max_steps: int = 200
+    # Sequences per micro-batch per process.
+    batch_size: int = 16
+    # Sequences per step on all processes; 0 -> batch_size x processes.
+    global_batch: int = 0
+    # An eval, a checkpoint and a log line every this many steps and at the end.
+    eval_interval: int = 50
+    # Validation tokens per eval (the same windows each time).
+    eval_tokens: int = 8192
+    # Extra checkpoints ckpt_step<N>.pt, for decay branches to fork from.
+    save_steps: list = ()
+    # muon: Muon on the hidden matrices, AdamW on the rest. muon_x: the [X] code's recipe
+    # (momentum warmup, linear warm-down, no clipping). adamw: AdamW on all.
+    optimizer: str = "muon"
+    # LR of the hidden matrices; 0 -> 0.02 with Muon, 3e-3 with AdamW.
+    matrix_lr: float = 0.0
+    # AdamW LR of the token embedding.
+    embedding_lr: float = 0.1
+    # AdamW LR of the lm head.
+    unembedding_lr: float = 0.004
+    # Decoupled decay of the matrices, embedding and lm head.
+    weight_decay: float = 0.0
+    # Steps of linear LR warmup.
+    warmup_steps: int = 20
+    # The fraction of max_steps that decays at the end; 0 -> stable (branch later).
+    decay_fraction: float = 0.3
+    # resume continues out_dir; a ckpt.pt or ckpt_step<N> starts a new run from it.
+    init_from: str = ""
+    # With init_from=<checkpoint>, a decay branch [S] of so many tokens.
+    decay_tokens: int = 0
+    # For example [1, 2, 3]: each step draws its K (or r) from these.
+    n_passes_choices: list = ()
+    # [X] growth to twice the passes at this step (>= 1) or fraction of max_steps (< 1).
+    grow_at: float = 0.0
+    # Under torchrun: ddp or fsdp (FSDP2). fsdp_grad_op keeps each block gathered from forward
+    # to backward: fewer all-gathers, more memory. hsdp and hsdp_grad_op shard within a node and
+    # replicate across nodes.
+    parallel: str = "ddp"
+    # torch.compile each block and the loss on CUDA.
+    compile: bool = True
+    # The Triton kernels in the model and Muon (kernels/, opt-in).
+    triton: bool = False
+    # Log the evals to Weights & Biases.
+    wandb_log: bool = False
     wandb_project: str = "loopstudy"
-    wandb_run_name: str = ""  # "" -> out_dir
+    # The wandb run's name; "" -> out_dir.
+    wandb_run_name: str = ""
 
     def __post_init__(self):
-        # (holds, the setting, why): the first that fails is the error, before the run writes anything
+        # (holds, setting, why): the first that fails is the error.
         parallels = ("ddp", "fsdp", "fsdp_grad_op", "hsdp", "hsdp_grad_op")
         positive = ("max_steps", "batch_size", "eval_interval", "eval_tokens")
-        non_negative = ("global_batch", "seed", "matrix_lr", "embedding_lr", "unembedding_lr", "weight_decay",
-                        "warmup_steps", "decay_tokens", "grow_at")
-        rules = [(getattr(self, n) >= 1, n, "must be >= 1") for n in positive] + [
-            (getattr(self, n) >= 0, n, "must be >= 0") for n in non_negative] + [
+        non_negative = (
+            "global_batch", "seed", "matrix_lr", "embedding_lr", "unembedding_lr",
+            "weight_decay", "warmup_steps", "decay_tokens", "grow_at",
+        )
+        rules = [(getattr(self, n) >= 1, n, "must be >= 1") for n in positive]
+        rules += [(getattr(self, n) >= 0, n, "must be >= 0") for n in non_negative]
+        rules += [
             (0 <= self.decay_fraction <= 1, "decay_fraction", "must be in [0, 1]"),
             (all(s >= 1 for s in self.save_steps), "save_steps", "each must be a step >= 1"),
             (all(k >= 1 for k in self.n_passes_choices), "n_passes_choices", "each must be >= 1"),
             (self.optimizer in MATRIX_LR, "optimizer", f"must be one of {', '.join(MATRIX_LR)}"),
-            (self.parallel in parallels, "parallel", f"must be one of {', '.join(parallels)}")]
+            (self.parallel in parallels, "parallel", f"must be one of {', '.join(parallels)}"),
+        ]
         for holds, name, why in rules:
             if not holds:
                 raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
 
-MODEL_SETTINGS = ("block_size n_layer n_embd n_head n_kv_head head_dim n_expert top_k expert_hidden layout "
-                  "n_passes boundary boundary_alpha norms residual_multiplier output_multiplier init "
-                  "embed_init_std uniform_init_scale").split()
-DEFAULTS = {**{k: ModelConfig.__dataclass_fields__[k].default for k in MODEL_SETTINGS},
-            **{f.name: f.default for f in fields(TrainConfig)}, **TINY}  # TINY: model.py's tiny looped MoE
+MODEL_SETTINGS = (
+    "block_size n_layer n_embd n_head n_kv_head head_dim n_expert top_k expert_hidden layout "
+    "n_passes boundary boundary_alpha norms residual_multiplier output_multiplier init "
+    "embed_init_std uniform_init_scale"
+).split()
+DEFAULTS = {
+    **{k: ModelConfig.__dataclass_fields__[k].default for k in MODEL_SETTINGS},
+    **{f.name: f.default for f in fields(TrainConfig)},
+    **TINY,
+}
 DEFAULTS.update(save_steps=[], n_passes_choices=[])
 
 ADAM_BETAS, ADAM_EPS = (0.8, 0.95), 1e-10
-MATRIX_LR = {"muon": 0.02, "muon_x": 0.02, "adamw": 3e-3}  # matrix_lr=0: the optimizer's own
-ROUTER_LR, SCALAR_LR = 3e-3, 0.01  # AdamW LRs of the MoE routers and of norm gains and other vectors
+# What matrix_lr=0 means, by optimizer.
+MATRIX_LR = {"muon": 0.02, "muon_x": 0.02, "adamw": 3e-3}
+# AdamW's LRs of the MoE routers, and of norm gains and other vectors.
+ROUTER_LR, SCALAR_LR = 3e-3, 0.01
 MUON_MOMENTUM = 0.95
-X_MOMENTUM_WARMUP = 300 / 2355  # [X] code: momentum 0.85 -> 0.95 over the first 300 of d8's 2,355 steps
-X_REWARM = 40 / 2563  # [X] code: the LR re-warms from 0 over 40 steps after growth (d8 Loop-Grow: 2,563)
-LOG_INTERVAL = 10  # read the losses to the host every so many steps (the bar, the non-finite check)
-# MFU's denominator: a GPU's dense bf16 FLOP/s, from the vendors' sheets (the first name in the device's)
+# [X] code: momentum 0.85 -> 0.95 over the first 300 of d8's 2,355 steps.
+X_MOMENTUM_WARMUP = 300 / 2355
+# [X] code: the LR re-warms over 40 steps after growth (of d8 Loop-Grow's 2,563).
+X_REWARM = 40 / 2563
+# The losses come to the host every so many steps.
+LOG_INTERVAL = 10
+# MFU's denominator: dense bf16 FLOP/s from the vendors' sheets.
 PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
 def peak_flops(device):
-    """The GPU's bf16 dense peak in FLOP/s by its name (PEAK_FLOPS), None on a CPU or an unknown GPU."""
+    """The GPU's dense bf16 FLOP/s (PEAK_FLOPS); None on a CPU or an unknown GPU."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
-# --------------------------------------------------------------------------------------------------
-# Optimizers: Muon for the hidden matrices, AdamW for the rest
+def settings_help(cls, names):
+    """`name: type = default  # the comment above or after it`, for each field in `names`."""
+    rows, above = [], []
+    for text in (line.strip() for line in inspect.getsource(cls).splitlines()):
+        if text.startswith("#"):
+            above.append(text[1:].strip())
+        else:
+            code, _, note = text.partition("  # ")
+            note = " ".join(above + [note]).strip()
+            if code.split(":")[0] in names:
+                row = f"{code}  # {note}" if note else code
+                row = textwrap.fill(row, 100, initial_indent="    ", subsequent_indent="    #   ")
+                rows.append(row)
+            above = []
+    return rows
+
+
+# Optimizers: Muon for the hidden matrices, AdamW for the rest.
 
 
 def param_groups(model, config):
-    """Every parameter in one group: (name, optimizer, lr, weight decay, [(name, p)]). AdamW takes the
-    embedding and lm head (rows are per-token vectors), norm gains, and the routers (Muon's fixed-norm
-    steps would push the routing logits' scale around)."""
+    """Every parameter in one group: (name, optimizer, lr, weight decay, [(name, p)])."""
     lr = config.matrix_lr or MATRIX_LR[config.optimizer]
-    groups = {"matrix": (config.optimizer, lr, config.weight_decay),
-              "embedding": ("adamw", config.embedding_lr, config.weight_decay),
-              "unembedding": ("adamw", config.unembedding_lr, config.weight_decay),
-              "router": ("adamw", ROUTER_LR, 0.0), "scalar": ("adamw", SCALAR_LR, 0.0)}
+    # AdamW takes the embedding and lm head (their rows are per-token vectors), the norm gains,
+    # and the routers, whose logits' scale Muon's fixed-norm steps would push around.
+    groups = {
+        "matrix": (config.optimizer, lr, config.weight_decay),
+        "embedding": ("adamw", config.embedding_lr, config.weight_decay),
+        "unembedding": ("adamw", config.unembedding_lr, config.weight_decay),
+        "router": ("adamw", ROUTER_LR, 0.0),
+        "scalar": ("adamw", SCALAR_LR, 0.0),
+    }
     members = {name: [] for name in groups}
     for name, p in model.named_parameters():
-        group = ("embedding" if name.startswith("wte.") else "unembedding" if name.startswith("lm_head.")
-                 else "router" if ".router." in name else "matrix" if p.dim() >= 2 else "scalar")
+        if name.startswith("wte."):
+            group = "embedding"
+        elif name.startswith("lm_head."):
+            group = "unembedding"
+        elif ".router." in name:
+            group = "router"
+        else:
+            group = "matrix" if p.dim() >= 2 else "scalar"
         members[group].append((name, p))
     return [(name, *groups[name], members[name]) for name in groups if members[name]]
 
@@ -143,51 +215,61 @@ def build_optimizers(model, config, bf16):
     """[AdamW, Muon (if any)]; each group keeps its base_lr and its parameters' names."""
     adamw, muon = [], []
     for name, kind, lr, wd, named in param_groups(model, config):
-        group = dict(params=[p for _, p in named], param_names=[n for n, _ in named], name=name, lr=lr,
-                     base_lr=lr, weight_decay=wd)
+        group = dict(
+            params=[p for _, p in named],
+            param_names=[n for n, _ in named],
+            name=name,
+            lr=lr,
+            base_lr=lr,
+            weight_decay=wd,
+        )
         (adamw if kind == "adamw" else muon).append(group)
-    # fused on CUDA: one kernel, and no fp32 temporary of a whole group as foreach's
+    # Fused: one kernel, no fp32 copy of a whole group as foreach makes.
     optimizers = [torch.optim.AdamW(adamw, betas=ADAM_BETAS, eps=ADAM_EPS, fused=bf16)]
     if muon:
         variant = "x" if config.optimizer == "muon_x" else "original"
-        ns_dtype = torch.bfloat16 if bf16 else torch.float32  # Newton-Schulz's
+        ns_dtype = torch.bfloat16 if bf16 else torch.float32
         optimizers.append(Muon(muon, momentum=MUON_MOMENTUM, ns_dtype=ns_dtype, variant=variant))
-    if config.triton:  # opt-in until bench/gpu_check.sh has passed on a GPU
+    # Opt-in until bench/gpu_check.sh has passed on a GPU.
+    if config.triton:
         import kernels
-        kernels.apply(model, {RMSNorm: kernels.RMSNormKernel, MLP: kernels.MLPKernel, MoE: kernels.MoEKernel,
-                              BoundaryOperator: kernels.BoundaryOperatorKernel}, optimizers)
+
+        kernel_of = {RMSNorm: kernels.RMSNormKernel, MLP: kernels.MLPKernel, MoE: kernels.MoEKernel}
+        kernel_of[BoundaryOperator] = kernels.BoundaryOperatorKernel
+        kernels.apply(model, kernel_of, optimizers)
     return optimizers
 
 
-# --------------------------------------------------------------------------------------------------
-# The schedule
+# The schedule.
 
 
 def wsd_multiplier(step, warmup_steps, decay_start, decay_end, shape="cosine"):
-    """Warmup-stable-decay [S]: linear warmup, constant, then a decay reaching 0 at the last step: a cosine,
-    or linear from 1 at decay_start as the [X] code's warm-down."""
+    """Warmup-stable-decay [S]: a linear warmup, constant, then a cosine (or linear, the [X]
+    code's) decay to 0 at the last step."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if step < decay_start or decay_end <= decay_start:
         return 1.0
     if shape == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - decay_start + 1) / (decay_end - decay_start))))
+        progress = min(1.0, (step - decay_start + 1) / (decay_end - decay_start))
+        return 0.5 * (1 + math.cos(math.pi * progress))
     steps = decay_end - decay_start
     return 1 - (1.0 if steps == 1 else min(1.0, (step - decay_start) / (steps - 1)))
 
 
 def plan_schedule(config, tokens_per_step, branch_start=None):
-    """(max_steps, decay_start, grow_step): a branch decays over decay_tokens from the step it forked at."""
+    """(max_steps, decay_start, grow_step). A branch decays over decay_tokens from its fork."""
     if branch_start is not None:
         max_steps = branch_start + math.ceil(config.decay_tokens / tokens_per_step)
         return max_steps, branch_start, None
-    decay_start = max(config.warmup_steps, config.max_steps - round(config.decay_fraction * config.max_steps))
+    decay_steps = round(config.decay_fraction * config.max_steps)
+    decay_start = max(config.warmup_steps, config.max_steps - decay_steps)
     grow_step = grow.growth_step(config.max_steps, config.grow_at) if config.grow_at else None
     return config.max_steps, decay_start, grow_step
 
 
 def lr_multiplier(config, step, max_steps, decay_start, grow_step):
-    """WSD [S] x the re-warm after growth ([X] code: from 0 at the growth step, linear to 1)."""
+    """WSD [S], times the linear re-warm after growth ([X] code)."""
     shape = "linear" if config.optimizer == "muon_x" else "cosine"
     m = wsd_multiplier(step, config.warmup_steps, decay_start, max_steps, shape)
     if grow_step is not None and step >= grow_step:
@@ -196,9 +278,11 @@ def lr_multiplier(config, step, max_steps, decay_start, grow_step):
 
 
 def muon_momentum(config, step, max_steps):
-    """[X] code: 0.85 -> 0.95 over its warmup (muon_x); else 0.95."""
+    """0.95, or with muon_x the [X] code's warmup from 0.85."""
     warmup = round(X_MOMENTUM_WARMUP * max_steps) if config.optimizer == "muon_x" else 0
-    return MUON_MOMENTUM if warmup <= 0 else 0.85 + (MUON_MOMENTUM - 0.85) * min(1.0, step / warmup)
+    if warmup <= 0:
+        return MUON_MOMENTUM
+    return 0.85 + (MUON_MOMENTUM - 0.85) * min(1.0, step / warmup)
 
 
 def passes_of_step(config, step):
@@ -208,19 +292,26 @@ def passes_of_step(config, step):
     return int(np.random.default_rng([config.seed, step, 1]).choice(config.n_passes_choices))
 
 
-# --------------------------------------------------------------------------------------------------
-# Checkpoints: model + optimizers (torch.distributed.checkpoint's state dicts, keyed by parameter name) +
-# settings + the run's state; written to a temporary name, then renamed
+# Checkpoints: model, optimizers (keyed by parameter name), settings and state, each written to a
+# temporary name, then renamed.
 
 
 def save_checkpoint(path, model, optimizers, settings, state, tokenizer, sharded):
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizers)
-    meta = dict(model_config=model.config.to_dict(), config=settings, state=state, tokenizer=tokenizer,
-                rng=torch.get_rng_state())
+    meta = dict(
+        model_config=model.config.to_dict(),
+        config=settings,
+        state=state,
+        tokenizer=tokenizer,
+        rng=torch.get_rng_state(),
+    )
     master, tmp = not dist.is_initialized() or dist.get_rank() == 0, path + ".tmp"
-    if sharded:  # every rank writes its shards (DCP); rank 0 the rest and the rename
+    # Sharded: each rank writes its shards (DCP); rank 0 the rest, and renames.
+    if sharded:
         import torch.distributed.checkpoint as dcp
+
         if master:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
@@ -236,8 +327,7 @@ def save_checkpoint(path, model, optimizers, settings, state, tokenizer, sharded
 
 
 def read_checkpoint(path):
-    """A ckpt.dcp/'s meta (its tensors load into the built model: load_state), or what model.py's one
-    loader reads from a ckpt.pt or an export folder (weights only: a new run at step 0)."""
+    """A ckpt.dcp/'s meta, or what model.py's loader reads from a ckpt.pt or an export."""
     if os.path.isfile(os.path.join(path, "meta.pt")):
         return dict(torch.load(os.path.join(path, "meta.pt"), weights_only=True), dcp=path)
     model, info = load_checkpoint(path)
@@ -245,55 +335,83 @@ def read_checkpoint(path):
 
 
 def load_state(source, model, optimizers):
-    """Weights and optimizer state into a built (possibly sharded) model: DCP re-shards onto any world."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                         set_model_state_dict, set_state_dict)
+    """Weights and optimizer state into a built model; DCP re-shards onto any world size."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
     model_sd, optim_sd = source.get("model"), source.get("optimizers")
     if "dcp" in source:
         import torch.distributed.checkpoint as dcp
+
         model_sd, optim_sd = get_state_dict(model, optimizers)
         dcp.load({"model": model_sd, "optimizers": optim_sd}, checkpoint_id=source["dcp"])
     options = StateDictOptions(full_state_dict="dcp" not in source)
-    if optim_sd is None:  # weights only (an export, a consolidated FSDP ckpt.pt): fresh optimizers
+    # Weights only: fresh optimizers.
+    if optim_sd is None:
         set_model_state_dict(model, model_sd, options=options)
     else:
-        set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=options)
+        set_state_dict(
+            model,
+            optimizers,
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+            options=options,
+        )
+
+
+# The model: built whole or sharded, grown, compiled, wrapped.
 
 
 def shard(model, config, bf16):
-    """FSDP2: every stored block sharded on its own, then the root; bf16 gathered copies on CUDA. HSDP: a
-    2-D mesh (nodes, processes per node), shards within a node, gradients all-reduced across nodes: the
-    all-gathers of every micro-batch stay on the node's links (torchtitan's data_parallel_replicate)."""
+    """FSDP2 on each stored block, then the root. HSDP shards within a node, replicates across."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                  cast_forward_inputs=False) if bf16 else MixedPrecisionPolicy()
+
+    policy = MixedPrecisionPolicy()
+    if bf16:
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     mesh, shards = None, dist.get_world_size()
     if config.parallel.startswith("hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
+
         shards = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        mesh = init_device_mesh("cuda" if bf16 else "cpu", (dist.get_world_size() // shards, shards),
-                                mesh_dim_names=("replicate", "shard"))
-    gather_once = config.parallel.endswith("grad_op")  # each block kept gathered from forward to backward
-    for block in model.blocks:  # a looped block's gradients accumulate over its visits, reduced once
+        mesh = init_device_mesh(
+            "cuda" if bf16 else "cpu",
+            (dist.get_world_size() // shards, shards),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    # grad_op keeps a block gathered from forward to backward. A looped block's gradients
+    # accumulate over its visits, then reduce once.
+    gather_once = config.parallel.endswith("grad_op")
+    for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not gather_once)
     fully_shard(model, mesh=mesh)
-    # Recompute each executed block in the backward (keep only its input) where match.py's planner says the
-    # activations do not fit this GPU; a CPU run, a rehearsal of the large-model path, always recomputes.
+    # Recompute each block in the backward where match.py's planner says the activations do not
+    # fit this GPU. A CPU run rehearses the large-model path: it always recomputes.
     model.activation_checkpointing = True
     if torch.cuda.is_available():
         mode = "fsdp_grad_op" if gather_once else "fsdp"
-        gpu_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / match.GIB
-        plan = match.memory_plan(model.config, shards, config.batch_size, config.optimizer, gpu_gb,
-                                 checkpointing=False)
+        gpu = torch.cuda.get_device_properties(torch.cuda.current_device())
+        plan = match.memory_plan(
+            model.config,
+            shards,
+            config.batch_size,
+            config.optimizer,
+            gpu.total_memory / match.GIB,
+            checkpointing=False,
+        )
         model.activation_checkpointing = not plan[mode]["fits"]
     return model
 
 
 def build_model(model_config, config, bf16, device, sharded):
-    """The model drawn on `device`. FSDP2: built on the meta device, sharded, materialised, then every
-    parameter drawn whole, one at a time, and cut to this rank's shard: no process holds the whole model,
-    and the weights are those one process draws (as torchtitan)."""
+    """The model drawn on `device`. FSDP2 builds it on the meta device, shards it, then draws
+    each parameter whole and keeps this rank's shard, as torchtitan."""
     with torch.device("meta" if sharded else device):
         model = GPT(model_config)
     if sharded:
@@ -304,12 +422,15 @@ def build_model(model_config, config, bf16, device, sharded):
 
 
 def grow_model(model, optimizers, config, bf16, device, sharded):
-    """[X] growth: (the model with twice the passes, pcc_untied's cores copied; its optimizers, each state
-    kept by name, a copy's fresh). FSDP2: the grown model is built sharded and each rank copies its shards
-    of every parameter's source (the same shapes and placements): no process gathers the whole model."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-    options = StateDictOptions(full_state_dict=not sharded, strict=False)  # strict: copies have no state
+    """[X] growth: (the model with twice the passes, its optimizers), the state kept by name.
+    Sharded, each rank copies its own shards."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=not sharded, strict=False)
     saved = get_optimizer_state_dict(model, optimizers, options=options)
     if sharded:
         with torch.device("meta"):
@@ -320,7 +441,8 @@ def grow_model(model, optimizers, config, bf16, device, sharded):
         grown.to_empty(device=device)
         source = dict(model.named_parameters())
         with torch.no_grad():
-            grown.rope_cos.copy_(model.rope_cos), grown.rope_sin.copy_(model.rope_sin)
+            grown.rope_cos.copy_(model.rope_cos)
+            grown.rope_sin.copy_(model.rope_sin)
             for name, p in grown.named_parameters():
                 p.to_local().copy_(source[param_map[name]].to_local())
     else:
@@ -330,41 +452,45 @@ def grow_model(model, optimizers, config, bf16, device, sharded):
         grown = grown.to(device)
     optimizers = build_optimizers(grown, config, bf16)
     saved["state"] = grow.copy_optimizer_state(saved["state"], param_map)
-    saved["param_groups"] = get_optimizer_state_dict(grown, optimizers, options=options)["param_groups"]
+    fresh = get_optimizer_state_dict(grown, optimizers, options=options)
+    saved["param_groups"] = fresh["param_groups"]
     set_optimizer_state_dict(grown, optimizers, saved, options=options)
+    # A copy starts fresh (reading the state dict gave it a step).
     copied = set(grow.copied_names(param_map))
     copies = [p for name, p in grown.named_parameters() if name in copied]
-    for opt in optimizers:  # a copy starts fresh, as a new parameter (reading the state dict gave it a step)
+    for opt in optimizers:
         for p in copies:
             opt.state.pop(p, None)
     return grown, optimizers
 
 
 def compile_blocks(model, backend="inductor"):
-    """torch.compile block by block, as torchtitan compiles under FSDP2: each block's forward one graph (the
-    looped blocks share it), FSDP2's hooks outside it; and the loss, one graph with its fp32 cast fused."""
+    """torch.compile each block's forward (FSDP2's hooks outside, as torchtitan) and the loss."""
     for block in model.blocks:
         block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
     model.cross_entropy = torch.compile(model.cross_entropy, fullgraph=True, backend=backend)
 
 
 def wrap(model, config, world, device):
-    """The module a step calls: the blocks compiled on CUDA, then DDP around the model (several
-    processes). Random passes may leave an untied core without a gradient: DDP is told."""
+    """The module a step calls: compiled on CUDA, then DDP with several processes."""
     if config.compile and device.type == "cuda":
         compile_blocks(model)
     if world > 1 and config.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
-        unused = any({s.block for s in execution_plan(model.config, k) if s.kind == "block"} !=
-                     set(range(model.config.n_blocks)) for k in config.n_passes_choices)
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                        find_unused_parameters=unused)
+
+        # Random passes may leave an untied core without a gradient: DDP is told.
+        every_block = set(range(model.config.n_blocks))
+        unused = any(
+            {s.block for s in execution_plan(model.config, k) if s.kind == "block"} != every_block
+            for k in config.n_passes_choices
+        )
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=unused)
     return model
 
 
 def shared_folder_or_refuse(out_dir, master, device):
-    """Several nodes write one run: every rank writes its checkpoint shards there and a resume reads them
-    all. So every rank must see the file rank 0 writes, or the run stops at its start, on every rank."""
+    """On several nodes every rank writes the run's shards: each must see what rank 0 writes."""
     probe = os.path.join(out_dir, ".shared")
     if master:
         open(probe, "w").close()
@@ -374,164 +500,233 @@ def shared_folder_or_refuse(out_dir, master, device):
     if master:
         os.remove(probe)
     if missing.item():
-        raise ValueError(f"out_dir={out_dir}: {int(missing.item())} processes do not see what rank 0 writes "
-                         "there; on several nodes the run folder must be one shared folder")
+        raise ValueError(
+            f"out_dir={out_dir}: {int(missing.item())} processes do not see what rank 0 writes "
+            "there; on several nodes the run folder must be one shared folder"
+        )
 
 
-# --------------------------------------------------------------------------------------------------
-# Training
+# Training.
 
 
 def resolve_settings(overrides):
-    """(settings, source checkpoint or None, its path, whether this run is a new decay branch): the
-    defaults, a resumed run's settings (a fork's, but not its decay_tokens), then the overrides."""
+    """(settings, source checkpoint or None, its path, is it a new decay branch)."""
     overrides = {k: configurator.checked(DEFAULTS, k, v) for k, v in overrides.items()}
-    init_from, out_dir = overrides.get("init_from", ""), overrides.get("out_dir", DEFAULTS["out_dir"])
+    init_from = overrides.get("init_from", "")
+    out_dir = overrides.get("out_dir", DEFAULTS["out_dir"])
     path = init_from
     if init_from == "resume":
-        path = next((p for p in (f"{out_dir}/ckpt.dcp", f"{out_dir}/ckpt.pt") if os.path.exists(p)), "")
+        candidates = (f"{out_dir}/ckpt.dcp", f"{out_dir}/ckpt.pt")
+        path = next((p for p in candidates if os.path.exists(p)), "")
         if not path:
             raise ValueError(f"init_from=resume: no checkpoint in {out_dir}")
     source = read_checkpoint(path) if path else None
-    inherited = {} if not source else source["config"] if init_from == "resume" else \
-        dict(source["config"], decay_tokens=0)  # a fork is a branch only when it says so
+    # A fork is a branch only if it says so.
+    inherited = {}
+    if source:
+        inherited = dict(source["config"])
+        if init_from != "resume":
+            inherited["decay_tokens"] = 0
     settings = {**DEFAULTS, **inherited, "init_from": "", **overrides}
     branch = init_from not in ("", "resume") and settings["decay_tokens"] > 0
-    if branch and "out_dir" not in overrides:  # a decay branch's own folder
-        settings["out_dir"] = f"{os.path.dirname(os.path.abspath(path))}_decay{source['state']['step']}"
-    changed = [k for k in MODEL_SETTINGS if source and overrides.get(k, source["model_config"][k]) !=
-               source["model_config"][k]]
-    if changed:
-        raise ValueError(f"{changed[0]}: a resumed or forked model keeps its checkpoint's shape")
-    if source:  # the model the checkpoint holds (growth may have changed it)
-        settings.update({k: source["model_config"][k] for k in MODEL_SETTINGS})
+    if branch and "out_dir" not in overrides:
+        run_dir = os.path.dirname(os.path.abspath(path))
+        settings["out_dir"] = f"{run_dir}_decay{source['state']['step']}"
+    # The model keeps the checkpoint's shape (growth may have changed it).
+    if source:
+        saved = source["model_config"]
+        changed = [k for k in MODEL_SETTINGS if overrides.get(k, saved[k]) != saved[k]]
+        if changed:
+            raise ValueError(
+                f"{changed[0]}: a resumed or forked model keeps its checkpoint's shape"
+            )
+        settings.update({k: saved[k] for k in MODEL_SETTINGS})
     return settings, source, path, branch
 
 
 def train(overrides=None, model_fields=None):
-    """One run in this process: {setting: value} over the defaults -> its summary. model_fields: ModelConfig
-    fields no setting names (a ladder's loop_scale), for a new run."""
-    # settings; a run never writes into a folder that holds another run
+    """One run: {setting: value} over the defaults -> its summary. model_fields: ModelConfig
+    fields no setting names (a ladder's loop_scale)."""
+    # Settings. A run never writes into another run's folder.
     settings, source, source_path, branch = resolve_settings(overrides or {})
     resume = (overrides or {}).get("init_from") == "resume"
     config = TrainConfig(**{k: settings[k] for k in DEFAULTS if k not in MODEL_SETTINGS})
     ckpt_path = os.path.join(config.out_dir, "ckpt.dcp" if config.parallel != "ddp" else "ckpt.pt")
     log_path = os.path.join(config.out_dir, "log.jsonl")
     if not resume and os.path.exists(log_path):
-        raise ValueError(f"{config.out_dir} holds a run: continue it with --init_from=resume, or give "
-                         "another --out_dir")
+        raise ValueError(
+            f"{config.out_dir} holds a run: continue it with --init_from=resume, or give "
+            "another --out_dir"
+        )
 
-    # processes: torchrun's (DDP or FSDP2) or one; a GPU when there is one, with bf16 autocast
+    # Processes: torchrun's, or this one. A GPU if there is one, with bf16 autocast.
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     sharded, master, bf16 = config.parallel != "ddp", rank == 0, device.type == "cuda"
-    if bf16:  # an allocator that grows its segments in place: the fragmentation match.py's planner assumes
+    if bf16:
+        # As match.py's planner assumes.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(device)
-    backend = "cpu:gloo,cuda:nccl" if bf16 else "gloo"  # gloo lacks gather and all-gather of CUDA tensors
+    # Gloo lacks gather and all-gather of CUDA tensors.
+    backend = "cpu:gloo,cuda:nccl" if bf16 else "gloo"
     if not dist.is_initialized() and world > 1:
         dist.init_process_group(backend)
-    elif not dist.is_initialized() and sharded:  # FSDP2 in one process: a one-rank group, kept
+    elif not dist.is_initialized() and sharded:
+        # FSDP2 in one process: a one-rank group.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    if not config.global_batch:  # kept in the settings: a resume on any number of processes steps alike
+    # Kept in the settings: a resume on any world size steps alike.
+    if not config.global_batch:
         config.global_batch = settings["global_batch"] = config.batch_size * world
     grad_accum = config.global_batch // (config.batch_size * world)
     if grad_accum * config.batch_size * world != config.global_batch:
-        raise ValueError(f"global_batch={config.global_batch} is not a multiple of batch_size x processes = "
-                         f"{config.batch_size * world}")
+        raise ValueError(
+            f"global_batch={config.global_batch} is not a multiple of batch_size x processes = "
+            f"{config.batch_size * world}"
+        )
 
-    # data: its tokenizer sets a new model's vocabulary; a decay branch reads the held-back tail
+    # Data. Its tokenizer sets a new model's vocabulary.
     data = load_data(config.data_dir)
     n_vocab, tokenizer = data.meta["n_vocab"], data.meta["tokenizer"]
     if source and source["tokenizer"] != tokenizer:
-        raise ValueError(f"{config.data_dir or 'the embedded corpus'} is in tokenizer {tokenizer}, the "
-                         f"checkpoint's model in {source['tokenizer']}")
-    padded = 64 * math.ceil(n_vocab / 64)  # [X]: GPT-2's 50,257 padded to 50,304, where it costs < 1%
+        raise ValueError(
+            f"{config.data_dir or 'the embedded corpus'} is in tokenizer {tokenizer}, the "
+            f"checkpoint's model in {source['tokenizer']}"
+        )
+    # [X] pads GPT-2's 50,257 to 50,304: pad where it costs < 1%.
+    padded = 64 * math.ceil(n_vocab / 64)
     vocab_size = padded if padded <= 1.01 * n_vocab else n_vocab
-    model_config = ModelConfig(**source["model_config"]) if source else ModelConfig(
-        vocab_size=vocab_size, eot_token=data.meta["eot_token"], n_logits=n_vocab * (vocab_size > n_vocab),
-        **{k: settings[k] for k in MODEL_SETTINGS}, **(model_fields or {}))
+    if source:
+        model_config = ModelConfig(**source["model_config"])
+    else:
+        model_config = ModelConfig(
+            vocab_size=vocab_size,
+            eot_token=data.meta["eot_token"],
+            n_logits=n_vocab * (vocab_size > n_vocab),
+            **{k: settings[k] for k in MODEL_SETTINGS},
+            **(model_fields or {}),
+        )
     if any(k > model_config.most_passes for k in config.n_passes_choices):
-        raise ValueError(f"n_passes_choices={config.n_passes_choices}: each must be in [1, "
-                         f"{model_config.most_passes}], the passes this model runs")
+        raise ValueError(
+            f"n_passes_choices={config.n_passes_choices}: each must be in [1, "
+            f"{model_config.most_passes}], the passes this model runs"
+        )
     in_branch = branch or resume and source["state"].get("branch_start") is not None
     stream = data.stream(model_config.block_size, config.seed, branch=in_branch)
-    avg_doc_len = min(data.meta["mean_doc_len"], model_config.block_size)  # of the logged attention FLOPs
+    # For the logged attention FLOPs.
+    avg_doc_len = min(data.meta["mean_doc_len"], model_config.block_size)
 
-    # the model and its optimizers: fresh, or from the checkpoint a resume, fork or branch continues
+    # The model and optimizers, fresh or a checkpoint's. The window holds the losses since the
+    # last eval, and passes their K.
     torch.manual_seed(config.seed)
     model = build_model(model_config, config, bf16, device, sharded)
     optimizers = build_optimizers(model, config, bf16)
-    state = dict(step=0, tokens=0, flops=0.0, flops_by_passes={}, data_position=0, branch_start=None,
-                 grown=False, window=[], passes=[])  # window, passes: the train losses and K since the eval
+    state = dict(
+        step=0,
+        tokens=0,
+        flops=0.0,
+        flops_by_passes={},
+        data_position=0,
+        branch_start=None,
+        grown=False,
+        window=[],
+        passes=[],
+    )
     if source:
         load_state(source, model, optimizers)
         state.update(source["state"])
         if resume:
             torch.set_rng_state(source["rng"])
-        elif branch:  # a decay branch [S]: from a stable step, on the held-back data from its beginning
-            if state["step"] > state.get("decay_start", state["step"]):  # its steps so far: all stable
-                raise ValueError(f"{source_path} is at step {state['step']}, where its LR already decays: a "
-                                 "decay branch forks from a stable checkpoint")
+        elif branch:
+            # A decay branch [S] forks a stable step and reads the held-back data from its start.
+            if state["step"] > state.get("decay_start", state["step"]):
+                raise ValueError(
+                    f"{source_path} is at step {state['step']}, where its LR already decays: a "
+                    "decay branch forks from a stable checkpoint"
+                )
             state.update(data_position=0, branch_start=state["step"])
+        # A fork may change the LRs and decays.
         planned = {name: (lr, wd) for name, _, lr, wd, _ in param_groups(model, config)}
-        for opt in optimizers:  # the LRs and decays are the settings' (a fork may change them)
+        for opt in optimizers:
             for group in opt.param_groups:
                 group["base_lr"], group["weight_decay"] = planned[group["name"]]
     step_model = wrap(model, config, world, device)
 
-    # the schedule; a branch that would reread data and a run with nothing to do are refused
+    # The schedule. A branch that would reread data and a run with nothing to do are refused.
     tokens_per_step = config.global_batch * model_config.block_size
-    max_steps, decay_start, grow_step = plan_schedule(config, tokens_per_step, state["branch_start"])
+    schedule = plan_schedule(config, tokens_per_step, state["branch_start"])
+    max_steps, decay_start, grow_step = schedule
     state["decay_start"] = decay_start
     if branch and (max_steps - state["step"]) * config.global_batch > stream.n_windows:
         held = stream.n_windows * model_config.block_size
-        raise ValueError(f"decay_tokens={config.decay_tokens:,} would reread the held-back data: its "
-                         f"{held:,} tokens ({BRANCH_FRACTION:.0%} of the train split) are what branches read")
+        raise ValueError(
+            f"decay_tokens={config.decay_tokens:,} would reread the held-back data: its "
+            f"{held:,} tokens ({BRANCH_FRACTION:.0%} of the train split) are what branches read"
+        )
     if state["step"] >= max_steps:
-        raise ValueError(f"{config.out_dir} is at step {state['step']} of max_steps={max_steps}: nothing to "
-                         "train (a larger --max_steps continues a stable run)")
+        raise ValueError(
+            f"{config.out_dir} is at step {state['step']} of max_steps={max_steps}: nothing to "
+            "train (a larger --max_steps continues a stable run)"
+        )
 
-    # the run's folder and log (a resumed log is cut back to its checkpoint), wandb, the header
+    # The folder, the log (cut back to the checkpoint on resume), wandb, the header.
     os.makedirs(config.out_dir, exist_ok=True)
-    if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):  # several nodes: one shared run folder
+    if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):
         shared_folder_or_refuse(config.out_dir, master, device)
     if master and resume:
         lines = [line for line in open(log_path) if json.loads(line)["step"] <= state["step"]]
         open(log_path, "w").writelines(lines)
     if master and config.wandb_log:
         import wandb
-        wandb.init(project=config.wandb_project, name=config.wandb_run_name or config.out_dir,
-                   config=settings)
+
+        run_name = config.wandb_run_name or config.out_dir
+        wandb.init(project=config.wandb_project, name=run_name, config=settings)
     counts, c = model.num_params(), model_config
     log = tqdm.write if master else (lambda *a: None)
-    log(f"run {config.out_dir}: {c.layout} n_layer={c.n_layer} n_embd={c.n_embd} n_expert={c.n_expert} "
-        f"passes={c.n_passes}; params total {counts['total']:,} active {counts['active']:,}; "
-        f"{tokens_per_step:,} tokens/step x {max_steps} steps; world_size {world}; device {device.type}\n"
-        f"data {data.data_dir}: {len(data.train):,} train tokens ({stream.name} region, {stream.n_windows:,} "
-        f"windows), unigram entropy of the train split {data.meta['unigram_entropy']:.3f} nats")
+    log(
+        f"run {config.out_dir}: {c.layout} n_layer={c.n_layer} n_embd={c.n_embd} "
+        f"n_expert={c.n_expert} passes={c.n_passes}; params total {counts['total']:,} "
+        f"active {counts['active']:,}; {tokens_per_step:,} tokens/step x {max_steps} steps; "
+        f"world_size {world}; device {device.type}\n"
+        f"data {data.data_dir}: {len(data.train):,} train tokens ({stream.name} region, "
+        f"{stream.n_windows:,} windows), unigram entropy of the train split "
+        f"{data.meta['unigram_entropy']:.3f} nats"
+    )
 
-    # a run that diverges stops at once; every checkpoint it saved was checked finite before it was written
-    saved_step = state["step"] if resume else None  # the step ckpt_path holds
+    # A diverging run stops at once; each checkpoint was checked finite before saving.
+    saved_step = state["step"] if resume else None
 
     def diverged(what):
-        last = (f"{ckpt_path} (step {saved_step}) is the last checkpoint" if saved_step is not None
-                else "no checkpoint was saved")
-        raise FloatingPointError(f"{what} became non-finite by step {state['step']}: stopped; {last}")
+        if saved_step is not None:
+            last = f"{ckpt_path} (step {saved_step}) is the last checkpoint"
+        else:
+            last = "no checkpoint was saved"
+        step = state["step"]
+        raise FloatingPointError(f"{what} became non-finite by step {step}: stopped; {last}")
 
-    def evaluate_and_log(lr):  # an eval's log line: where the run is, its LR and losses, the eval
+    def mean(xs, empty):
+        return float(np.mean(xs)) if xs else empty
+
+    def evaluate_and_log(lr):
+        """An eval's log record: step, LR, losses, the eval's metrics."""
         metrics = evaluate(model, data, config.eval_tokens, config.batch_size, autocast)
         if not math.isfinite(metrics["val_loss"]):
             diverged("the val loss")
-        mean = lambda xs, empty: float(np.mean(xs)) if xs else empty  # noqa: E731
-        record = dict(step=state["step"], tokens=state["tokens"], flops=state["flops"],
-                      flops_by_passes={str(k): v for k, v in sorted(state["flops_by_passes"].items())}, lr=lr,
-                      train_loss=mean(state["window"], None), **metrics,
-                      epochs=state["data_position"] / stream.n_windows,
-                      n_passes=mean(state["passes"], model.config.n_passes), **speed,
-                      seconds=round(time.time() - t0, 3))
+        by_passes = sorted(state["flops_by_passes"].items())
+        record = dict(
+            step=state["step"],
+            tokens=state["tokens"],
+            flops=state["flops"],
+            flops_by_passes={str(k): v for k, v in by_passes},
+            lr=lr,
+            train_loss=mean(state["window"], None),
+            **metrics,
+            epochs=state["data_position"] / stream.n_windows,
+            n_passes=mean(state["passes"], model.config.n_passes),
+            **speed,
+            seconds=round(time.time() - t0, 3),
+        )
         if master:
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -539,7 +734,7 @@ def train(overrides=None, model_fields=None):
                 wandb.log(record, step=state["step"])
         return record
 
-    # Ctrl-C and SIGTERM (a scheduler, torchrun) ask the loop to save and stop after a step; twice, at once
+    # Ctrl-C or SIGTERM asks the loop to save and stop after a step; a second stops at once.
     stop, handlers = [], {}
 
     def on_signal(signum, frame):
@@ -550,23 +745,24 @@ def train(overrides=None, model_fields=None):
     if threading.current_thread() is threading.main_thread():
         handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
+    # The speed leaves evals and saves out; clock and trained hold (seconds, tokens, FLOPs).
     t0, lr, losses, unread = time.time(), 0.0, [], []
-    # speed: over each read's interval, and the run's (this process's training; evals and saves left out)
     peak = peak_flops(device)
-    clock, trained = [t0, state["tokens"], state["flops"]], [0.0, 0, 0.0]  # (seconds, tokens, FLOPs)
+    clock, trained = [t0, state["tokens"], state["flops"]], [0.0, 0, 0.0]
     speed = dict(tokens_per_s=None, mfu=None)
-    record = evaluate_and_log(lr) if state["step"] == 0 else None  # a new run's step-0 eval
+    # A new run evaluates its initial weights at step 0.
+    record = evaluate_and_log(lr) if state["step"] == 0 else None
     bar = tqdm(total=max_steps, initial=state["step"], unit="step", disable=not master or None)
     while state["step"] < max_steps:
         step = state["step"]
-        # [X] growth, once: twice the passes (pcc_untied: copied cores), the optimizer state by name
+        # [X] growth, once: twice the passes (pcc_untied copies its cores).
         if step == grow_step and not state["grown"]:
             model, optimizers = grow_model(model, optimizers, config, bf16, device, sharded)
             state["grown"], step_model = True, wrap(model, config, world, device)
             settings.update({k: model.config.to_dict()[k] for k in MODEL_SETTINGS})
             log(f"step {step}: grew to {model.config.n_passes} passes")
 
-        # the schedule: every group's LR, Muon's momentum; this step's passes (None: the model's own)
+        # The schedule: every group's LR, Muon's momentum, this step's passes (None: the model's).
         lr_scale = lr_multiplier(config, step, max_steps, decay_start, grow_step)
         for opt in optimizers:
             for group in opt.param_groups:
@@ -576,47 +772,56 @@ def train(overrides=None, model_fields=None):
         lr = optimizers[-1].param_groups[0]["lr"]
         n_passes = passes_of_step(config, step)
 
-        # forward and backward over the micro-batches (rank r reads its slice), then the update. DDP
-        # reduces the gradients once, at the last (no_sync before); FSDP2 reduce-scatters each, sharded,
-        # and HSDP's replicas (the nodes) all-reduce those once, at the last
-        unread.append(torch.zeros(2, dtype=torch.float64, device=device))  # (CE, loss), read later
+        # Forward and backward over the micro-batches (rank r reads its slice), then the update.
+        # DDP reduces the gradients once, at the last (no_sync before). FSDP2 reduce-scatters
+        # each, and HSDP's replicas (the nodes) all-reduce once, at the last.
+        unread.append(torch.zeros(2, dtype=torch.float64, device=device))
         for micro in range(grad_accum):
             first = state["data_position"] + (rank * grad_accum + micro) * config.batch_size
             x, y = stream.batch(first, config.batch_size, device)
             last = micro == grad_accum - 1
-            no_sync = step_model.no_sync() if hasattr(step_model, "no_sync") and not last \
-                else contextlib.nullcontext()
+            no_sync = contextlib.nullcontext()
+            if hasattr(step_model, "no_sync") and not last:
+                no_sync = step_model.no_sync()
             if sharded:
                 model.set_requires_all_reduce(last)
             with no_sync, autocast:
                 _, loss, stats = step_model(x, y, n_passes=n_passes, return_stats=True)
                 (loss / grad_accum).backward()
             unread[-1] += torch.stack([stats["ce"], loss.detach()]).double() / grad_accum
-        if config.optimizer != "muon_x":  # the [X] code never clips
+        # The [X] code never clips.
+        if config.optimizer != "muon_x":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        # accounting: tokens, windows read, FLOPs with every block execution counted (match.py)
+        # Accounting: tokens, windows read, FLOPs of every block execution (match.py).
         k = n_passes or model.config.n_passes
-        flops = tokens_per_step * match.flops_per_token(model.config, n_passes=k, avg_doc_len=avg_doc_len)
-        state.update(step=step + 1, tokens=state["tokens"] + tokens_per_step, flops=state["flops"] + flops,
-                     data_position=state["data_position"] + config.global_batch)
+        flops_per_token = match.flops_per_token(model.config, n_passes=k, avg_doc_len=avg_doc_len)
+        flops = tokens_per_step * flops_per_token
+        state.update(
+            step=step + 1,
+            tokens=state["tokens"] + tokens_per_step,
+            flops=state["flops"] + flops,
+            data_position=state["data_position"] + config.global_batch,
+        )
         state["flops_by_passes"][k] = state["flops_by_passes"].get(k, 0.0) + flops
         state["passes"].append(k)
         bar.update(1)
 
-        # To the host every LOG_INTERVAL steps and before every eval and save, summed over the ranks: the
-        # losses, whether a weight is non-finite (the update after the last loss may have broken them), and
-        # whether a stop was asked on any rank. A non-finite loss or weight stops the run before it is saved.
+        # Every LOG_INTERVAL steps and before a save, summed over the ranks, to the host: the
+        # losses, whether a weight is non-finite (the last update may have broken one), and
+        # whether a rank was asked to stop. Non-finite stops the run before a save.
         at_eval = state["step"] % config.eval_interval == 0 or state["step"] == max_steps
         at_save = state["step"] in config.save_steps
         if at_eval or at_save or state["step"] % LOG_INTERVAL == 0 or stop and world == 1:
-            finite = torch.stack([(p.to_local() if sharded else p).isfinite().all()
-                                  for p in model.parameters()])
+            finite = torch.stack(
+                [(p.to_local() if sharded else p).isfinite().all() for p in model.parameters()]
+            )
             read = torch.stack(unread).flatten()
-            read = torch.cat([read, (~finite.all()).double()[None], read.new_tensor([float(bool(stop))])])
+            flags = [(~finite.all()).double()[None], read.new_tensor([float(bool(stop))])]
+            read = torch.cat([read, *flags])
             if world > 1:
                 dist.all_reduce(read)
             read, unread = read.cpu(), []
@@ -628,78 +833,111 @@ def train(overrides=None, model_fields=None):
                 diverged("the loss")
             losses += read[:, 0].tolist()
             state["window"] += read[:, 0].tolist()
-            # the speed since the last read (the host has just waited for the device)
-            interval = [time.time() - clock[0], state["tokens"] - clock[1], state["flops"] - clock[2]]
-            speed = dict(tokens_per_s=round(interval[1] / interval[0]),
-                         mfu=peak and round(interval[2] / interval[0] / (peak * world), 4))
+            # The speed since the last read (the host just waited for the device).
+            interval = [
+                time.time() - clock[0], state["tokens"] - clock[1], state["flops"] - clock[2]
+            ]
+            speed = dict(
+                tokens_per_s=round(interval[1] / interval[0]),
+                mfu=peak and round(interval[2] / interval[0] / (peak * world), 4),
+            )
             trained = [a + b for a, b in zip(trained, interval)]
             clock = [time.time(), state["tokens"], state["flops"]]
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}", tok_s=speed["tokens_per_s"],
-                            **{"mfu": speed["mfu"]} if peak else {})
+            mfu = {"mfu": speed["mfu"]} if peak else {}
+            bar.set_postfix(
+                loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}", tok_s=speed["tokens_per_s"], **mfu
+            )
 
-        # eval, checkpoint, then its log line; extra checkpoints (decay branches fork there); a stop
+        # An eval and its checkpoint; the extra checkpoints decay branches fork from.
         if at_eval:
             record = evaluate_and_log(lr)
             state.update(window=[], passes=[])
             bar.set_postfix(loss=f"{losses[-1]:.3f}", val=f"{record['val_loss']:.3f}")
-        stopping = stop and (world == 1 or state["step"] % LOG_INTERVAL == 0)  # every rank alike
+        # A stop saves too, on all ranks at one step.
+        stopping = stop and (world == 1 or state["step"] % LOG_INTERVAL == 0)
         if at_eval or stopping:
             save_checkpoint(ckpt_path, model, optimizers, settings, state, tokenizer, sharded)
             saved_step = state["step"]
         if at_save:
-            path = os.path.join(config.out_dir, f"ckpt_step{state['step']}" + (".dcp" if sharded else ".pt"))
+            name = f"ckpt_step{state['step']}" + (".dcp" if sharded else ".pt")
+            path = os.path.join(config.out_dir, name)
             save_checkpoint(path, model, optimizers, settings, state, tokenizer, sharded)
         if stopping:
             break
+        # The next speed leaves the eval and the saves out.
         if at_eval or at_save:
-            clock[0] = time.time()  # the next speed leaves the eval and the saves out
+            clock[0] = time.time()
     bar.close()
     if master and config.wandb_log:
         wandb.finish()
     for s, handler in handlers.items():
         signal.signal(s, handler)
     if stop:
-        log(f"stopped at step {state['step']}: {ckpt_path} saved; resume with\n  python train.py "
-            f"--out_dir={config.out_dir} --init_from=resume")
+        log(
+            f"stopped at step {state['step']}: {ckpt_path} saved; resume with\n  python train.py "
+            f"--out_dir={config.out_dir} --init_from=resume"
+        )
         raise KeyboardInterrupt
 
-    # the end: an FSDP run's weights in one ckpt.pt, for the tools; the summary
+    # The end: an FSDP run's weights in one ckpt.pt, for the tools; the summary.
     if sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0's CPU
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(model, options=full)
         if master:
             path = os.path.join(config.out_dir, "ckpt.pt")
-            torch.save(dict(model=weights, model_config=model.config.to_dict(), config=settings, state=state,
-                            tokenizer=tokenizer), path + ".tmp")
+            final = dict(
+                model=weights,
+                model_config=model.config.to_dict(),
+                config=settings,
+                state=state,
+                tokenizer=tokenizer,
+            )
+            torch.save(final, path + ".tmp")
             os.replace(path + ".tmp", path)
-    summary = dict(run_dir=config.out_dir, ckpt_path=os.path.join(config.out_dir, "ckpt.pt"),
-                   resume_path=ckpt_path, log_path=log_path, step=state["step"], max_steps=max_steps,
-                   tokens=state["tokens"], flops=state["flops"], val_loss=record["val_loss"],
-                   val_bpb=record["val_bpb"], val_loss_by_source=record.get("val_loss_by_source"),
-                   train_losses=losses, unigram_entropy=data.meta["unigram_entropy"],
-                   seconds=time.time() - t0, tokens_per_s=round(trained[1] / trained[0]),
-                   mfu=peak and round(trained[2] / trained[0] / (peak * world), 4))
+    summary = dict(
+        run_dir=config.out_dir,
+        ckpt_path=os.path.join(config.out_dir, "ckpt.pt"),
+        resume_path=ckpt_path,
+        log_path=log_path,
+        step=state["step"],
+        max_steps=max_steps,
+        tokens=state["tokens"],
+        flops=state["flops"],
+        val_loss=record["val_loss"],
+        val_bpb=record["val_bpb"],
+        val_loss_by_source=record.get("val_loss_by_source"),
+        train_losses=losses,
+        unigram_entropy=data.meta["unigram_entropy"],
+        seconds=time.time() - t0,
+        tokens_per_s=round(trained[1] / trained[0]),
+        mfu=peak and round(trained[2] / trained[0] / (peak * world), 4),
+    )
     mfu = f", MFU {summary['mfu']:.1%} of {world} x {peak:.3g} FLOP/s" if peak else ""
-    log(f"step {state['step']}: val loss {record['val_loss']:.4f} nats ({record['val_bpb']:.4f} bits/byte) "
-        f"vs unigram entropy {data.meta['unigram_entropy']:.4f} ({state['tokens']:,} tokens, "
-        f"{state['flops']:.3e} FLOPs, {summary['seconds']:.0f} s; {summary['tokens_per_s']:,} tokens/s"
-        f"{mfu})\ncheckpoint: {summary['ckpt_path']}\nlog:        {log_path}")
+    log(
+        f"step {state['step']}: val loss {record['val_loss']:.4f} nats "
+        f"({record['val_bpb']:.4f} bits/byte) vs unigram entropy "
+        f"{data.meta['unigram_entropy']:.4f} ({state['tokens']:,} tokens, "
+        f"{state['flops']:.3e} FLOPs, {summary['seconds']:.0f} s; "
+        f"{summary['tokens_per_s']:,} tokens/s{mfu})\n"
+        f"checkpoint: {summary['ckpt_path']}\nlog:        {log_path}"
+    )
     return summary
 
 
 def main(argv):
-    if "-h" in argv or "--help" in argv:  # every setting with its default and what it does
-        import inspect
-        model_lines = [line for line in inspect.getsource(ModelConfig).splitlines()
-                       if line.strip().split(":")[0] in MODEL_SETTINGS]
-        print("usage: python train.py [config/NAME.py ...] [--key=value ...]\n\nmodel (model.py):\n"
-              + "\n".join(model_lines) + f"\n    (the tiny default: {TINY})\n\ntraining:\n"
-              + "\n".join(inspect.getsource(TrainConfig).splitlines()[2:]))
+    if "-h" in argv or "--help" in argv:
+        print("usage: python train.py [config/NAME.py ...] [--key=value ...]\n")
+        print("model (model.py):")
+        print("\n".join(settings_help(ModelConfig, MODEL_SETTINGS)))
+        print(f"    (the tiny default: {TINY})\n\ntraining:")
+        print("\n".join(settings_help(TrainConfig, [f.name for f in fields(TrainConfig)])))
         return 0
     try:
         train(configurator.configure(DEFAULTS, argv))
-    except (ValueError, FileNotFoundError) as e:  # a bad setting, a missing file: one line
+    # A bad setting or a missing file is one line.
+    except (ValueError, FileNotFoundError) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:

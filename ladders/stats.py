@@ -1,5 +1,4 @@
-"""The ladders' statistics, beside fit.py's laws: the seed spread, t-intervals, contrasts paired by seed, the
-seed bootstrap, profile intervals. Every interval is 95%."""
+"""The ladders' statistics beside fit.py's laws. Every interval is 95%."""
 
 import math
 
@@ -10,8 +9,9 @@ LEVEL = 0.95
 
 
 def pooled_std(groups):
-    """(sigma, dof) of groups of repeated values (seeds of one point): sigma^2 = sum (n_i - 1) s_i^2 / dof,
-    dof = sum (n_i - 1); a group of one adds nothing. (None, 0) without a repeated group."""
+    """(sigma, dof) of groups of repeated values, such as seeds."""
+    # sigma^2 = sum (n_i - 1) s_i^2 / dof,
+    # dof = sum (n_i - 1): one value adds nothing.
     groups = [np.asarray(v, dtype=float) for v in groups if len(v) > 1]
     dof = sum(len(v) - 1 for v in groups)
     if not dof:
@@ -20,39 +20,41 @@ def pooled_std(groups):
 
 
 def t_interval(mean, sigma, n, dof):
-    """mean -+ t(dof) sigma / sqrt(n): the interval of a mean of n seeds, sigma their (pooled) std."""
+    """mean -+ t(dof) sigma / sqrt(n)."""
     half = scipy_stats.t.ppf(0.5 + LEVEL / 2, dof) * sigma / math.sqrt(n)
     return mean - half, mean + half
 
 
 def paired(diffs):
-    """A contrast paired by seed: diffs {point: [its value on each seed]} -> dict(diff, sigma, z, lo, hi, p,
-    dof, means) of the mean over the points, its noise the per-seed spread pooled over the points."""
+    """A contrast paired by seed: {point: [value per seed]}."""
     means = {p: float(np.mean(v)) for p, v in diffs.items()}
     d, (sigma, dof) = float(np.mean(list(means.values()))), pooled_std(diffs.values())
     if not dof:
         nan = math.nan
-        return dict(diff=d, sigma=nan, z=nan, lo=nan, hi=nan, p=nan, dof=0, means=means, point_sigma=nan)
+        return dict(diff=d, sigma=nan, z=nan, lo=nan, hi=nan, p=nan, dof=0, means=means,
+                    point_sigma=nan)
+    # The noise: the per-seed spread, pooled.
     s = sigma * math.sqrt(sum(1 / len(v) for v in diffs.values())) / len(diffs)
     lo, hi = t_interval(d, s, 1, dof)
-    z = d / s if s else math.copysign(math.inf, d) if d else 0.0  # no spread at all: made-up data
-    return dict(diff=d, sigma=s, z=z, lo=lo, hi=hi, p=float(2 * scipy_stats.t.sf(abs(z), dof)), dof=dof,
-                means=means, point_sigma=sigma)
+    # No spread at all: made-up data.
+    z = d / s if s else math.copysign(math.inf, d) if d else 0.0
+    p = float(2 * scipy_stats.t.sf(abs(z), dof))
+    return dict(diff=d, sigma=s, z=z, lo=lo, hi=hi, p=p, dof=dof, means=means, point_sigma=sigma)
 
 
 def spreads(groups):
-    """{arm: [[its losses on each seed] per point]} -> the line of each arm's own seed std pooled over its
-    points, beside the std pooled over every arm."""
+    """A line: the seed std pooled per arm and over every arm."""
     own = {a: pooled_std(g) for a, g in groups.items()}
+    own = ", ".join(f"{a} {fmt(s, '.4f')} ({k})" for a, (s, k) in own.items())
     sigma, dof = pooled_std([v for g in groups.values() for v in g])
-    return (f"seed std pooled over every arm {fmt(sigma, '.4f')} ({dof} dof); each arm's own: "
-            + ", ".join(f"{a} {fmt(s, '.4f')} ({k})" for a, (s, k) in own.items()))
+    return f"seed std pooled over every arm {fmt(sigma, '.4f')} ({dof} dof); each arm's own: {own}"
 
 
 def seed_draws(means, ns, sigma, dof, n_draws, seed=0):
-    """The seed bootstrap (parametric): n_draws draws of every point's seed mean, each moved by sigma /
-    sqrt(n) x a Student t(dof) draw (sigma, dof: scalars or one per point), so that one mean's band is its
-    t-interval; seeded, so that a report rebuilds byte for byte -> array (n_draws, points)."""
+    """The parametric seed bootstrap of seed means."""
+    # A draw moves a mean by sigma / sqrt(n) x a t(dof)
+    # draw, so one mean's band is its t-interval.
+    # Seeded: a report rebuilds byte for byte.
     means, ns = np.asarray(means, dtype=float), np.asarray(ns, dtype=float)
     sigma, dof = np.broadcast_to(sigma, means.shape), np.broadcast_to(dof, means.shape)
     rng = np.random.default_rng(seed)
@@ -60,20 +62,21 @@ def seed_draws(means, ns, sigma, dof, n_draws, seed=0):
 
 
 def profile_bound(objective, n_points):
-    """How far a profiled Huber objective may rise above its minimum inside a 95% profile interval: the
-    likelihood-ratio bound chi2(1)/2 x objective / points of a Laplace likelihood (Huber on log-loss in its
-    linear part); the points are taken as independent."""
+    """How far a profiled Huber objective may rise inside the interval."""
+    # The likelihood-ratio bound of a Laplace likelihood
+    # (Huber in its linear part), the points independent.
     return float(scipy_stats.chi2.ppf(LEVEL, 1)) / 2 * objective / n_points
 
 
 def profile_interval(values, objectives, bound):
-    """(lo, hi, at_edge) of a profile (values ascending): the values within bound of the lowest objective lie
-    inside [lo, hi], the nearest values tried outside them; at_edge when they reach an end of the values."""
+    """(lo, hi, at_edge) of a profile over ascending values."""
+    # lo and hi: the nearest values outside those within
+    # bound of the lowest objective.
     values, objectives = np.asarray(values, dtype=float), np.asarray(objectives, dtype=float)
     inside = np.flatnonzero(objectives <= objectives.min() + bound)
     first, last = int(inside[0]), int(inside[-1])
-    return (float(values[max(first - 1, 0)]), float(values[min(last + 1, len(values) - 1)]),
-            first == 0 or last == len(values) - 1)
+    lo, hi = values[max(first - 1, 0)], values[min(last + 1, len(values) - 1)]
+    return float(lo), float(hi), first == 0 or last == len(values) - 1
 
 
 def fmt(v, spec):

@@ -1,6 +1,4 @@
-"""The LR sweep every protocol runs: at each sweep point (an architecture at a depth or scale) every value
-of one LR, bracketed (while the best is at an edge of those tried, the next value beyond runs too, at most
-`extend` beyond the grid); the best (the mean over its seeds) is the point's LR. Its table, lr_sweep.csv."""
+"""The LR sweep every protocol runs, and its table lr_sweep.csv."""
 
 import numpy as np
 
@@ -8,13 +6,14 @@ from ladders.runs import grid_neighbours, search
 
 
 def lr_sweep(preset, points, runs, results, where=None):
-    """Each point's bracketed sweep; runs(point, value) -> its specs (marked role "sweep") -> (specs,
-    {point: best value} or None while runs are missing, lr_sweep.csv's rows: arch, [where: its depth or
-    scale], key, value, val_loss (the mean over its seeds), carried (the value used))."""
+    """Each point's bracketed sweep -> (specs, {point: best}, rows)."""
+    # A point is an arch at a depth or scale; its LR
+    # is the value of the lowest mean loss over seeds.
     lr = preset["lr"]
     neighbours, specs, best, rows = grid_neighbours(lr["values"], lr["extend"]), [], {}, []
+    # Each point bracketed on its own.
     for point in points:
-        tried, best[point] = search(list(lr["values"]), neighbours, lambda v: runs(point, v), results)
+        tried, best[point] = search([*lr["values"]], neighbours, lambda v: runs(point, v), results)
         for v in sorted(tried):
             mine = runs(point, v)
             for s in mine:
@@ -29,21 +28,25 @@ def lr_sweep(preset, points, runs, results, where=None):
 
 
 def sweep_lines(rows, sigma=None):
-    """The sweep's table from lr_sweep.csv's rows, a block per depth or scale when it has that column; with
-    sigma (the noise of a difference of two values' losses) the best value's neighbours' excess in it."""
+    """The sweep's table, a block per depth or scale."""
+    # sigma: the noise of a difference of two losses.
     where = next((w for w in ("depth", "scale") if w in rows[0]), None)
-    lines = [f"LR sweep ({rows[0]['key']}): validation loss, the mean over its seeds (* = the value used"
-             + (f"; last, the best's neighbours: excess loss / sigma {sigma:.4f}" if sigma else "") + ")"]
+    excess = f"; last, the best's neighbours: excess loss / sigma {sigma:.4f}" if sigma else ""
+    lines = [f"LR sweep ({rows[0]['key']}): validation loss, the mean over its seeds "
+             f"(* = the value used{excess})"]
+    # A block per depth or scale, a row per arch.
     for at in dict.fromkeys(r.get(where) for r in rows):
         block = [r for r in rows if r.get(where) == at]
         values = sorted({r["value"] for r in block})
-        lines.append(f"  {'' if at is None else f'd{at}' if where == 'depth' else at:>12} "
-                     + " ".join(f"{v:>10g}" for v in values))
+        name = "" if at is None else f"d{at}" if where == "depth" else at
+        lines.append(f"  {name:>12} " + " ".join(f"{v:>10g}" for v in values))
         for arch in dict.fromkeys(r["arch"] for r in block):
-            loss = {r["value"]: r["val_loss"] for r in block if r["arch"] == arch}
-            used = next((r["value"] for r in block if r["arch"] == arch and r["carried"]), None)
+            mine = [r for r in block if r["arch"] == arch]
+            loss = {r["value"]: r["val_loss"] for r in mine}
+            used = next((r["value"] for r in mine if r["carried"]), None)
             cells = [f"{loss[v]:9.4f}{'*' if v == used else ' '}" if v in loss else f"{'-':>10}"
                      for v in values]
+            # The best's neighbours: their excess loss.
             if sigma and loss:
                 i = values.index(min(loss, key=loss.get))
                 near = [loss[values[j]] - loss[values[i]] for j in (i - 1, i + 1)
@@ -54,19 +57,21 @@ def sweep_lines(rows, sigma=None):
 
 
 def unbracketed(rows):
-    """The sweep points (arch, its depth or scale) whose best value lacks a worse value tried on either side:
-    a reading that rests on those LRs has no gate."""
+    """The points whose best value lacks a worse one on either side."""
+    # A reading that rests on their LRs has no gate.
     where = next((w for w in ("depth", "scale") if rows and w in rows[0]), None)
     out = []
     for point in dict.fromkeys((r["arch"], r.get(where)) for r in rows):
-        losses = [r["val_loss"] for r in sorted((r for r in rows if (r["arch"], r.get(where)) == point),
-                                                 key=lambda r: r["value"])]
-        out += [" ".join(str(p) for p in point if p is not None)] * (min(losses) in (losses[0], losses[-1]))
+        mine = [r for r in rows if (r["arch"], r.get(where)) == point]
+        losses = [r["val_loss"] for r in sorted(mine, key=lambda r: r["value"])]
+        if min(losses) in (losses[0], losses[-1]):
+            out.append(" ".join(str(p) for p in point if p is not None))
     return out
 
 
 def gate_line(rows):
     """The sweep's gate, one line."""
     loose = unbracketed(rows or [])
-    return ("gate: every sweep point's best LR has a worse value on each side" if rows and not loose else
-            "gate failed: no LR sweep" if not rows else f"gate failed: the best LR is at an edge for {loose}")
+    return ("gate failed: no LR sweep" if not rows
+            else f"gate failed: the best LR is at an edge for {loose}" if loose
+            else "gate: every sweep point's best LR has a worse value on each side")

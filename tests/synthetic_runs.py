@@ -1,22 +1,18 @@
-"""Synthetic runs with known coefficients, the tests' ground truth for fit.py, plots.py and ladder.py."""
+"""Synthetic runs with known coefficients: the ground truth of fit.py's, plots.py's and ladder.py's tests."""
 import math
 
 import numpy as np
 
-from fit import C_REF, PowerLawFit, SurfaceFit
+from fit import PowerLawFit, SurfaceFit
 
-
-# Published-like coefficients for synthetic data (E, a, c, K from [S]; A, b chosen for this demo)
-SYNTHETIC_SURFACES = {
-    "baseline": dict(E=1.4439, A=2500.0, a=0.3703, b=0.5, K=1.975e6, c=0.6594),
-    "smelt": dict(E=1.4493, A=4200.0, a=0.3892, b=0.55, K=5.264e6, c=0.7011),
-}
+# E, a, c, K as published in [S]; A and b chosen for this demo.
+SYNTHETIC_SURFACES = {"baseline": dict(E=1.4439, A=2500.0, a=0.3703, b=0.5, K=1.975e6, c=0.6594),
+                      "smelt": dict(E=1.4493, A=4200.0, a=0.3892, b=0.55, K=5.264e6, c=0.7011)}
 
 
 def synthetic_surface_runs(surfaces=None, noise=0.003, seed=0, scales=(2.5e8, 5e8, 1e9, 2e9),
                            sparsities=(0.75, 0.85, 0.95), n_checkpoints=6):
-    """[S]-shaped runs {column: array}: 4 scales x 3 sparsities = 12 cells of 6 decay checkpoints per
-    architecture, loss = surface x exp(noise N(0, 1))."""
+    """[S]-shaped columns: per arch, scales x sparsities cells of n_checkpoints, loss x exp(noise N)."""
     rng, surfaces = np.random.default_rng(seed), surfaces or SYNTHETIC_SURFACES
     rows = [(arch, f"s{i}-S{S:g}", F, S, D) for arch in surfaces for i, F in enumerate(scales)
             for j, S in enumerate(sparsities)
@@ -26,18 +22,15 @@ def synthetic_surface_runs(surfaces=None, noise=0.003, seed=0, scales=(2.5e8, 5e
             for k, v in zip(("arch", "cell", "F", "S", "D", "loss"), [*zip(*rows), loss])}
 
 
-# [X]-shaped synthetic ladders with one shared E [X7]: loop-2 a constant improvement (multiplier
-# (1.5/1.4)^(1/0.3) = 1.2586 [X6]), untied-grow an exponent improvement (a multiplier rising with C).
+# [X]-shaped ladders (power_example.csv), E shared [X7]: loop-2 improves A, untied-grow gamma [X6].
 SYNTHETIC_POWER_E = 2.0
 SYNTHETIC_POWER_LAWS = {"vanilla": dict(A=1.5, gamma=0.30), "loop-2": dict(A=1.4, gamma=0.30),
                         "untied-grow": dict(A=1.45, gamma=0.32)}
 
 
-def synthetic_power_runs(laws=None, E=SYNTHETIC_POWER_E, budgets=(1e18, 3e18, 1e19, 3e19, 1e20),
-                         noise=0.001, seed=0, C0=C_REF):
-    """{arch, C, loss: array}, loss = (E + A (C/C0)^-gamma) exp(noise N(0, 1)) [X5]: power_example.csv."""
-    rng = np.random.default_rng(seed)
-    rows = [(arch, float(C), float(PowerLawFit(E=E, C0=C0, **law).loss(C)) * math.exp(noise * rng.normal()))
-            for arch, law in (laws or SYNTHETIC_POWER_LAWS).items() for C in budgets]
+def synthetic_power_runs(budgets=(1e18, 3e18, 1e19, 3e19, 1e20), noise=0.001, seed=0):
+    rng, E = np.random.default_rng(seed), SYNTHETIC_POWER_E
+    rows = [(arch, float(C), float(PowerLawFit(E=E, **law).loss(C)) * math.exp(noise * rng.normal()))
+            for arch, law in SYNTHETIC_POWER_LAWS.items() for C in budgets]
     return {k: np.array(v, dtype=object if k == "arch" else float)
             for k, v in zip(("arch", "C", "loss"), zip(*rows))}

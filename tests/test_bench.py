@@ -1,5 +1,4 @@
-"""bench/bench.py and bench/gpu_check.sh, proven on this CPU at toy sizes: one JSON line per measurement
-with its ratio beside the times, and the GPU script's dry run writes its summary and logs in two files."""
+"""bench/bench.py and bench/gpu_check.sh on this CPU at toy sizes."""
 import json
 import math
 import os
@@ -9,6 +8,8 @@ import sys
 import tarfile
 
 import pytest
+import torch
+from test_sample import error_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
@@ -22,13 +23,12 @@ def test_bench_dry_run_prints_one_json_line_per_measurement(capsys):
     moe = rows[0]
     assert moe["dense_hidden"] == moe["top_k"] * moe["expert_hidden"]  # equal active FLOPs
     assert abs(moe["ratio"] - moe["moe_ms"] / moe["dense_ms"]) < 0.01 * moe["ratio"]
-    assert [r["kernel"] for r in rows[1:]] == ["rmsnorm", "boundary_operator", "swiglu", "moe_experts",
-                                               "gram"]
+    kernel_names = ["rmsnorm", "boundary_operator", "swiglu", "moe_experts", "gram"]
+    assert [r["kernel"] for r in rows[1:]] == kernel_names
     assert all(r["max_rel_diff"] < 1e-5 for r in rows[1:]), rows  # fp32 in the interpreter: reassociation
 
 
 def test_the_byte_counter_counts_inputs_and_outputs_and_no_views():
-    import torch
     a, b = torch.ones(8, 4), torch.ones(4, 2, dtype=torch.bfloat16)
     with bench.ByteCounter() as counter:
         c = a @ b.float()  # a cast (16 + 32 bytes), a matmul (128 + 32 + 64)
@@ -42,7 +42,6 @@ def test_the_byte_counter_counts_inputs_and_outputs_and_no_views():
 
 
 def test_the_default_run_is_the_cpu_stages(monkeypatch):
-    """`python bench/bench.py` runs what a CPU measures in minutes, not the GPU check's stages at CUDA sizes."""
     ran = []
     stages = {name: lambda *args, name=name: ran.append(name) for name in bench.STAGES}
     monkeypatch.setattr(bench, "STAGES", stages)
@@ -50,24 +49,16 @@ def test_the_default_run_is_the_cpu_stages(monkeypatch):
     assert ran == ["efficiency", "moe", "moe_bytes", "moe_bytes_compiled", "kernels"]
 
 
-def test_the_lean_moe_moves_at_most_0_553_mb_per_token_at_the_s95_widths(capsys):
-    """bench's moe_bytes stage (shapes only: the CUDA path's bytes). The MoE before its lean pass moved 1.11
-    MB per token here; cast once before the gather and summed back in bf16, 0.654; gate and up in one GEMM,
-    one cast for the router and the experts, 0.552 (in-place writes counted)."""
-    bench.main(["moe_bytes"])
-    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert row["n_embd"] == 1056 and row["n_expert"] == 288 and row["gemm_mflop_per_token"] == 53.5
-    assert row["mb_per_token"] <= 0.553 and abs(row["gemm_flop_per_byte"] - 53.5 / row["mb_per_token"]) < 0.2
-
-
-def test_the_compiled_moe_moves_under_0_5_mb_per_token_at_the_s95_widths(capsys):
-    """The same layer compiled by Inductor, by its own count: SwiGLU one kernel each way (recomputed in the
-    backward, not saved), the gather fused with its index: 0.433 MB per token where the eager ops move 0.552.
-    Issue 49's 0.5 needs this fusion."""
-    bench.main(["moe_bytes_compiled"])
-    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert row["n_embd"] == 1056 and row["n_expert"] == 288 and row["tokens"] == 16384
-    assert 0.3 < row["mb_per_token"] <= 0.5  # the grouped GEMMs alone move 0.27
+def test_the_moe_moves_at_most_0_553_mb_per_token_eager_and_0_5_compiled_at_the_s95_widths(capsys):
+    """Eager: shapes only, the CUDA path's bytes (1.11 MB before the lean pass, 0.552 after).
+    Compiled, by Inductor's own count: 0.433."""
+    bench.main(["moe_bytes", "moe_bytes_compiled"])
+    eager, compiled = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for row in (eager, compiled):
+        assert row["n_embd"] == 1056 and row["n_expert"] == 288 and row["tokens"] == 16384
+    assert eager["gemm_mflop_per_token"] == 53.5 and eager["mb_per_token"] <= 0.553
+    assert abs(eager["gemm_flop_per_byte"] - 53.5 / eager["mb_per_token"]) < 0.2
+    assert 0.3 < compiled["mb_per_token"] <= 0.5  # the grouped GEMMs alone move 0.27
 
 
 def test_efficiency_counts_flops_per_layout_against_plain_and_gpt2(capsys, monkeypatch):
@@ -84,11 +75,8 @@ def test_efficiency_counts_flops_per_layout_against_plain_and_gpt2(capsys, monke
 
 
 def test_the_gpt2_twin_steps_and_counts_its_flops_as_match_py_counts_ours():
-    """bench.GPT2 (nanoGPT's model) takes a training step, and both sides of vs_gpt2 count FLOPs one way: a
-    step's matmuls as torch's FlopCounterMode counts them (it has no formula for SDPA's CPU kernel), plus
-    match.py's attention (4 x width x the mean keys per query) and norms (4 x width each), forward + backward.
-    Width 64: our SwiGLU is 176 wide, so GPT-2's 8 x width^2 MLP weights differ from its 3 x 64 x 176."""
-    import torch
+    """Both sides of vs_gpt2 count FLOPs one way: FlopCounterMode's matmuls (it has no formula for SDPA on
+    CPU) plus match.py's attention and norms. Our SwiGLU is 176 wide, so the MLPs differ."""
     from torch.utils.flop_counter import FlopCounterMode
     import match
     from model import GPT, ModelConfig
@@ -109,10 +97,7 @@ def test_the_gpt2_twin_steps_and_counts_its_flops_as_match_py_counts_ours():
 
 
 def test_a_bad_stage_is_one_line_with_status_2(capsys):
-    with pytest.raises(SystemExit) as exit:
-        bench.main(["nope"])
-    assert exit.value.code == 2 and capsys.readouterr().err.splitlines()[-1].startswith(
-        "bench/bench.py: error: unknown stage 'nope'")
+    assert "error: unknown stage 'nope'" in error_line(bench.main, ["nope"], capsys, "bench/bench.py")
 
 
 def test_gpu_check_dry_run_writes_its_summary_and_logs(tmp_path):

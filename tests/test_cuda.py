@@ -1,15 +1,12 @@
-"""What only a CUDA device can check, skipped without one (bench/gpu_check.sh runs it; tests/test_kernels.py
-runs the kernels compiled there too). In bf16, where the CPU cannot show it: torch's grouped GEMM
-(model.run_experts) and the Triton experts kernel (tensor-core tl.dot) are as accurate as a per-expert loop of
-cuBLAS matmuls against the fp32 result, an expert without tokens gets exact zero gradients, and a GPT with
-kernels.apply trains as the plain one does under bf16 autocast.
-"""
+"""What only a CUDA device can check (bench/gpu_check.sh runs it): bf16 grouped GEMMs as accurate as a
+per-expert loop, and a GPT with kernels.apply trains as the plain one under bf16 autocast."""
 import pytest
 import torch
 
 import kernels
 import model
 from conftest import loop_experts  # the twin of model.run_experts: a Python loop over the experts
+from test_kernels import KERNELS  # model.py's classes -> their kernels, as train.py maps them
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 COUNTS = {"mixed": [0, 1, 40, 0, 1, 7, 130, 3], "one-and-many": [1, 0, 0, 0, 0, 0, 0, 181]}
@@ -39,9 +36,8 @@ def forward_and_grads(experts, counts, width, hidden, dtype, autocast):
 @pytest.mark.parametrize("width,hidden", [(64, 48), (40, 24)])
 @pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
 def test_grouped_experts_in_bf16_are_as_accurate_as_the_loop(counts, width, hidden, mode):
-    """Against the fp32 result, within 3x the loop's own error: the kernel's backward rounds more stored
-    intermediates (d act, d gate / d up) than the loop. This test run on a CPU (cuda -> cpu; the interpreter
-    truncates to bf16 where a GPU rounds) measured at most 2.96x for the kernel, 1.67x for run_experts."""
+    """Within 3x the loop's error from fp32 (the kernel's backward stores more rounded intermediates;
+    measured on a CPU: 2.96x, run_experts 1.67x); an expert without tokens gets exact zero gradients."""
     dtype, autocast = (torch.float32, True) if mode == "autocast" else (torch.bfloat16, False)
     exact = forward_and_grads(loop_experts, counts, width, hidden, torch.float32, False)
     loop = forward_and_grads(loop_experts, counts, width, hidden, dtype, autocast)
@@ -58,16 +54,13 @@ def test_grouped_experts_in_bf16_are_as_accurate_as_the_loop(counts, width, hidd
 
 @pytest.mark.parametrize("layout,extra", [("pcc", {}), ("plain", dict(n_expert=8, top_k=2, norms="x"))])
 def test_a_gpt_with_kernels_trains_as_the_plain_one_in_bf16(layout, extra):
-    """The same weights and batch with and without kernels.apply, under bf16 autocast (FlexAttention's block
-    mask, the compiled kernels): losses within bf16 rounding, gradients close, both finite."""
+    """The same weights and batch with and without kernels.apply: close losses and finite gradients."""
     cfg = model.ModelConfig(vocab_size=512, block_size=128, n_layer=3, n_embd=128, n_head=4, layout=layout,
                             n_passes=2 if layout == "pcc" else 1, init="nanogpt", **extra)  # no zero matrices
     torch.manual_seed(0)
-    plain = model.GPT(cfg).cuda()
-    fast = model.GPT(cfg).cuda()
+    plain, fast = model.GPT(cfg).cuda(), model.GPT(cfg).cuda()
     fast.load_state_dict(plain.state_dict())
-    kernels.apply(fast, {model.RMSNorm: kernels.RMSNormKernel, model.MLP: kernels.MLPKernel, model.MoE:
-                         kernels.MoEKernel, model.BoundaryOperator: kernels.BoundaryOperatorKernel})
+    kernels.apply(fast, KERNELS)
     idx = torch.randint(0, cfg.vocab_size, (4, cfg.block_size), device="cuda")
     losses = []
     for m in (plain, fast):
@@ -81,7 +74,6 @@ def test_a_gpt_with_kernels_trains_as_the_plain_one_in_bf16(layout, extra):
 
 
 def test_an_moe_in_fp32_on_cuda_is_refused_in_one_line():
-    """Outside bf16, F.grouped_mm on CUDA reads the group sizes back and runs a matmul per expert."""
     gpt = model.GPT(model.ModelConfig(vocab_size=64, block_size=16, n_embd=32, n_head=2, n_expert=4, top_k=2))
     with pytest.raises(ValueError, match="runs its experts in bf16"):
         gpt.cuda()(torch.randint(0, 63, (2, 16), device="cuda"))

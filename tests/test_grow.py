@@ -1,5 +1,4 @@
-"""grow.py: tied / untied / Deep-Vanilla growth on live models and checkpoints, optimizer-state remapping,
-training across the growth step, and the growth-schedule math [X8]-[X15]."""
+"""grow.py: growth of live models and checkpoints, optimizer state, the schedule maths [X8]-[X15]."""
 
 import math
 import os
@@ -15,28 +14,17 @@ from model import GPT, ModelConfig, core_split, execution_plan, load_checkpoint
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one thread is as fast as two and does not stall on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_config(**overrides):
     # n_layer 4 -> the [X] split 1/2/1: a two-block core, so copies of multi-block cores are exercised
     base = dict(vocab_size=64, eot_token=63, block_size=16, n_layer=4, n_embd=32, n_head=2, layout="pcc",
-                n_passes=2, norms="x", residual_multiplier=0.5, boundary_alpha=0.7)
-    base.update(overrides)
-    if base["layout"] == "plain":  # no loop: every layer once
+                n_passes=2, norms="x", residual_multiplier=0.5, boundary_alpha=0.7) | overrides
+    if base["layout"] == "plain":
         base.pop("n_passes")
     return ModelConfig(**base)
 
 
 def random_model(cfg, seed=0):
-    """The [X] init zeroes the out-projections and the lm head (output would be identically 0); fill
-    every parameter with seeded noise so that outputs depend on every block."""
+    """Seeded noise in every parameter: the [X] init's zeros would hide blocks from the output."""
     torch.manual_seed(seed)
     model = GPT(cfg)
     with torch.no_grad():
@@ -50,184 +38,122 @@ def tokens(seed=1, batch=2, length=12, vocab=63):
     return torch.randint(0, vocab, (batch, length), generator=g)
 
 
-def params_by_name(model):
-    return dict(model.named_parameters())
-
-
-# ---- tied growth
-
-
-def test_tied_growth_changes_only_the_pass_count():
-    cfg = tiny_config(n_passes=2)
-    model = random_model(cfg)
+@pytest.mark.parametrize("layout, kf", [("pcc", 4), ("smelt", 3)])
+def test_growth_of_a_tied_loop_changes_only_the_pass_count(layout, kf):
+    model = random_model(cfg := tiny_config(layout=layout, n_passes=2))
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
-    config_before = asdict(model.config)
-    idx = tokens()
+    config_before, idx = asdict(model.config), tokens()
     with torch.no_grad():
-        expected = model(idx, n_passes=4)[0]  # a tied core can already run 4 passes
-        two_pass = model(idx)[0]
-    param_map = grow.grow(model, 4)
-    assert param_map == {n: n for n in before}  # identity: no copies, no renames
-    assert grow.copied_names(param_map) == []
-    after = params_by_name(model)
+        expected, ungrown = model(idx, n_passes=kf)[0], model(idx)[0]
+    param_map = grow.grow(model, kf)
+    assert param_map == {n: n for n in before} and grow.copied_names(param_map) == []
+    after = dict(model.named_parameters())
     assert after.keys() == before.keys()
-    for name, (obj, value) in before.items():
-        assert after[name] is obj and torch.equal(obj, value)
+    assert all(after[n] is obj and torch.equal(obj, value) for n, (obj, value) in before.items())
     changed = {k for k, v in asdict(model.config).items() if v != config_before[k]}
-    assert changed == {"n_passes"} and model.config.n_passes == 4
-    assert cfg.n_passes == 2  # the caller's ModelConfig object is not mutated (model.config is a copy)
-    assert model.plan == execution_plan(model.config, 4)
+    assert changed == {"n_passes"} and model.config.n_passes == kf
+    assert cfg.n_passes == 2  # the caller's ModelConfig is not mutated
+    assert model.plan == execution_plan(model.config, kf)
     with torch.no_grad():
         grown = model(idx)[0]
-    assert torch.equal(grown, expected)
-    assert not torch.allclose(grown, two_pass)  # the extra passes do change the output
-
-
-def test_smelt_loop_growth_changes_only_the_loop_count():
-    model = random_model(tiny_config(layout="smelt", n_passes=2, n_layer=4))
-    before = {n: p for n, p in model.named_parameters()}
-    idx = tokens()
-    with torch.no_grad():
-        expected = model(idx, n_passes=3)[0]
-    assert grow.grow(model, 3) == {n: n for n in before}
-    assert model.config.n_passes == 3 and model.plan == execution_plan(model.config)
-    assert all(p is before[n] for n, p in model.named_parameters())
-    with torch.no_grad():
-        assert torch.equal(model(idx)[0], expected)
-
-
-# ---- untied growth
+    assert torch.equal(grown, expected) and not torch.allclose(grown, ungrown)
 
 
 def hand_built(cfg_dict, blocks_from, source_model):
     """A fresh GPT whose block i holds the weights of source_model.blocks[blocks_from[i]]."""
-    model = GPT(ModelConfig(**cfg_dict))
-    state = source_model.state_dict()
-    new_state = {}
+    model, state, new_state = GPT(ModelConfig(**cfg_dict)), source_model.state_dict(), {}
     for name in model.state_dict():
-        if name.startswith("blocks."):
-            _, i, rest = name.split(".", 2)
-            new_state[name] = state[f"blocks.{blocks_from[int(i)]}.{rest}"]
-        else:
-            new_state[name] = state[name]
+        _, i, rest = name.split(".", 2) if name.startswith("blocks.") else (0, -1, 0)
+        new_state[name] = state[f"blocks.{blocks_from[int(i)]}.{rest}" if i != -1 else name]
     model.load_state_dict(new_state)
     return model.eval()
 
 
 @pytest.mark.parametrize("k0,kf,schedule", [(2, 4, [0, 1, 0, 1]), (2, 3, [0, 1, 0]), (1, 3, [0, 0, 0])])
 def test_untied_growth_copies_cores_depthwise(k0, kf, schedule):
-    cfg = tiny_config(n_passes=k0, layout="pcc_untied")
-    model = random_model(cfg)
+    model = random_model(cfg := tiny_config(n_passes=k0, layout="pcc_untied"))
     P, C, D = core_split(cfg.n_layer)
-    old = {n: p.detach().clone() for n, p in model.named_parameters()}
-    old_objects = params_by_name(model)
-    old_blocks = list(model.blocks)
-    idx = tokens()
+    old_objects = dict(model.named_parameters())
+    old = {n: p.detach().clone() for n, p in old_objects.items()}
+    old_blocks, idx = list(model.blocks), tokens()
     with torch.no_grad():
         ungrown = model(idx)[0]
-    # reference built by hand: prelude, cores in the [X] order j % K0, coda, with K = kf
-    blocks_from = list(range(P)) + [P + s * C + j for s in schedule for j in range(C)] \
-        + [P + k0 * C + j for j in range(D)]
+    # built by hand: prelude, cores in the [X] order j % K0, coda
+    core = [P + s * C + j for s in schedule for j in range(C)]
+    blocks_from = [*range(P), *core, *range(P + k0 * C, P + k0 * C + D)]
     reference = hand_built({**asdict(cfg), "n_passes": kf}, blocks_from, model)
 
     param_map = grow.grow(model, kf)
     assert model.config.n_passes == kf and not model.config.tie_core
     assert len(model.blocks) == P + kf * C + D == len(blocks_from)
     assert model.plan == execution_plan(model.config)
-    after = params_by_name(model)
+    after, copies = dict(model.named_parameters()), set(grow.copied_names(param_map))
     assert list(param_map) == list(after)  # every parameter, in named_parameters order
-    for name, source in param_map.items():
-        assert torch.equal(after[name], old[source]), name  # each core equals its source
-    # originals are the same objects (optimizer references stay valid); copies are new tensors
-    copies = set(grow.copied_names(param_map))
     assert len(copies) == (kf - k0) * C * len(list(old_blocks[P].parameters()))
     for name, source in param_map.items():
+        # each equals its source; originals are the same objects (optimizer references stay valid)
+        assert torch.equal(after[name], old[source]), name
         assert (after[name] is old_objects[source]) == (name not in copies)
-    for i in range(P):
-        assert model.blocks[i] is old_blocks[i]
-    for j in range(D):  # the coda moved to the end, same modules
-        assert model.blocks[P + kf * C + j] is old_blocks[P + k0 * C + j]
+    blocks = list(model.blocks)
+    assert blocks[:P] == old_blocks[:P] and blocks[P + kf * C:] == old_blocks[P + k0 * C:]  # coda moved
     with torch.no_grad():
         grown = model(idx)[0]
-    assert torch.equal(grown, reference(idx)[0])  # differs from ungrown only through the extra passes
-    assert not torch.allclose(grown, ungrown)
+    assert torch.equal(grown, reference(idx)[0]) and not torch.allclose(grown, ungrown)
 
 
 def test_untie_then_grow_from_a_tied_model():
     cfg = tiny_config(n_passes=2, layout="pcc")
-    model = random_model(cfg)
-    idx = tokens()
+    model, idx = random_model(cfg), tokens()
     with torch.no_grad():
         tied_out, tied_out_4 = model(idx)[0], model(idx, n_passes=4)[0]
-    untied_only = random_model(cfg)
-    untied_only.load_state_dict(model.state_dict())
+    untied_only = random_model(cfg)  # the same seed: the same weights
     param_map = grow.grow(untied_only, 2, untie=True)  # untie alone: same function, 2 stored cores
     assert not untied_only.config.tie_core and len(untied_only.blocks) == 1 + 2 * 2 + 1
     assert len(grow.copied_names(param_map)) == 2 * 7  # one copy of the 2-block core (7 matrices each)
-    with torch.no_grad():
-        assert torch.equal(untied_only(idx)[0], tied_out)
-
     param_map = grow.grow(model, 4, untie=True)  # untie and grow: 4 copies of the single tied core
     for name, source in param_map.items():
-        if name.startswith("blocks."):
-            i = int(name.split(".")[1])
-            if 1 <= i < 1 + 4 * 2:
-                assert source.startswith(f"blocks.{1 + (i - 1) % 2}.")
-    with torch.no_grad():
-        assert torch.equal(model(idx)[0], tied_out_4)  # unrolled tied model at K=4
+        i = int(name.split(".")[1]) if name.startswith("blocks.") else -1
+        assert not 1 <= i < 1 + 4 * 2 or source.startswith(f"blocks.{1 + (i - 1) % 2}.")
+    with torch.no_grad():  # the same functions as the tied model at K=2 and, unrolled, at K=4
+        assert torch.equal(untied_only(idx)[0], tied_out) and torch.equal(model(idx)[0], tied_out_4)
 
 
 def test_deep_vanilla_growth_of_a_plain_transformer():
     cfg = tiny_config(layout="plain", n_layer=5)
-    model = random_model(cfg)
+    model, idx = random_model(cfg), tokens()
     names_before = [n for n, _ in model.named_parameters()]
-    idx = tokens()
     with torch.no_grad():
         plain_out = model(idx)[0]
-    # the same blocks read as pcc with boundary "none" and K=1 compute the same function
-    as_pcc = hand_built({**asdict(cfg), "layout": "pcc_untied", "n_passes": 1, "boundary": "none"},
-                        list(range(5)), model)
-    with torch.no_grad():
-        assert torch.equal(as_pcc(idx)[0], plain_out)
-    param_map = grow.grow(model, 2)
-    c = model.config
-    assert (c.layout, c.boundary, c.n_passes) == ("pcc_untied", "none", 2)
-    assert core_split(5) == (1, 2, 2)  # remainder to core, then coda
+    # the same blocks read as pcc_untied with boundary "none" and K=1 compute the same function
+    as_pcc = hand_built(asdict(cfg) | dict(layout="pcc_untied", n_passes=1, boundary="none"), range(5), model)
+    param_map, c = grow.grow(model, 2), model.config
+    assert (c.layout, c.boundary, c.n_passes, core_split(5)) == ("pcc_untied", "none", 2, (1, 2, 2))
     reference = hand_built(asdict(c), [0, 1, 2, 1, 2, 3, 4], as_pcc)
     with torch.no_grad():
-        assert torch.equal(model(idx)[0], reference(idx)[0])
+        assert torch.equal(as_pcc(idx)[0], plain_out) and torch.equal(model(idx)[0], reference(idx)[0])
     assert set(param_map.values()) == set(names_before)
 
 
-@pytest.mark.parametrize("overrides, n_passes, untie", [
-    (dict(), 4, False),                               # Loop-Grow
-    (dict(), 2, True),                                # untie only
-    (dict(), 3, True),                                # untie, then grow
-    (dict(layout="pcc_untied"), 4, False),            # Untied-Grow
-    (dict(layout="plain", n_layer=5), 2, False),      # Deep Vanilla growth of a plain transformer
-    (dict(layout="smelt", n_passes=2), 3, False),      # SMELT: a larger r
-    (dict(layout="layer_loop", n_passes=2), 4, False),
-])
+@pytest.mark.parametrize("overrides, n_passes, untie", [  # Loop-Grow, untie alone, untie and grow
+    (dict(), 4, False), (dict(), 2, True), (dict(), 3, True),
+    (dict(layout="pcc_untied"), 4, False), (dict(layout="plain", n_layer=5), 2, False),
+    (dict(layout="smelt", n_passes=2), 3, False), (dict(layout="layer_loop", n_passes=2), 4, False)])
 def test_grown_config_is_what_growth_leaves(overrides, n_passes, untie):
     cfg = tiny_config(**overrides)
-    model = GPT(cfg)
-    grow.grow(model, n_passes, untie)
+    grow.grow(model := GPT(cfg), n_passes, untie)
     planned = grow.grown_config(cfg, n_passes, untie)
     assert planned == model.config
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in GPT(planned).parameters())
 
 
 def test_growth_errors_are_clear():
-    model = random_model(tiny_config(n_passes=3))
-    for n_passes in (2, 3):
-        with pytest.raises(ValueError, match="cannot grow 3 passes to"):
-            grow.grow(model, n_passes)
-    smelt = random_model(tiny_config(layout="smelt", n_passes=2))
-    with pytest.raises(ValueError, match="cannot grow 2 passes to 1"):
-        grow.grow(smelt, 1)
-
-
-# ---- optimizer state
+    for cfg, n_passes in ((tiny_config(n_passes=3), 2), (tiny_config(n_passes=3), 3),
+                          (tiny_config(layout="smelt", n_passes=2), 1)):
+        with pytest.raises(ValueError, match=f"cannot grow {cfg.n_passes} passes to {n_passes}"):
+            grow.grow(GPT(cfg), n_passes)
+    assert grow.growth_step(1000, 0.82) == 820 and grow.growth_step(1000, 500) == 500
+    with pytest.raises(ValueError, match="grow_at"):
+        grow.growth_step(1000, 2000)
 
 
 def test_copy_optimizer_state_fresh_and_source():
@@ -238,8 +164,7 @@ def test_copy_optimizer_state_fresh_and_source():
     copies = set(grow.copied_names(param_map))
     fresh = grow.copy_optimizer_state(state, param_map)
     assert set(fresh) == set(param_map) - copies
-    for name in fresh:
-        assert fresh[name] is state[param_map[name]]  # originals keep (renamed) state
+    assert all(fresh[name] is state[param_map[name]] for name in fresh)  # originals keep theirs, renamed
     sourced = grow.copy_optimizer_state(state, param_map, copies="source")
     assert set(sourced) == set(param_map)
     for name in copies:
@@ -247,118 +172,101 @@ def test_copy_optimizer_state_fresh_and_source():
         assert torch.equal(sourced[name]["exp_avg"], src) and sourced[name]["exp_avg"] is not src
 
 
-def optimizer_state_by_name(optimizer, model):
-    ids = {id(p): n for n, p in model.named_parameters()}
-    return {ids[id(p)]: s for p, s in optimizer.state.items()}
-
-
-def load_state_by_name(optimizer, model, state_by_name):
-    params = params_by_name(model)
-    for name, s in state_by_name.items():
-        optimizer.state[params[name]] = s
-
-
 @pytest.mark.parametrize("layout", ["pcc", "pcc_untied"])
 def test_training_continues_after_growth(layout):
     torch.manual_seed(0)
-    cfg = tiny_config(n_passes=1, layout=layout, n_embd=32, init="x", uniform_init_scale=1.0,
-                      embed_init_std=0.5, residual_multiplier=1.0, boundary_alpha=1.0)
-    model = GPT(cfg)
+    model = GPT(tiny_config(n_passes=1, layout=layout, n_embd=32, init="x", uniform_init_scale=1.0,
+                            embed_init_std=0.5, residual_multiplier=1.0, boundary_alpha=1.0))
     x = torch.randint(0, 63, (2, 16), generator=torch.Generator().manual_seed(3))
     y = torch.roll(x, -1, dims=1)
 
     def train(model, optimizer, steps):
         losses = []
         for _ in range(steps):
-            _, loss = model(x, y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss := model(x, y)[1]).backward()
             optimizer.step()
             losses.append(loss.item())
         return losses
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     before = train(model, optimizer, 10)
-    state = optimizer_state_by_name(optimizer, model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {names[id(p)]: s for p, s in optimizer.state.items()}
     with torch.no_grad():
         loss_at_growth = model(x, y)[1].item()
     param_map = grow.grow(model, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    load_state_by_name(optimizer, model, grow.copy_optimizer_state(state, param_map))
+    params = dict(model.named_parameters())
+    for name, s in grow.copy_optimizer_state(state, param_map).items():
+        optimizer.state[params[name]] = s
     after = train(model, optimizer, 10)
-    assert all(math.isfinite(v) for v in before + after)
-    assert before[-1] < before[0]
+    assert all(math.isfinite(v) for v in before + after) and before[-1] < before[0]
     assert sum(after[-3:]) / 3 < min(after[0], loss_at_growth)  # still learning after the switch
 
 
-# ---- checkpoint CLI
-
-
 def test_cli_grows_a_checkpoint_and_remaps_optimizer_state(tmp_path, capsys):
-    cfg = tiny_config(n_passes=2, layout="pcc_untied")
-    model = random_model(cfg)
-    state = {n: {"step": torch.tensor(3.0), "exp_avg": torch.ones_like(p)} for n, p in model.named_parameters()}
+    model = random_model(cfg := tiny_config(n_passes=2, layout="pcc_untied"))
+    state = {n: dict(step=torch.tensor(3.0), exp_avg=torch.ones_like(p)) for n, p in model.named_parameters()}
     names = list(state)
     ckpt = {"model_config": cfg.to_dict(), "model": model.state_dict(), "state": {"step": 7, "tokens": 123},
             "config": {"n_passes": 2}, "tokenizer": "gpt2-64",
-            "optimizers": {"state": state, "param_groups": [{"lr": 0.1, "params": names, "param_names": names}]}}
+            "optimizers": {"state": state, "param_groups": [dict(lr=0.1, params=names, param_names=names)]}}
     src, dst = str(tmp_path / "in.pt"), str(tmp_path / "out.pt")
     torch.save(ckpt, src)
     grow.main(["--ckpt", src, "--passes", "4", "--out", dst])
     grown, out = load_checkpoint(dst)
-    assert grown.config.n_passes == 4 and len(grown.blocks) == 1 + 4 * 2 + 1 and out["config"]["n_passes"] == 4
+    assert (grown.config.n_passes, len(grown.blocks), out["config"]["n_passes"]) == (4, 1 + 4 * 2 + 1, 4)
     assert out["state"] == {"step": 7, "tokens": 123, "grown": True}
     opt, grown_names = out["optimizers"], [n for n, _ in grown.named_parameters()]
     assert sorted(opt["param_groups"][0]["params"]) == sorted(grown_names)
-    idx = tokens()
     param_map = grow.grow(model, 4)
     assert set(opt["state"]) == set(grown_names) - set(grow.copied_names(param_map))
     with torch.no_grad():  # the same function as growing the live model
-        assert torch.equal(grown(idx)[0], model(idx)[0])
+        assert torch.equal(grown(tokens())[0], model(tokens())[0])
     with pytest.raises(SystemExit):  # fewer passes: one line, status 2
         grow.main(["--ckpt", dst, "--passes", "2", "--out", dst])
     assert "cannot grow 4 passes to 2" in capsys.readouterr().err
 
 
-# ---- schedule math [X8]-[X15]
 
 
-def test_growth_fraction_limit():
+def test_x15_inverts_x9_and_x14_and_tends_to_its_limit():
     assert round(grow.growth_fraction_limit(0.902), 3) == 0.217  # Loop-Grow
     assert round(grow.growth_fraction_limit(0.883), 3) == 0.265  # Untied-Grow
-    # [X15] tends to the limit when b << a TPP and E_4/E_2 = 3/2
     for a, b in grow.AFFINE_LAW.values():
-        assert grow.optimal_growth_fraction(1e9, a, b, 1.5) == pytest.approx(grow.growth_fraction_limit(a), rel=1e-6)
+        # the limit when b << a TPP and E_4/E_2 = 3/2
+        assert grow.optimal_growth_fraction(1e9, a, b, 1.5) == pytest.approx(grow.growth_fraction_limit(a))
+        for tpp_k2 in (5.0, 7.0, 8.0, 30.0):
+            rho = grow.optimal_growth_fraction(tpp_k2, a, b, 1.4)
+            # at rho*, [X14]'s TPP of the grown run equals the affine law [X9]
+            assert 0 < rho < 1 and grow.grown_tpp(tpp_k2, rho, 1.4) == pytest.approx(a * tpp_k2 + b)
 
 
 def test_param_counts_agree_with_the_model():
-    for cfg in (tiny_config(n_passes=2), tiny_config(n_passes=3, layout="pcc_untied"), tiny_config(layout="plain"),
-                tiny_config(n_expert=4, top_k=2)):
+    for cfg in (tiny_config(n_passes=2), tiny_config(n_passes=3, layout="pcc_untied"),
+                tiny_config(layout="plain"), tiny_config(n_expert=4, top_k=2)):
         model = GPT(cfg)
-        assert grow.stored_params(cfg) == model.num_params()["total"]
         # N_c: every executed block (counted per execution) + the lm head matrix, no input embedding
         per_block = {i: sum(p.numel() for p in b.parameters()) for i, b in enumerate(model.blocks)}
         if cfg.n_expert:
             f = model.blocks[0].ffn
             inactive = (cfg.n_expert - cfg.top_k) * (f.w_gate_up[0].numel() + f.w_down[0].numel())
             per_block = {i: n - inactive for i, n in per_block.items()}
-        direct = sum(per_block[s.block] for s in model.plan if s.kind == "block") + model.lm_head.weight.numel()
-        assert grow.compute_active_params(cfg) == direct
+        executed = sum(per_block[s.block] for s in model.plan if s.kind == "block")
+        assert grow.compute_active_params(cfg) == executed + model.lm_head.weight.numel()
 
 
 def test_x13_x14_against_a_token_weighted_run():
     """Simulate a 2 -> 4 grown run step by step and compare with the closed forms [X13], [X14]."""
     cfg = tiny_config(n_passes=2, layout="pcc")
-    n_c = {k: grow.compute_active_params(cfg, k) for k in (1, 2, 4)}
-    n_s2 = grow.stored_params(cfg)
+    n_c, n_s2 = {k: grow.compute_active_params(cfg, k) for k in (1, 2, 4)}, grow.stored_params(cfg)
     steps, tokens_per_step = 1000, 4096
+    tokens = steps * tokens_per_step
     for rho in (0.0, 0.18, 0.29, 0.5, 1.0):
-        grow_at = round((1 - rho) * steps)
-        passes = [2 if s < grow_at else 4 for s in range(steps)]
-        tokens = steps * tokens_per_step
+        passes = [2 if s < round((1 - rho) * steps) else 4 for s in range(steps)]
         flops = sum(6 * tokens_per_step * n_c[k] for k in passes)
-        k_bar = sum(passes) / steps
-        assert grow.mean_passes(rho) == pytest.approx(k_bar)
+        assert grow.mean_passes(rho) == pytest.approx(sum(passes) / steps)
         assert grow.grown_training_flops(tokens, rho, n_c[2], n_c[4]) == pytest.approx(flops)
         assert grow.grown_tokens_for_budget(flops, rho, n_c[2], n_c[4]) == pytest.approx(tokens)
         # [X14] a fixed K=2 run with the same compute sees tokens_k2; both TPPs over N_s,2
@@ -370,77 +278,52 @@ def test_x13_x14_against_a_token_weighted_run():
         assert grow.tokens_per_param(tokens, n_s2) == tokens / n_s2
 
 
-def test_x15_inverts_x9_and_x14():
-    e_ratio = 1.4
-    for a, b in grow.AFFINE_LAW.values():
-        for tpp_k2 in (5.0, 7.0, 8.0, 30.0):
-            rho = grow.optimal_growth_fraction(tpp_k2, a, b, e_ratio)
-            assert 0 < rho < 1
-            # at rho*, [X14]'s TPP of the grown run equals the affine law [X9]
-            assert grow.grown_tpp(tpp_k2, rho, e_ratio) == pytest.approx(a * tpp_k2 + b)
-
-
 def test_x10_x11_x12_relations():
     tied, untied = tiny_config(n_passes=1, layout="pcc"), tiny_config(n_passes=1, layout="pcc_untied")
-    assert grow.storage_ratio(tied, 4) == 1.0
-    assert grow.storage_ratio(untied, 4) > 1.0
+    assert grow.storage_ratio(tied, 4) == 1.0 < grow.storage_ratio(untied, 4)
     assert grow.expansion_ratio(tied, 4) == pytest.approx(grow.expansion_ratio(untied, 4))
     # [X11]: TPP_K from first principles: same compute, D_K = D_1 / E_K, over N_s,K
     n_s1, d1 = grow.stored_params(untied), 1e6
     e4, s4 = grow.expansion_ratio(untied, 4), grow.storage_ratio(untied, 4)
     assert grow.tpp_at_passes(d1 / n_s1, e4, s4) == pytest.approx((d1 / e4) / grow.stored_params(untied, 4))
-    assert grow.optimal_tpp(10, tied=True) == pytest.approx(1.19 * 10 ** 0.85)
+    assert grow.optimal_tpp(10) == pytest.approx(1.19 * 10 ** 0.85)
     assert grow.optimal_tpp(10, tied=False) == pytest.approx(1.34 * 10 ** 0.74)
     assert grow.optimal_expansion(10, tied=False) == pytest.approx(0.83 * 10 ** 0.15)
 
 
-# ---- the [X] d8 configs and the Table 9 recipe
-
-
 @pytest.mark.parametrize("name,tpp_ref,rho", [("loop_grow", 7, 0.18), ("untied_grow", 8, 0.29)])
 def test_x_d8_grow_configs_follow_x13_x14(name, tpp_ref, rho):
-    """The [X] code's d8 step counts (2563 Loop-Grow, 3341 Untied-Grow) are the Table 9 recipe: a fixed
-    K=2 run at TPP t_ref over the initial stored params sets the compute, [X13] gives the grown tokens."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", f"x_d8_{name}.py")
+    """The [X] code's d8 step counts (2563 Loop-Grow, 3341 Untied-Grow) follow Table 9's recipe."""
+    path = os.path.join(REPO, "config", f"x_d8_{name}.py")
     settings = configurator.read_config(path)
-    cfg = ModelConfig(vocab_size=50304, **{k: v for k, v in settings.items() if k in ModelConfig.__dataclass_fields__})
+    model_keys = ModelConfig.__dataclass_fields__.keys() & settings
+    cfg = ModelConfig(vocab_size=50304, **{k: settings[k] for k in model_keys})
     assert (*core_split(cfg.n_layer), cfg.n_passes, cfg.n_embd) == (2, 3, 3, 2, 1024)
     assert settings["grow_at"] == pytest.approx(1 - rho)  # growth doubles the passes: 2 -> 4
-    tokens_per_step = settings["global_batch"] * cfg.block_size  # on any number of GPUs -> 524,288
-    assert tokens_per_step == 524288
-    assert round(grow.grown_run_tokens(cfg, tpp_ref, rho) / tokens_per_step) == settings["max_steps"]
+    assert settings["global_batch"] * cfg.block_size == 524288  # tokens per step
+    assert round(grow.grown_run_tokens(cfg, tpp_ref, rho) / 524288) == settings["max_steps"]
     # and the [X] d8 crossover is the [X15] optimum at that reference TPP, to the 2 decimals the code uses
     e_ratio = grow.compute_active_params(cfg, 4) / grow.compute_active_params(cfg)
-    a, b = grow.AFFINE_LAW[name]
-    assert round(grow.optimal_growth_fraction(tpp_ref, a, b, e_ratio), 2) == rho
+    assert round(grow.optimal_growth_fraction(tpp_ref, *grow.AFFINE_LAW[name], e_ratio), 2) == rho
     grow.main(["--schedule", path])
-
-
-def test_growth_step():
-    assert grow.growth_step(1000, 0.82) == 820 and grow.growth_step(1000, 500) == 500
-    with pytest.raises(ValueError, match="grow_at"):
-        grow.growth_step(1000, 2000)
 
 
 @pytest.mark.parametrize("layout", ["pcc_untied", "pcc"])
 def test_sharded_growth_copies_what_growing_the_whole_model_copies(layout):
-    """train.grow_model under FSDP2 builds the grown model sharded and copies each rank's shards of every
-    parameter's source: after a step of AdamW, the same weights, optimizer state and logits as growing the
-    whole model (one process)."""
+    """train.grow_model under FSDP2 copies each rank's shards: after a step of AdamW, the same weights,
+    optimizer state and logits as growing the whole model."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict)
     import train
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # conftest ends it
     cfg = ModelConfig(vocab_size=64, block_size=16, n_layer=3, n_embd=32, n_head=2, layout=layout, n_passes=1)
     config = train.TrainConfig(optimizer="adamw", parallel="fsdp")
     full, cpu = StateDictOptions(full_state_dict=True), torch.device("cpu")
     torch.manual_seed(0)
     models = [GPT(cfg), train.build_model(cfg, config, False, cpu, True)]
     set_model_state_dict(models[1], models[0].state_dict(), options=full)
-    idx = torch.randint(0, 64, (2, 16))
-    grown = []
+    idx, grown = torch.randint(0, 64, (2, 16)), []
     for model, sharded in zip(models, (False, True)):
         optimizers = train.build_optimizers(model, config, False)
         model(idx, idx)[1].backward()

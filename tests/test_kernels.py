@@ -1,15 +1,7 @@
-"""
-Each Triton kernel against its PyTorch twin, forward and every input gradient, on odd shapes; each twin
-against the project's own code (model.py, muon.py); kernels.apply on each module. On CPU the kernels run in
-the Triton interpreter (conftest.py sets TRITON_INTERPRET=1); on CUDA the same tests run compiled.
-
-Kernel and twin sum in different orders (the interpreter's tl.dot is numpy's, the twin's matmul the BLAS),
-so floats are compared within tolerances, never bit for bit, except where a kernel guarantees it: the
-mirrored tiles of gram and the zero gradient of an expert without rows. fp32: reassociation only, rtol =
-atol = 1e-5 (norms, SwiGLU), 1e-4 (grouped GEMMs, sums over ~70 rows). bf16: the kernels convert after every
-load, so bf16 goes through the real plumbing with fp32 arithmetic; compared with the fp32 twin on the same
-bf16 values, within the kernel's bf16 roundings of stored results (assert_bf16_close).
-"""
+"""Each Triton kernel against its PyTorch twin (forward and input gradients, odd shapes), each twin against
+model.py's and muon.py's own code, and kernels.apply. On CPU the Triton interpreter runs them. Kernel and
+twin sum in other orders: fp32 within 1e-5 (1e-4 for the grouped GEMMs), bf16 within the kernel's bf16
+roundings of stored results (assert_bf16_close); bit for bit only gram's mirrored tiles and zero gradients."""
 import ast
 import copy
 import os
@@ -29,7 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0" else "cpu"
 TOL, MOE_TOL, BF16 = dict(rtol=1e-5, atol=1e-5), dict(rtol=1e-4, atol=1e-4), torch.bfloat16
 KERNELS = {model.RMSNorm: kernels.RMSNormKernel, model.MLP: kernels.MLPKernel, model.MoE: kernels.MoEKernel,
-           model.BoundaryOperator: kernels.BoundaryOperatorKernel}  # as train.py maps them; test_model.py too
+           model.BoundaryOperator: kernels.BoundaryOperatorKernel}  # as train.py maps them
 
 
 def randn(*shape, grad=True, scale=1.0):
@@ -50,7 +42,7 @@ def assert_same(fn, twin, inputs, tol):
 
 
 def assert_bf16_close(actual, expected, roundings):
-    """Within `roundings` bf16 roundings (< 2^-7 each: the interpreter truncates) of the largest magnitude."""
+    """Within `roundings` bf16 roundings (< 2^-7: the interpreter truncates) of the largest magnitude."""
     tol = roundings * 2.0 ** -7
     atol = tol * expected.abs().max().item()
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=atol)
@@ -72,7 +64,7 @@ def test_rmsnorm_and_boundary_operator_match_their_twins(shape, gain):
 
 
 def test_rmsnorm_bf16_with_an_fp32_gain():
-    """bf16 q/k under autocast with an fp32 gain: y and d x bf16 (one rounding), d gain fp32 (fp32 sums)."""
+    """bf16 q/k with an fp32 gain: y and d x bf16 (one rounding), d gain fp32."""
     torch.manual_seed(2)
     x, weight = torch.randn(7, 33, device=DEVICE).to(BF16).requires_grad_(), randn(33)
     with torch.autocast(DEVICE, dtype=BF16):
@@ -87,15 +79,11 @@ def test_rmsnorm_bf16_with_an_fp32_gain():
 
 
 @pytest.mark.parametrize("shape", [(3, 7, 45), (5, 1500)])
-def test_swiglu_matches_twin(shape):
+def test_swiglu_matches_twin_also_on_the_halves_of_a_fused_projection(shape):
     torch.manual_seed(5)
     assert_same(kernels.swiglu, swiglu_kernel.swiglu_reference, (randn(*shape), randn(*shape)), TOL)
-
-
-def test_swiglu_on_the_halves_of_a_fused_projection():
-    torch.manual_seed(6)
-    assert_same(lambda f: kernels.swiglu(*f.chunk(2, -1)),
-                lambda f: swiglu_kernel.swiglu_reference(*f.chunk(2, -1)), (randn(2, 9, 150),), TOL)
+    assert_same(lambda f: kernels.swiglu(*f.chunk(2, -1)),  # strided views
+                lambda f: swiglu_kernel.swiglu_reference(*f.chunk(2, -1)), (randn(*shape[:-1], 150),), TOL)
 
 
 def moe_inputs(counts, n_embd=40, hidden=24, seed=7):
@@ -106,29 +94,21 @@ def moe_inputs(counts, n_embd=40, hidden=24, seed=7):
             randn(n, n_embd, hidden, scale=hidden ** -.5))
 
 
-@pytest.mark.parametrize("counts", [
-    [7, 0, 13, 1, 16],  # an expert without rows, ragged tiles
-    [70, 0, 3, 0, 1],  # an expert over several row tiles
-])
-def test_moe_experts_matches_twin(counts):
-    assert_same(kernels.moe_experts, moe_kernel.moe_experts_reference, moe_inputs(counts), MOE_TOL)
-
-
-@pytest.mark.parametrize("counts", [[5, 0, 9], [0, 0, 0]])
-def test_moe_expert_without_rows_gets_an_exact_zero_gradient(counts):
-    x, counts_t, *weights = moe_inputs(counts, n_embd=33, hidden=19)
-    kernels.moe_experts(x, counts_t, *weights).square().sum().backward()
-    for w in weights:
+# an expert without rows and ragged tiles; an expert over several row tiles; no rows at all
+@pytest.mark.parametrize("counts", [[7, 0, 13, 1, 16], [70, 0, 3, 0, 1], [0, 0, 0]])
+def test_moe_experts_matches_twin_and_an_expert_without_rows_gets_zero_gradients(counts):
+    inputs = moe_inputs(counts)
+    assert_same(kernels.moe_experts, moe_kernel.moe_experts_reference, inputs, MOE_TOL)
+    kernels.moe_experts(*inputs).square().sum().backward()
+    for w in inputs[2:]:
         for e, count in enumerate(counts):
             assert torch.all(w.grad[e] == 0) if count == 0 else w.grad[e].abs().sum() > 0
 
 
 @pytest.mark.parametrize("mode", ["bf16_tensors", "autocast"])
 def test_moe_experts_bf16(mode):
-    """bf16 tensors: bf16 out, bf16 gradients. fp32 tensors under bf16 autocast (the model's residual stream
-    and master weights): bf16 operands, fp32 out and fp32 gradients. Against the fp32 twin on the bf16
-    values: the forward rounds act (and a bf16 result): 2 roundings; the backward dy, d act, the saved
-    pre-activations, d gate / d up and a bf16 result: 4."""
+    """bf16 tensors: bf16 out and gradients; fp32 under bf16 autocast: fp32 out and gradients. Against the
+    fp32 twin on the bf16 values: the forward rounds 2 times, the backward 4."""
     x, counts, *weights = (t.detach() for t in moe_inputs([7, 0, 13, 1, 16]))
     leaves = [t.to(BF16 if mode == "bf16_tensors" else t.dtype).requires_grad_() for t in (x, *weights)]
     with torch.autocast(DEVICE, dtype=BF16, enabled=mode == "autocast"):
@@ -145,8 +125,7 @@ def test_moe_experts_bf16(mode):
 @pytest.mark.parametrize("shape,dtype", [((45, 29), torch.float32), ((3, 37, 50), torch.float32),
                                          ((2, 70, 9), BF16)])
 def test_gram_matches_twin_and_mirrors_its_tiles(shape, dtype):
-    """Off-diagonal tiles are the same registers stored twice: bit-equal mirrors (diagonal tiles are one
-    matmul, symmetric only up to rounding on any backend)."""
+    """Off-diagonal tiles are the same registers stored twice: bit-equal mirrors."""
     torch.manual_seed(8)
     x = torch.randn(*shape, device=DEVICE).to(dtype).requires_grad_()
     if dtype == torch.float32:
@@ -162,10 +141,8 @@ def test_gram_matches_twin_and_mirrors_its_tiles(shape, dtype):
 
 @pytest.mark.parametrize("ns_dtype,atol", [(torch.float32, 1e-4), (BF16, 0.1)])
 def test_muon_with_the_gram_kernel_matches_plain_muon(ns_dtype, atol):
-    """kernels.apply(model, {}, [muon, adamw]) gives Muon the Gram kernel (AdamW is left alone); one step on a
-    2-D and a stacked (E, out, in) parameter equals the plain step within the Newton-Schulz tolerance
-    (fp32: reassociation amplified by 5 steps; bf16: 8 significant bits compounded, measured <= 0.05) x lr.
-    And muon.orthogonalize, the project's one iteration, with gram=kernels.gram equals its plain matmuls."""
+    """kernels.apply gives Muon (not AdamW) the Gram kernel; a step on a 2-D and an (E, out, in) parameter,
+    and orthogonalize itself, equal the plain ones within the Newton-Schulz tolerance (bf16: <= 0.05)."""
     torch.manual_seed(10)
     start = [torch.randn(*shape, device=DEVICE) for shape in ((24, 40), (2, 40, 24))]
     params = {flag: [torch.nn.Parameter(p.clone()) for p in start] for flag in (True, False)}
@@ -185,8 +162,6 @@ def test_muon_with_the_gram_kernel_matches_plain_muon(ns_dtype, atol):
     torch.testing.assert_close(fast, expected, rtol=0, atol=atol)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Each twin is the project's own code: what a kernel is held to above is what runs without kernels.apply
 
 
 def model_config(**kw):
@@ -196,7 +171,7 @@ def model_config(**kw):
 
 
 def randomised(module, seed=11):
-    """module with random parameters (gains ~1, matrices ~1/sqrt(fan_in)), on DEVICE."""
+    """module with random gains ~1 and matrices ~1/sqrt(fan_in), on DEVICE."""
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
@@ -206,7 +181,7 @@ def randomised(module, seed=11):
 
 
 @pytest.mark.parametrize("norms", ["pre", "x"])  # with and without gains
-def test_norm_twins_are_model_rmsnorm_and_boundary_operator(norms):
+def test_norm_and_swiglu_twins_are_model_code(norms):
     assert kernels.NORM_EPS == model.NORM_EPS
     norm = randomised(model.RMSNorm(37, gain=norms == "pre"))
     assert_same(lambda x, *w: norm(x), lambda x, *w: rmsnorm_kernel.rmsnorm_reference(x, norm.weight),
@@ -214,9 +189,6 @@ def test_norm_twins_are_model_rmsnorm_and_boundary_operator(norms):
     bo = randomised(model.BoundaryOperator(model_config(boundary_alpha=0.37, norms=norms)))
     twin = lambda h, e, *w: rmsnorm_kernel.boundary_operator_reference(h, e, 0.37, *w[:1])  # noqa: E731
     assert_same(lambda h, e, *w: bo(h, e), twin, (randn(2, 5, 40), randn(2, 5, 40), *bo.parameters()), TOL)
-
-
-def test_swiglu_twin_is_model_mlp_activation():
     mlp = randomised(model.MLP(model_config()))
     twin = lambda x, *w: mlp.w_down(swiglu_kernel.swiglu_reference(mlp.w_gate(x), mlp.w_up(x)))  # noqa: E731
     assert_same(lambda x, *w: mlp(x)[0], twin, (randn(2, 9, 40), *mlp.parameters()), TOL)
@@ -224,9 +196,8 @@ def test_swiglu_twin_is_model_mlp_activation():
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_moe_twin_is_model_run_experts(autocast):
-    """model.run_experts with every row its own token and no router weights is moe_experts_reference: the same
-    per-expert matmuls, scattered into zeros vs concatenated. Under bf16 autocast both return fp32 from bf16
-    matmuls: within one bf16 rounding."""
+    """model.run_experts, every row its own token and no router weights, is moe_experts_reference; under
+    bf16 autocast within one bf16 rounding."""
     x, counts, *w = moe_inputs([7, 0, 13, 1, 16])  # F.grouped_mm: rows of 16-byte multiples
     rows = torch.arange(len(x), device=DEVICE)
     fn = lambda x, gate, up, w_down: model.run_experts(  # noqa: E731
@@ -242,8 +213,6 @@ def test_moe_twin_is_model_run_experts(autocast):
         assert_bf16_close(b, a, 1)
 
 
-# ----------------------------------------------------------------------------------------------------
-# kernels.apply: the class swapped and nothing else; the kernel runs where the module's own code ran
 
 MODULES = {"RMSNorm": lambda: model.RMSNorm(40), "MLP": lambda: model.MLP(model_config()),
            "MoE": lambda: model.MoE(model_config()),
@@ -251,7 +220,7 @@ MODULES = {"RMSNorm": lambda: model.RMSNorm(40), "MLP": lambda: model.MLP(model_
 
 
 def count_kernel_calls(monkeypatch):
-    """Count the calls of the package's kernels (the swapped methods call them through the package)."""
+    """Count the calls of the package's kernels (the swapped methods call them through it)."""
     calls = dict.fromkeys(("rmsnorm", "boundary_operator", "swiglu", "moe_experts"), 0)
     for name in calls:
         def counted(*args, _kernel=getattr(kernels, name), _name=name, **kw):
@@ -262,17 +231,15 @@ def count_kernel_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("name,kwargs,expected_calls,tol", [
-    ("RMSNorm", {}, dict(rmsnorm=1), TOL),
-    ("MLP", {}, dict(swiglu=1), TOL),
+    ("RMSNorm", {}, dict(rmsnorm=1), TOL), ("MLP", {}, dict(swiglu=1), TOL),
     ("MoE", {}, dict(moe_experts=1), MOE_TOL),  # router weight on the output vs on the hidden activation
     ("BoundaryOperator", dict(norm=True, inject=True), dict(boundary_operator=1), TOL),  # fused
     ("BoundaryOperator", dict(norm=True, inject=False), dict(rmsnorm=1), TOL),  # a part: the swapped norm
     ("BoundaryOperator", dict(norm=False, inject=True), {}, TOL),  # a part: h + alpha * e, no kernel
 ])
 def test_applied_module_matches_its_own_code(name, kwargs, expected_calls, tol, monkeypatch):
-    """The same module object before and after kernels.apply: the same parameters and state_dict, forward and
-    the gradients of sum(y * g) for the inputs and every parameter; which kernels ran; idempotent; a deep copy
-    keeps the kernels (grow.py copies blocks); a plain module's state_dict loads."""
+    """The same module, parameters, output and gradients after kernels.apply; which kernels ran;
+    idempotent; a deep copy keeps the kernels; a plain module's state_dict loads."""
     module = randomised(MODULES[name]())
     args = (randn(2, 9, 40),) * (2 if name == "BoundaryOperator" else 1)
     wrt, params, plain = [*args, *module.parameters()], dict(module.named_parameters()), type(module)
@@ -300,7 +267,6 @@ def test_applied_module_matches_its_own_code(name, kwargs, expected_calls, tol, 
 
 
 def test_a_mapped_class_without_the_method_fails_loudly():
-    """A method renamed in model.py would leave its kernel silently unused: apply refuses, in one line."""
     class Plain(torch.nn.Module):
         pass
 
@@ -309,8 +275,7 @@ def test_a_mapped_class_without_the_method_fails_loudly():
 
 
 def test_kernels_import_nothing_from_the_project_and_not_triton_eagerly():
-    """Parsed, so a lazy import counts too; `import kernels` leaves triton unimported (it reads
-    TRITON_INTERPRET when a kernel is defined)."""
+    """Parsed, so a lazy import counts too; `import kernels` leaves triton unimported."""
     project = {n[:-3] for n in os.listdir(REPO) if n.endswith(".py")} | {"data", "ladders", "tooling"}
     assert {"model", "muon"} <= project
     for name in sorted(os.listdir(os.path.join(REPO, "kernels"))):
@@ -348,8 +313,8 @@ print("compiled")
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the tests above run the kernels compiled")
 def test_kernels_compile_for_sm90_without_a_gpu():
-    """The interpreter cannot see what only the compiler rejects: each kernel's bf16 variant with every option
-    on, built down to a cubin for sm_90 (H100/H200) with the ptxas in the triton wheel (~10 s)."""
+    """What only the compiler rejects: each kernel's bf16 variant, every option on, built to a cubin for
+    sm_90 with the triton wheel's ptxas (~10 s)."""
     import triton
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")):
         pytest.skip("this triton wheel ships no ptxas")

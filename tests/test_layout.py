@@ -38,20 +38,27 @@ def imports(path, modules):
 
 
 def test_the_project_is_small():
-    lines = chars = raises = 0
+    """Issue 63: the project's size in characters (a line bound pushes prose into trailing comments), every
+    other bound kept with 10% room, and prose a learner reads at speed: why-comments on their own lines
+    (at least 10% of the lines), short lines (48 characters on average, none over 100)."""
+    lines = chars = comments = raises = 0
     for path in project_files():
         source = open(os.path.join(REPO, path)).read()
-        kept = [line for line in source.splitlines() if line.strip()]
-        assert len(kept) <= 700, path
-        assert max((len(line) for line in source.splitlines()), default=0) <= 110, path
-        lines, chars = lines + len(kept), chars + sum(len(line.strip()) for line in kept)
+        kept = [line.strip() for line in source.splitlines() if line.strip()]
+        assert sum(map(len, kept)) <= 0.9 * 40_000, path
+        assert max((len(line) for line in source.splitlines()), default=0) <= 100, path
+        lines, chars = lines + len(kept), chars + sum(map(len, kept))
+        comments += sum(line.startswith("#") for line in kept)
         raises += sum(isinstance(n, ast.Raise) for n in ast.walk(ast.parse(source)))
-    assert lines <= 7600 and chars <= 450_000 and raises <= 150, (lines, chars, raises)
-    assert sum(1 for _ in open(os.path.join(REPO, "README.md"))) <= 220
+    assert chars <= 420_000 and raises <= 0.9 * 150, (chars, raises)
+    assert comments >= 0.10 * lines and chars <= 48 * lines, (comments / lines, chars / lines)
+    assert sum(1 for _ in open(os.path.join(REPO, "README.md"))) <= 0.9 * 220
+    tests = glob.glob(os.path.join(REPO, "tests", "*.py"))
+    assert sum(1 for path in tests for line in open(path) if line.strip()) <= 5000
 
 
-def code_lines(source, first=1, last=None):
-    """The lines that are code: neither blank, nor a comment, nor a docstring."""
+def code_chars(source, first=1, last=None):
+    """The characters of the lines that are code: neither blank, nor a comment, nor a docstring."""
     docs = set()
     for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
@@ -59,23 +66,24 @@ def code_lines(source, first=1, last=None):
                 isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
             docs |= set(range(body[0].lineno, body[0].end_lineno + 1))
     lines = source.splitlines()[first - 1:last]
-    return sum(1 for i, line in enumerate(lines, first)
+    return sum(len(line.strip()) for i, line in enumerate(lines, first)
                if line.strip() and not line.strip().startswith("#") and i not in docs)
 
 
-def test_the_ladder_code_stays_within_1500_lines():
-    """Issue 61: ladders/ (its task generators included) and the plots.py figures the ladders draw."""
+def test_the_ladder_code_stays_within_80_000_characters():
+    """Issue 61's 1,500 code lines as characters (issue 63: 1,408 lines were 75,236 characters), with 10%
+    room: ladders/ and the plots.py figures the ladders draw."""
     total, called = 0, set()
     for path in glob.glob(os.path.join(REPO, "ladders", "*.py")):
         source = open(path).read()
-        total += code_lines(source)
+        total += code_chars(source)
         called |= {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)
                    and isinstance(n.value, ast.Name) and n.value.id == "plots"}
     source = open(os.path.join(REPO, "plots.py")).read()
     for node in ast.parse(source).body:
         if isinstance(node, ast.FunctionDef) and node.name in called - {"read_log"}:
-            total += code_lines(source, node.lineno, node.end_lineno)
-    assert total <= 1500, total
+            total += code_chars(source, node.lineno, node.end_lineno)
+    assert total <= 0.9 * 80_000, total
 
 
 def test_no_import_cycle():
@@ -99,7 +107,7 @@ def test_no_import_cycle():
         assert edges[copyable] <= {m for m in modules if m.startswith("kernels")}, copyable
 
 
-def test_a_training_run_imports_at_most_10_project_modules(tmp_path, data_dir):
+def test_a_training_run_imports_at_most_9_project_modules(tmp_path, data_dir):
     script = (f"import runpy, sys; sys.argv = ['train.py', '--max_steps=2', '--eval_interval=1', "
               f"'--batch_size=2', '--eval_tokens=256', '--out_dir={tmp_path}', '--data_dir={data_dir}']\n"
               "try:\n    runpy.run_path('train.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
@@ -108,7 +116,7 @@ def test_a_training_run_imports_at_most_10_project_modules(tmp_path, data_dir):
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     modules = eval(result.stdout.strip().splitlines()[-1])
-    assert (tmp_path / "ckpt.pt").exists() and len(modules) + 1 <= 10, modules  # + train.py, as __main__
+    assert (tmp_path / "ckpt.pt").exists() and len(modules) + 1 <= 0.9 * 10, modules  # + train.py
 
 
 @pytest.mark.parametrize("name", ["train", "sample", "match", "fit", "downstream", "grow", "eval_core", "probe",

@@ -1,5 +1,4 @@
-"""match.py's memory planner against the real model, FSDP2's real shards, what autograd saves, and PyTorch's
-FSDP2 memory tracker."""
+"""match.py's memory planner against the real model and shards, autograd, and FSDP2's memory tracker."""
 
 import glob
 import itertools
@@ -10,13 +9,15 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-from test_match import FAMILIES, SMALL, make  # the same model families as the accounting tests
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from test_match import FAMILIES, ROOT, SMALL, make  # the same model families as the accounting tests
 
 import match
 from model import GPT, ModelConfig
+import model as model_module
 from muon import Muon
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def is_muon(name, p):
@@ -28,14 +29,13 @@ def is_muon(name, p):
 def test_state_bytes_are_the_real_models(name):
     model = GPT(make(name))
     n_params = sum(p.numel() for p in model.parameters())
-    assert match.state_bytes_per_rank(model.config, 1, "adamw") == 16 * n_params  # 4 weight + 4 grad + 8 moments
+    assert match.state_bytes_per_rank(model.config, 1, "adamw") == 16 * n_params  # 4 + 4 + 8 bytes
     muon = sum(p.numel() * (12 if is_muon(n, p) else 16) for n, p in model.named_parameters())
     assert match.state_bytes_per_rank(model.config, 1, "muon") == muon
 
 
 def test_fsdp_states_count_the_fullest_shard_by_hand():
-    """One dense block, vocab 64, width 32, hidden 256. torch.chunk over 3 ranks: 64 rows -> 22/22/20,
-    32 -> 11/11/10, 256 -> 86/86/84; rank 0 holds ceil(n / 3) rows of everything. Over 2 ranks: halves."""
+    """One dense block; torch.chunk gives rank 0 of 3 ceil(n / 3) rows: 64 -> 22, 32 -> 11, 256 -> 86."""
     cfg = ModelConfig(**{**SMALL, "n_layer": 1, "mlp_hidden": 256})
     assert (cfg.vocab_size, cfg.n_embd, cfg.mlp_hidden, cfg.tie_embeddings) == (64, 32, 256, True)
     for world, (v, h, f) in {2: (32, 16, 128), 3: (22, 11, 86)}.items():
@@ -46,12 +46,9 @@ def test_fsdp_states_count_the_fullest_shard_by_hand():
 
 
 def test_fsdp_states_equal_a_real_fully_sharded_model():
-    """FSDP2 itself (fully_shard per block and on the model) over 3 ranks of a fake process group: every
-    rank's local weights, gradients and AdamW moments after one step; rank 0 is the fullest."""
+    """Every rank's local weights, gradients and AdamW moments after a step of FSDP2 over 3 fake ranks."""
     fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    cfg, world = make("moe", n_layer=2, n_expert=5), 3  # 5 experts, 64 vocab rows, 32 width: all uneven over 3
+    cfg, world = make("moe", n_layer=2, n_expert=5), 3  # 5 experts, 64 rows, width 32: all uneven
     per_rank = []
     for rank in range(world):
         dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world)
@@ -66,7 +63,7 @@ def test_fsdp_states_equal_a_real_fully_sharded_model():
             idx = torch.randint(0, cfg.eot_token, (1, 8))
             model(idx, targets=idx)[1].backward()
             opt.step()
-            local = [p.to_local() for p in model.parameters()] + [p.grad.to_local() for p in model.parameters()]
+            local = [t.to_local() for p in model.parameters() for t in (p, p.grad)]
             local += [v.to_local() for s in opt.state.values() for k, v in s.items() if k != "step"]
             per_rank.append(sum(t.numel() * t.element_size() for t in local))
         finally:
@@ -75,9 +72,26 @@ def test_fsdp_states_equal_a_real_fully_sharded_model():
     assert match.state_bytes_per_rank(cfg, world, "adamw") == per_rank[0]
 
 
-def saved_activation_bytes(model, idx, targets, autocast=False):
-    """Bytes of the distinct storages autograd saves for the backward of one forward (parameters and
-    buffers are states, not activations)."""
+ACTIVATION_LAYOUTS = {
+    "dense": dict(), "dense_gqa_x": dict(n_kv_head=2, head_dim=24, norms="x"),
+    "smelt_moe": dict(n_expert=8, top_k=2, expert_hidden=32, layout="smelt", n_passes=2),
+    "pcc_k2": dict(layout="pcc", n_layer=5, n_passes=2),
+    "pcc_untied_x": dict(layout="pcc_untied", n_layer=5, n_passes=2, norms="x")}
+
+
+def measure(layout, autocast=False, checkpointing=False, kernels=False, **extra):
+    """A config and the bytes of the distinct storages autograd saves for its backward, parameters and
+    buffers aside."""
+    cfg = ModelConfig(**{**SMALL, "vocab_size": 96, "block_size": 64, "n_embd": 64, "mlp_hidden": 256,
+                         **ACTIVATION_LAYOUTS[layout], **extra})
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.activation_checkpointing = checkpointing
+    if kernels:
+        import kernels as triton_kernels
+        from test_kernels import KERNELS  # model.py's classes -> their kernels, as train.py maps them
+        triton_kernels.apply(model, KERNELS)
+    idx, targets = torch.randint(0, cfg.eot_token, (2, 2, cfg.block_size))
     states = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
     saved = {}
 
@@ -89,37 +103,12 @@ def saved_activation_bytes(model, idx, targets, autocast=False):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         model(idx, targets=targets)
-    return sum(saved.values())
-
-
-ACTIVATION_LAYOUTS = {
-    "dense": dict(),
-    "dense_gqa_x": dict(n_kv_head=2, head_dim=24, norms="x"),
-    "smelt_moe": dict(n_expert=8, top_k=2, expert_hidden=32, layout="smelt", n_passes=2),
-    "pcc_k2": dict(layout="pcc", n_layer=5, n_passes=2),
-    "pcc_untied_x": dict(layout="pcc_untied", n_layer=5, n_passes=2, norms="x"),
-}
-
-
-def measure(layout, autocast=False, checkpointing=False, kernels=False, **extra):
-    cfg = ModelConfig(**{**SMALL, "vocab_size": 96, "block_size": 64, "n_embd": 64, "mlp_hidden": 256,
-                         **ACTIVATION_LAYOUTS[layout],
-                         **extra})
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    model.activation_checkpointing = checkpointing
-    if kernels:
-        import kernels as triton_kernels
-        from test_kernels import KERNELS  # model.py's classes -> their kernels, as train.py maps them
-        triton_kernels.apply(model, KERNELS)
-    idx, targets = torch.randint(0, cfg.eot_token, (2, 2, cfg.block_size))
-    return cfg, saved_activation_bytes(model, idx, targets, autocast)
+    return cfg, sum(saved.values())
 
 
 @pytest.mark.parametrize("layout", sorted(ACTIVATION_LAYOUTS))
 def test_activation_estimate_matches_what_autograd_saves(layout):
-    """fp32, PyTorch path: within 1% (measured 0.99-1.0: the document mask and a few scalars are left out);
-    with activation checkpointing exact up to a few bytes."""
+    """fp32: within 1% (the document mask and a few scalars are left out); checkpointed, to a few bytes."""
     cfg, real = measure(layout)
     assert match.activation_bytes(cfg, 2, mixed_precision=False)["saved"] == pytest.approx(real, rel=0.01)
     cfg, real = measure(layout, checkpointing=True)
@@ -127,18 +116,12 @@ def test_activation_estimate_matches_what_autograd_saves(layout):
 
 
 @pytest.mark.parametrize("layout", ["smelt_moe", "pcc_k2"])
-def test_activation_estimate_under_bf16_autocast(layout):
-    """bf16 autocast (CPU): autograd also keeps the bf16 weight copies (weight_copy_bytes, booked to DDP).
-    Within 2% (measured 0.99)."""
+def test_activation_estimate_under_bf16_autocast_and_of_the_kernels(layout):
+    """bf16 autocast also keeps the weight copies (weight_copy_bytes, booked to DDP): within 2%. The
+    Triton kernels (the interpreter on CPU) save less: within 1%."""
     cfg, real = measure(layout, autocast=True)
     estimate = match.activation_bytes(cfg, 2)["saved"] + match.weight_copy_bytes(cfg)
     assert estimate == pytest.approx(real, rel=0.02)
-
-
-@pytest.mark.parametrize("layout", ["smelt_moe", "pcc_k2"])
-def test_activation_estimate_of_the_kernel_path(layout):
-    """The Triton path (RMSNorm, SwiGLU, grouped-GEMM MoE kernels; the interpreter on CPU) saves less:
-    within 1% (measured: exact for pcc, -0.1% for MoE, the kernel's tile maps)."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the kernels run on CUDA there; this checks the CPU interpreter")
@@ -149,8 +132,7 @@ def test_activation_estimate_of_the_kernel_path(layout):
 
 
 def test_one_more_executed_block_saves_one_block():
-    """per_block (what a block recomputes under activation checkpointing) is the measured cost of one more
-    loop visit; with checkpointing a visit keeps only its fp32 input, 4 x n_embd bytes per token."""
+    """per_block is the measured cost of one more visit; checkpointed, a visit keeps its fp32 input."""
     cfg2, real2 = measure("smelt_moe")
     cfg3, real3 = measure("smelt_moe", n_passes=3)  # 2 more visits (loop span 2)
     est = match.activation_bytes(cfg2, 2, mixed_precision=False)
@@ -174,8 +156,8 @@ def test_memory_plan_is_consistent():
     assert plan["fsdp"]["states_gb"] == pytest.approx(plan["ddp"]["states_gb"] / 16, rel=0.01)
     assert plan["fsdp"]["total_gb"] < plan["fsdp_grad_op"]["total_gb"]  # every block kept gathered
     assert plan["fsdp"]["all_gather_gb"] > plan["fsdp_grad_op"]["all_gather_gb"]  # but gathered once
-    adamw = match.memory_plan(base, 16, 2, optimizer="adamw")
-    assert adamw["ddp"]["states_gb"] > plan["ddp"]["states_gb"]  # 16 vs 12 bytes per matrix weight
+    adamw = match.memory_plan(base, 16, 2, optimizer="adamw")["ddp"]
+    assert adamw["states_gb"] > plan["ddp"]["states_gb"]  # 16 vs 12 bytes per matrix weight
     big = match.memory_plan(match.preset_baseline("smelt-1.6b-s97"), 16, 1)  # 53.9B params: FSDP only
     assert not big["ddp"]["fits"] and big["fsdp"]["fits"]
 
@@ -191,36 +173,27 @@ def test_cli_memory_table_and_json(capsys):
     match.main(["--preset", "smelt-200m-s95", "--memory", "--micro_batch", "1", "--optimizer", "adamw",
                 "--gpu_gb", "141"])
     text = capsys.readouterr().out
-    assert text.count("memory per GPU (GiB): 8 GPUs x 141 GiB") == 2 and "matched: " in text and "adamw" in text
-    assert all(mode in text for mode in match.MODES)
-
-
-def grown(cfg, settings):
-    """The model after train.py's growth (grow_at): the passes doubled (an untied model copies its cores)."""
-    return [cfg] + ([replace(cfg, n_passes=2 * cfg.n_passes)] if settings.get("grow_at") else [])
+    assert text.count("memory per GPU (GiB): 8 GPUs x 141 GiB") == 2 and "matched: " in text
+    assert "adamw" in text and all(mode in text for mode in match.MODES)
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "config", "[!_]*.py"))),
                          ids=os.path.basename)
 def test_every_config_fits_a_node_of_80_gb_gpus(path):
-    """Each config at its own micro-batch, optimizer and parallel mode on 8 GPUs of 80 GB (10% kept free),
-    as built and after growth, at GPT-2's padded vocabulary (the largest any config uses)."""
+    """At its own micro-batch, optimizer and parallel mode, as built and after growth (grow_at doubles the
+    passes), at GPT-2's padded vocabulary, the largest any config uses."""
     cfg, settings, _ = match.read_config(path, vocab_size=50304)
-    for shape in grown(cfg, settings):
+    for shape in [cfg] + ([replace(cfg, n_passes=2 * cfg.n_passes)] if settings.get("grow_at") else []):
         plan = match.memory_plan(shape, 8, settings.get("batch_size", 1), settings.get("optimizer", "muon"))
         mode = settings.get("parallel", "ddp")
-        assert plan[mode]["fits"], f"{os.path.basename(path)}: {plan[mode]['total_gb']:.1f} GiB per GPU ({mode})"
+        assert plan[mode]["fits"], f"{plan[mode]['total_gb']:.1f} GiB per GPU ({mode})"
 
 
 def tracked_peak(cfg, world, micro_batch, mode, optimizer, steps=2):
-    """One of `world` FSDP2 ranks as train.py runs it (fake process group, FakeTensorMode: shapes without
-    memory): built on the meta device, fully_shard per block (bf16 gathers, fp32 reduce) and on the root,
-    activation checkpointing, bf16 autocast, Muon + AdamW; `steps` steps under torch's FSDPMemTracker.
-    Returns the peak bytes."""
+    """Peak bytes of one of `world` FSDP2 ranks as train.py runs it, under torch's FSDPMemTracker (a fake
+    process group, FakeTensorMode: shapes without memory)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
     cfg = replace(cfg, document_mask=False)  # FlexAttention on a GPU keeps no mask; SDPA here none either
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -256,45 +229,43 @@ def tracked_peak(cfg, world, micro_batch, mode, optimizer, steps=2):
     return next(v for k, v in peak.items() if getattr(k, "value", k) == "Total")
 
 
+PCC3 = dict(layout="pcc", n_layer=3, n_passes=2)
+SMELT_MOE = dict(layout="smelt", n_passes=2, n_expert=8, top_k=2)
+
+
 @pytest.mark.parametrize("layout, optimizer, mode, ce_chunk", [
-    (dict(layout="pcc", n_layer=3, n_passes=2), "muon", "fsdp", None),
-    (dict(layout="pcc", n_layer=3, n_passes=2), "muon", "fsdp", 2 ** 16),
-    (dict(layout="smelt", n_layer=2, n_passes=2, n_expert=8, top_k=2), "adamw", "fsdp_grad_op", None)])
+    (PCC3, "muon", "fsdp", None), (PCC3, "muon", "fsdp", 2 ** 16),
+    (SMELT_MOE | dict(n_layer=2), "adamw", "fsdp_grad_op", None)])
 def test_planner_agrees_with_pytorchs_fsdp_memory_tracker(layout, optimizer, mode, ce_chunk, monkeypatch):
-    """One of 4 FSDP2 ranks under torch's FSDPMemTracker at toy size: the planner's total within 10% of the
-    tracker's peak (measured 0.99, 0.98 with the loss in 16 chunks, and 0.98; at the configs' own sizes
-    0.86-1.04 under fsdp, docs/match.md)."""
+    """At toy size within 10% of the tracker's peak (measured 0.98-0.99; 0.86-1.04 at the configs' sizes)."""
     pytest.importorskip("torch.distributed._tools.fsdp2_mem_tracker")
-    import model as model_module
-    if ce_chunk:
+    if ce_chunk:  # the loss in chunks
         monkeypatch.setattr(model_module, "CE_CHUNK", ce_chunk)
         monkeypatch.setattr(match, "CE_CHUNK", ce_chunk)
     cfg = ModelConfig(vocab_size=512, block_size=256, n_embd=128, n_head=4, **layout)
-    ratio = match.memory_plan(cfg, 4, 8, optimizer)[mode]["total_gb"] * 2 ** 30 / tracked_peak(cfg, 4, 8, mode, optimizer)
-    assert 0.9 <= ratio <= 1.1, ratio
+    planned = match.memory_plan(cfg, 4, 8, optimizer)[mode]["total_gb"] * 2 ** 30
+    assert 0.9 <= planned / tracked_peak(cfg, 4, 8, mode, optimizer) <= 1.1
 
 
-@pytest.mark.parametrize("layout, world", [(dict(layout="pcc", n_layer=3, n_passes=2), 1),
-                                           (dict(layout="smelt", n_layer=4, n_passes=2, n_expert=8, top_k=2), 2)])
+@pytest.mark.parametrize("layout, world", [(PCC3, 1), (SMELT_MOE | dict(n_layer=4), 2)])
 def test_the_planner_counts_the_optimizer_step(layout, world):
-    """16 tokens a micro-batch: Muon's step is the peak (every matrix's update held at once), the planner's
-    total is the states plus optimizer_step_bytes, within 5% of the tracker's peak."""
+    """At 16 tokens Muon's step is the peak: states plus optimizer_step_bytes, within 5% of the tracker's."""
     pytest.importorskip("torch.distributed._tools.fsdp2_mem_tracker")
     cfg = ModelConfig(vocab_size=512, block_size=16, n_embd=256, n_head=4, **layout)
     planned = match.memory_plan(cfg, world, 1, "muon")["fsdp"]["total_gb"] * 2 ** 30
-    step = match.state_bytes_per_rank(cfg, world) + match.optimizer_step_bytes(cfg, world, sharded=True)
-    assert planned == step > match.state_bytes_per_rank(cfg, world) * 1.5
+    states = match.state_bytes_per_rank(cfg, world)
+    assert planned == states + match.optimizer_step_bytes(cfg, world, sharded=True) > states * 1.5
     assert planned / tracked_peak(cfg, world, 1, "fsdp", "muon") == pytest.approx(1.0, abs=0.05)
 
 
 @pytest.mark.parametrize("room", ["ample", "tight"])
 def test_fsdp_recomputes_the_blocks_only_where_the_planner_says_they_do_not_fit(room, monkeypatch):
-    """train.shard on a (pretended) GPU: activation checkpointing off where the plan without it fits (80
-    GiB), on where only the plan with it fits (a GPU between the two totals)."""
+    """train.shard on a pretended GPU checkpoints only where the plan without it does not fit."""
     import types
     import train
-    cfg = ModelConfig(vocab_size=512, block_size=256, n_embd=64, n_head=2, layout="pcc", n_layer=3, n_passes=2)
-    with_it, without = (match.memory_plan(cfg, 1, 8, checkpointing=c)["fsdp"]["total_gb"] for c in (True, False))
+    cfg = ModelConfig(vocab_size=512, block_size=256, n_embd=64, n_head=2, **PCC3)
+    plans = (match.memory_plan(cfg, 1, 8, checkpointing=c)["fsdp"] for c in (True, False))
+    with_it, without = (plan["total_gb"] for plan in plans)
     assert without > with_it
     gpu_gb = 80 if room == "ample" else (with_it + without) / 2 / (1 - match.HEADROOM)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

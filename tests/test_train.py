@@ -1,5 +1,4 @@
-"""train.py on a small slice of the embedded corpus and a very small looped MoE, a few steps each: settings,
-optimizers, schedule, resume, decay branches, growth, and what it refuses."""
+"""train.py on a small corpus and a very small looped MoE, a few steps each."""
 import json
 import math
 import os
@@ -16,11 +15,12 @@ import torch.nn.functional as F
 import configurator
 import match
 import train
+from data import prepare as prep
 from data.loader import get_tokenizer, load_data, windows
+from loss_eval import evaluate
 from model import GPT, ModelConfig, load_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# a very small SMELT MoE: block 0 looped twice, block 1 once; 4 experts, top-2
 SMALL = dict(n_layer=2, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="smelt", n_passes=2, block_size=32,
              batch_size=4, eval_tokens=256, warmup_steps=2, eval_interval=100)
 
@@ -33,7 +33,7 @@ def log_of(summary):
     return [json.loads(line) for line in open(summary["log_path"])]
 
 
-def strip(log):  # a log without its wall-clock times and speeds
+def strip(log):  # without the wall-clock times and speeds
     return [{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s", "mfu")} for r in log]
 
 
@@ -44,54 +44,44 @@ def main_error(argv, capsys):
     return err
 
 
-# ---- settings
-
-
 def test_help_lists_45_settings_each_described(capsys):
     assert train.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert len(train.DEFAULTS) == 45
-    for key in train.DEFAULTS:  # every setting on a line with its default and what it does
+    assert len(train.DEFAULTS) == 45  # as README.md says
+    for key in train.DEFAULTS:
         line = next(line for line in out.splitlines() if line.strip().startswith(f"{key}:"))
-        assert "=" in line and "#" in line or key in ("wandb_project",), line
+        assert "=" in line and "#" in line or key == "wandb_project", line
 
 
-def test_a_bad_setting_is_one_line_naming_it(tmp_path, capsys):
-    err = main_error(["--n_embed=64"], capsys)
-    assert "'n_embed'" in err and "did you mean n_embd" in err
-    assert "max_steps" in main_error(["--max_steps=abc"], capsys)
-    assert "layout" in main_error([f"--out_dir={tmp_path}", "--layout=loop"], capsys)
-    assert "config file not found" in main_error(["config/nope.py"], capsys)
-    (tmp_path / "c.py").write_text("max_step = 3\n")
-    assert "max_step" in main_error([str(tmp_path / "c.py")], capsys)
+UNTIED = "--layout=pcc_untied --n_layer=3 --n_passes=2 "
 
 
-@pytest.mark.parametrize("arg, message", [
-    ("--warmup_steps=-5", "warmup_steps=-5: must be >= 0"), ("--matrix_lr=-1", "matrix_lr=-1.0: must be >= 0"),
-    ("--embedding_lr=-0.1", "embedding_lr=-0.1: must be >= 0"), ("--unembedding_lr=-1", "unembedding_lr=-1.0"),
+@pytest.mark.parametrize("args, message", [
+    ("--n_embed=64", "unknown setting 'n_embed' in the command line (did you mean n_embd?)"),
+    ("--max_steps=abc", "max_steps='abc' in the command line: expected a"),
+    ("config/nope.py", "config file not found: config/nope.py"),
+    ("{tmp}/c.py", "unknown setting 'max_step' in"), ("--layout=loop", "layout='loop': must be plain, smelt"),
+    ("--warmup_steps=-5", "warmup_steps=-5: must be >= 0"), ("--embedding_lr=-0.1", "embedding_lr=-0.1"),
+    ("--matrix_lr=-1", "matrix_lr=-1.0: must be >= 0"), ("--unembedding_lr=-1", "unembedding_lr=-1.0"),
     ("--weight_decay=-1", "weight_decay=-1.0"), ("--max_steps=0", "max_steps=0: must be >= 1"),
-    ("--batch_size=0", "batch_size=0"), ("--global_batch=-8", "global_batch=-8"),
-    ("--eval_interval=0", "eval_interval=0"),
-    ("--eval_tokens=0", "eval_tokens=0"), ("--seed=-1", "seed=-1"), ("--decay_tokens=-1", "decay_tokens=-1"),
-    ("--decay_fraction=1.5", "decay_fraction=1.5: must be in [0, 1]"), ("--grow_at=-1", "grow_at=-1.0"),
+    ("--batch_size=0", "batch_size=0"), ("--global_batch=-8", "global_batch=-8"), ("--seed=-1", "seed=-1"),
+    ("--eval_interval=0", "eval_interval=0"), ("--eval_tokens=0", "eval_tokens=0"),
+    ("--grow_at=-1", "grow_at=-1.0"), ("--decay_tokens=-1", "decay_tokens=-1"),
+    ("--decay_fraction=1.5", "decay_fraction=1.5: must be in [0, 1]"),
     ("--save_steps=[5,0]", "save_steps=[5, 0]: each must be a step >= 1"),
     ("--n_passes_choices=[0,2]", "n_passes_choices=[0, 2]: each must be >= 1"),
-    ("--n_passes_choices=[1,65]", "n_passes_choices=[1, 65]: each must be in [1, 64], the passes this model runs"),
+    ("--n_passes_choices=[1,65]", "n_passes_choices=[1, 65]: each must be in [1, 64]"),
+    (UNTIED + "--n_passes_choices=[1,3]", "n_passes_choices=[1, 3]: each must be in [1, 2]"),
     ("--optimizer=sgd", "optimizer='sgd': must be one of muon, muon_x, adamw"),
     ("--parallel=zero", "parallel='zero': must be one of ddp, fsdp, fsdp_grad_op, hsdp"),
 ])
-def test_a_bad_value_is_refused_before_anything_is_written(tmp_path, data_dir, capsys, arg, message):
+def test_a_bad_value_is_refused_before_anything_is_written(tmp_path, data_dir, capsys, args, message):
     out = tmp_path / "run"
-    err = main_error([f"--out_dir={out}", f"--data_dir={data_dir}", "--max_steps=4", arg], capsys)
-    assert err == f"train.py: error: {message}\n" or err.startswith(f"train.py: error: {message}"), err
+    (tmp_path / "c.py").write_text("max_step = 3\n")
+    args = args.format(tmp=tmp_path).split()
+    err = main_error([f"--out_dir={out}", f"--data_dir={data_dir}", "--max_steps=4", *args], capsys)
+    assert err.startswith(f"train.py: error: {message}"), err
     assert not out.exists()
-
-
-def test_random_passes_of_an_untied_model_stay_within_its_cores(tmp_path, data_dir, capsys):
-    out = tmp_path / "run"
-    err = main_error([f"--out_dir={out}", f"--data_dir={data_dir}", "--layout=pcc_untied", "--n_layer=3",
-                      "--n_passes=2", "--n_passes_choices=[1,3]"], capsys)
-    assert "n_passes_choices=[1, 3]: each must be in [1, 2]" in err and not out.exists()
 
 
 def test_a_config_file_includes_another_and_is_overridden(tmp_path):
@@ -101,20 +91,16 @@ def test_a_config_file_includes_another_and_is_overridden(tmp_path):
         n_layer=6, max_steps=20, n_embd=64)
 
 
-@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(REPO, "config"))))
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(REPO, "config")) if n[0] != "_"))
 def test_every_config_file_is_a_valid_run(name):
-    if name.startswith("_"):
-        return
     settings = train.DEFAULTS | configurator.configure(train.DEFAULTS, [os.path.join(REPO, "config", name)])
     ModelConfig(vocab_size=50304, **{k: settings[k] for k in train.MODEL_SETTINGS})
 
 
-# ---- optimizers and the schedule
-
-
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
 def test_param_groups_cover_every_parameter_once(optimizer):
-    model = GPT(ModelConfig(n_layer=3, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="pcc_untied", n_passes=2))
+    model = GPT(ModelConfig(n_layer=3, n_embd=32, n_head=2, n_expert=4, top_k=2, layout="pcc_untied",
+                            n_passes=2))
     config = train.TrainConfig(optimizer=optimizer)
     named = [n for group in train.param_groups(model, config) for n, _ in group[4]]
     assert sorted(named) == sorted(n for n, _ in model.named_parameters())
@@ -122,7 +108,7 @@ def test_param_groups_cover_every_parameter_once(optimizer):
     assert kinds["matrix"] == optimizer and kinds["router"] == kinds["embedding"] == "adamw"
 
 
-def test_wsd_schedule_warmup_stable_decay_to_zero():
+def test_the_schedule_warmup_stable_decay_to_zero_and_growth():
     m = [train.wsd_multiplier(s, 10, 70, 100) for s in range(100)]
     assert m[0] == pytest.approx(0.1) and m[9] == 1.0 and m[10:70] == [1.0] * 60
     assert all(a > b for a, b in zip(m[70:], m[71:])) and m[-1] == pytest.approx(0.0, abs=1e-12)
@@ -130,9 +116,7 @@ def test_wsd_schedule_warmup_stable_decay_to_zero():
     assert lin[90] == 1.0 and lin[99] == 0.0 and lin[95] == pytest.approx(4 / 9)
     config = train.TrainConfig(max_steps=100, warmup_steps=10, decay_fraction=0.3)
     assert train.plan_schedule(config, 1024) == (100, 70, None)  # decays over exactly the last 30%
-
-
-def test_growth_rewarms_and_muon_x_warms_its_momentum():
+    # growth re-warms the LR, and muon_x warms its momentum
     config = train.TrainConfig(optimizer="muon_x", warmup_steps=0, decay_fraction=0.0, grow_at=0.5,
                                max_steps=2563)
     steps, _, grow_step = train.plan_schedule(config, 1024)
@@ -140,9 +124,6 @@ def test_growth_rewarms_and_muon_x_warms_its_momentum():
     assert [train.lr_multiplier(config, grow_step + s, steps, steps, grow_step) for s in (0, 20, 40)] == \
         [0.0, 0.5, 1.0]
     assert train.muon_momentum(config, 0, 2355) == 0.85 and train.muon_momentum(config, 300, 2355) == 0.95
-
-
-# ---- runs
 
 
 def test_loss_falls_on_the_tiny_default(tmp_path, data_dir):
@@ -162,26 +143,14 @@ def test_loss_falls_on_the_tiny_default(tmp_path, data_dir):
         match.flops_per_token(model.config, avg_doc_len=avg_doc_len) * last["tokens"])
     assert ckpt["state"]["step"] == 20 and ckpt["config"]["data_dir"] == data_dir
     assert set(ckpt["optimizers"]["state"]) == {n for n, _ in model.named_parameters()}  # keyed by name
-    # the speed: none before a step; over the last 10 steps' interval, and the run's, at most what the
-    # wall clock allows (evals and saves left out); no MFU on a CPU
+    # the speed: none before a step, at most the wall clock's, no MFU on a CPU
     assert log[0]["tokens_per_s"] is None and last["mfu"] is None is summary["mfu"]
     assert 0 < last["tokens_per_s"] and 20 * 8 * 128 / last["seconds"] < summary["tokens_per_s"]
 
 
-def test_each_eval_logs_the_mean_training_loss_since_the_last_eval(tmp_path, data_dir):
-    summary = run(data_dir, tmp_path, max_steps=7, eval_interval=3, global_batch=8)
-    losses, log = summary["train_losses"], log_of(summary)
-    assert [r["step"] for r in log] == [0, 3, 6, 7] and log[0]["train_loss"] is None
-    for r, window in zip(log[1:], (losses[0:3], losses[3:6], losses[6:7])):
-        assert r["train_loss"] == pytest.approx(sum(window) / len(window), rel=1e-12)
-
-
-def test_bits_per_byte_on_text_with_end_of_text_tokens(tmp_path):
-    """Short documents put an eot in most windows. Worked here apart: the nats of every target but eot
-    (a document's first token is predicted after it, its bytes are the text's) over the UTF-8 bytes of the
-    targets' text, in bits; the val loss averages every target, eot included."""
-    from data import prepare as prep
-    from loss_eval import evaluate
+def test_bits_per_byte_on_text_with_end_of_text_tokens_and_of_a_uniform_model(tmp_path, data_dir):
+    """bpb: the nats of every target but eot over the UTF-8 bytes of the targets' text, in bits; the
+    val loss averages every target, eot included. A zero lm head predicts uniformly: loss log(V)."""
     docs = [{"text": f"Act {i}. " + "Enter a messenger, with letters. " * (1 + i % 3)} for i in range(40)]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     data = load_data(prep.prepare([str(tmp_path / "c.jsonl")], str(tmp_path / "p"), val_fraction=0.5, seed=0,
@@ -200,11 +169,6 @@ def test_bits_per_byte_on_text_with_end_of_text_tokens(tmp_path):
     n_bytes = sum(len(enc.decode_bytes([t])) for t in targets[text].tolist())
     assert metrics["val_loss"] == pytest.approx(ce.mean().item(), rel=1e-5)
     assert metrics["val_bpb"] == pytest.approx(ce[text].sum().item() / n_bytes / math.log(2), rel=1e-5)
-
-
-def test_val_bits_per_byte_of_a_uniform_model(data_dir):
-    """A zero lm head predicts uniformly: loss log(V), bits per byte = the text tokens' nats / bytes / ln 2."""
-    from loss_eval import evaluate
     data = load_data(data_dir)
     model = GPT(ModelConfig(vocab_size=4096, block_size=32, n_layer=1, n_embd=16, n_head=2))
     metrics = evaluate(model, data, 32 * 8, 4)
@@ -218,12 +182,16 @@ def test_val_bits_per_byte_of_a_uniform_model(data_dir):
 
 
 def test_a_stable_run_extended_by_resume_equals_one_run(tmp_path, data_dir):
-    """Exact resume: weights, optimizer state, data position, the schedule; random passes per step and
-    two micro-batches per step included; the log continues where the checkpoint was."""
+    """Exact resume, with random passes and two micro-batches per step; the log continues, each eval
+    with the mean training loss since the last."""
     common = dict(decay_fraction=0.0, n_passes_choices=[1, 2, 3], eval_interval=3, global_batch=8)
-    straight = run(data_dir, tmp_path / "a", max_steps=6, **common)
+    straight = run(data_dir, tmp_path / "a", max_steps=7, **common)
+    losses, log = straight["train_losses"], log_of(straight)
+    assert [r["step"] for r in log] == [0, 3, 6, 7] and log[0]["train_loss"] is None
+    for r, window in zip(log[1:], (losses[0:3], losses[3:6], losses[6:7])):
+        assert r["train_loss"] == pytest.approx(sum(window) / len(window), rel=1e-12)
     first = run(data_dir, tmp_path / "b", max_steps=3, **common)
-    second = train.train(dict(out_dir=str(tmp_path / "b"), init_from="resume", max_steps=6))
+    second = train.train(dict(out_dir=str(tmp_path / "b"), init_from="resume", max_steps=7))
     assert first["train_losses"] + second["train_losses"] == straight["train_losses"]  # bit for bit
     assert strip(log_of(second)) == strip(log_of(straight))
     assert len(log_of(straight)[-1]["flops_by_passes"]) > 1  # several K were drawn
@@ -252,18 +220,19 @@ def test_sigterm_saves_and_the_printed_command_resumes_exactly(tmp_path, data_di
 
 
 def test_decay_branch_forks_a_stable_checkpoint_onto_the_held_back_data(tmp_path, data_dir):
-    stable = run(data_dir, tmp_path / "stable", max_steps=6, decay_fraction=0.0, save_steps=[4], matrix_lr=0.03)
+    stable = run(data_dir, tmp_path / "stable", max_steps=6, decay_fraction=0.0, save_steps=[4],
+                 matrix_lr=0.03)
     ckpt_path = os.path.join(stable["run_dir"], "ckpt_step4.pt")
     branch = train.train(dict(init_from=ckpt_path, decay_tokens=5 * 4 * 32))
     assert branch["run_dir"].endswith("stable_decay4") and branch["step"] == 9
-    # its first loss is the step-4 weights' loss on the first held-back batch: from those weights, unseen data
+    # its first loss: the step-4 weights on the first held-back batch
     model, ckpt = load_checkpoint(ckpt_path)
     x, y = load_data(data_dir).stream(32, 1337, branch=True).batch(0, 4)
-    assert branch["train_losses"][0] == pytest.approx(model(x, y, return_stats=True)[2]["ce"].item(), rel=1e-5)
+    ce = model(x, y, return_stats=True)[2]["ce"].item()
+    assert branch["train_losses"][0] == pytest.approx(ce, rel=1e-5)
     log = log_of(branch)
     assert log[-1]["lr"] == 0.0 and log[-1]["tokens"] == ckpt["state"]["tokens"] + 5 * 4 * 32
     assert load_checkpoint(branch["ckpt_path"])[1]["config"]["matrix_lr"] == 0.03  # inherited
-    # refused: a branch from a checkpoint whose LR decays; one that would reread the held-back data
     decaying = run(data_dir, tmp_path / "decaying", max_steps=6, decay_fraction=0.5)
     with pytest.raises(ValueError, match="stable checkpoint"):
         train.train(dict(init_from=decaying["ckpt_path"], decay_tokens=128))
@@ -280,7 +249,7 @@ def test_growth_doubles_the_passes_and_resumes_across_it(tmp_path, data_dir, lay
     assert model.config.n_passes == 2 and model.config.layout == layout and ckpt["state"]["grown"]
     assert len(model.blocks) == (3 if layout == "pcc" else 4)
     assert set(ckpt["optimizers"]["state"]) == {n for n, _ in model.named_parameters()}
-    flops = ckpt["state"]["flops_by_passes"]  # 3 steps at K=1, then 3 at K=2, each at its own FLOPs per token
+    flops = ckpt["state"]["flops_by_passes"]  # 3 steps at K=1, then 3 at K=2
     avg = min(load_data(data_dir).meta["mean_doc_len"], 32)
     before = ModelConfig(**dict(ckpt["model_config"], n_passes=1, layout=layout))
     assert flops[1] == pytest.approx(3 * 128 * match.flops_per_token(before, avg_doc_len=avg))
@@ -291,42 +260,24 @@ def test_growth_doubles_the_passes_and_resumes_across_it(tmp_path, data_dir, lay
 
 
 def test_a_diverging_run_stops_and_every_checkpoint_it_saved_is_finite(tmp_path, data_dir):
-    """The tiny default at an LR of 1e6, an eval and a checkpoint every step: an update breaks the weights
-    before a training loss can show it (each loss is computed before its step's update), so the run checks
-    the weights and the val loss too. It stops before the step that broke is logged or saved."""
+    """An LR of 1e6 breaks the weights before a training loss can show it, so the run checks the
+    weights and the val loss too, and stops before the broken step is logged or saved."""
     lrs = dict(matrix_lr=1e6, embedding_lr=1e6, unembedding_lr=1e6)
     with pytest.raises(FloatingPointError) as e:
-        train.train(dict(data_dir=data_dir, out_dir=str(tmp_path), batch_size=2, eval_tokens=512, warmup_steps=1,
-                         max_steps=12, eval_interval=1, save_steps=list(range(1, 13)), **lrs))
+        train.train(dict(data_dir=data_dir, out_dir=str(tmp_path), batch_size=2, eval_tokens=512,
+                         warmup_steps=1, max_steps=12, eval_interval=1, save_steps=list(range(1, 13)), **lrs))
     stopped = int(str(e.value).split("by step ")[1].split(":")[0])
     saved = {p.name: torch.load(p, weights_only=True) for p in tmp_path.glob("ckpt*.pt")}
-    assert set(saved) == ({"ckpt.pt"} if stopped > 1 else set()) | {f"ckpt_step{s}.pt" for s in range(1, stopped)}
+    steps = {f"ckpt_step{s}.pt" for s in range(1, stopped)}
+    assert set(saved) == ({"ckpt.pt"} if stopped > 1 else set()) | steps
     for name, ckpt in saved.items():
         states = [t for state in ckpt["optimizers"]["state"].values() for t in state.values()]
         assert all(t.isfinite().all() for t in [*ckpt["model"].values(), *states]), name
     log = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert [r["step"] for r in log] == list(range(stopped)) and all(math.isfinite(r["val_loss"]) for r in log)
-    if stopped > 1:  # the message names the checkpoint and the step it holds
-        assert str(e.value).endswith(f"{tmp_path / 'ckpt.pt'} (step {stopped - 1}) is the last checkpoint")
-        assert saved["ckpt.pt"]["state"]["step"] == stopped - 1
-    else:
-        assert str(e.value).endswith("no checkpoint was saved")
-
-
-def test_an_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, data_dir, monkeypatch):
-    run(data_dir, tmp_path, max_steps=2, eval_interval=2, decay_fraction=0.0)
-    before = (tmp_path / "ckpt.pt").read_bytes()
-    save = torch.save
-
-    def half_then_fail(obj, f, *a, **k):
-        save(obj, f, *a, **k)
-        with open(f, "r+b") as h:
-            h.truncate(100)
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(torch, "save", half_then_fail)
-    with pytest.raises(OSError):
-        train.train(dict(out_dir=str(tmp_path), init_from="resume", max_steps=4))
-    assert (tmp_path / "ckpt.pt").read_bytes() == before
+    last = f"{tmp_path / 'ckpt.pt'} (step {stopped - 1}) is the last checkpoint"
+    assert str(e.value).endswith(last if stopped > 1 else "no checkpoint was saved")
+    assert stopped == 1 or saved["ckpt.pt"]["state"]["step"] == stopped - 1
 
 
 def test_a_new_run_into_a_run_folder_and_resuming_nothing_are_refused(tmp_path, data_dir):
@@ -341,21 +292,24 @@ def test_a_new_run_into_a_run_folder_and_resuming_nothing_are_refused(tmp_path, 
         train.train(dict(out_dir=str(tmp_path), init_from="resume", max_steps=4, n_layer=3))
 
 
-def test_a_pickled_payload_runs_nothing_through_init_from(tmp_path, data_dir):
-    class Boom:
-        def __reduce__(self):
-            return os.system, (f"touch {tmp_path / 'ran'}",)
-    ckpt = tmp_path / "evil.pt"
-    torch.save(dict(model_config={}, model={}, boom=Boom()), ckpt)
-    with pytest.raises(ValueError, match="evil.pt: not a checkpoint of tensors"):
-        train.train(dict(init_from=str(ckpt), out_dir=str(tmp_path / "x"), data_dir=data_dir))
+def test_an_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, data_dir, monkeypatch):
+    run(data_dir, tmp_path, max_steps=2, eval_interval=2, decay_fraction=0.0)
+    before, save = (tmp_path / "ckpt.pt").read_bytes(), torch.save
+
+    def half_then_fail(obj, f, *a, **k):  # a disk that fills up mid-write
+        save(obj, f, *a, **k)
+        with open(f, "r+b") as h:
+            h.truncate(100)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", half_then_fail)
+    with pytest.raises(OSError):
+        train.train(dict(out_dir=str(tmp_path), init_from="resume", max_steps=4))
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+
+
+def test_a_pickled_payload_runs_nothing_through_init_from(tmp_path, capsys):
+    from test_trust_tools import Payload
+    torch.save(dict(model_config={}, model={}, boom=Payload(tmp_path / "ran")), tmp_path / "evil.pt")
+    argv = [f"--init_from={tmp_path / 'evil.pt'}", f"--out_dir={tmp_path / 'x'}"]
+    assert "evil.pt: not a checkpoint of tensors" in main_error(argv, capsys)
     assert not (tmp_path / "ran").exists()
-
-
-def test_wandb_logs_each_eval_offline(tmp_path, data_dir, monkeypatch):
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    run(data_dir, tmp_path / "run", max_steps=2, eval_interval=1, wandb_log=True, wandb_run_name="t")
-    history = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
-    assert len(history) == 1 and history[0].stat().st_size > 0

@@ -1,5 +1,4 @@
-"""The tools load a ckpt.pt with weights_only=True (an export with safetensors): a pickled payload in a checkpoint
-runs through none of sample.py, eval_core.py, eval_harness.py and probe.py; each refuses it in one line."""
+"""A pickled payload in a checkpoint runs through none of the tools; each refuses it in one line."""
 import os
 
 import torch
@@ -8,14 +7,10 @@ import eval_core
 import probe
 import sample
 from model import GPT, ModelConfig
-from test_sample import error_line, save_checkpoint
-
-BUNDLE = os.path.join(os.path.dirname(__file__), "data", "core_bundle")
+from test_sample import BUNDLE, error_line, save_checkpoint
 
 
-class Payload:
-    """Unpickling this runs `touch marker`: what a malicious checkpoint would do."""
-
+class Payload:  # unpickling it runs `touch marker`
     def __init__(self, marker):
         self.marker = str(marker)
 
@@ -24,7 +19,8 @@ class Payload:
 
 
 def test_a_pickled_payload_runs_through_no_tool(tmp_path, capsys):
-    ckpt = save_checkpoint(GPT(ModelConfig(vocab_size=4096, eot_token=4095, n_layer=2, n_embd=32)), tmp_path / "ok.pt")
+    model = GPT(ModelConfig(vocab_size=4096, eot_token=4095, n_layer=2, n_embd=32))
+    ckpt = save_checkpoint(model, tmp_path / "ok.pt")
     marker = tmp_path / "PWNED"
     torch.save(dict(torch.load(ckpt, weights_only=True), payload=Payload(marker)), tmp_path / "evil.pt")
     evil = str(tmp_path / "evil.pt")
@@ -39,4 +35,5 @@ def test_a_pickled_payload_runs_through_no_tool(tmp_path, capsys):
     for main, argv, prog in runs:
         assert "evil.pt" in error_line(main, ["--ckpt", evil] + argv, capsys, prog)
         assert not marker.exists(), f"{prog} ran the checkpoint's payload"
-    assert sample.main(["--ckpt", ckpt, "--max_new_tokens", "2", "--num_samples", "1"]) == 0  # the same file, clean
+    # the same file without the payload loads
+    assert sample.main(["--ckpt", ckpt, "--max_new_tokens", "2", "--num_samples", "1"]) == 0

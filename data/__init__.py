@@ -1,1 +1,0 @@
-"""The embedded corpus, offline GPT-2 tokenizers and the loader (loader.py), prepare.py."""
