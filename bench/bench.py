@@ -467,7 +467,8 @@ def sharded_s95(size, device, rounds):
                 f"config/smelt_200m_{name}.py", dry, n_embd=64, n_head=2, head_dim=32,
                 n_kv_head=1, n_expert=8, expert_hidden=16, block_size=128, batch_size=1,
             )
-            config.parallel = "fsdp"
+            # The dry run stays eager here: profile_d8 rehearses the compile.
+            config.parallel, config.compile = "fsdp", cuda
             gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if cuda else 80
             for checkpointing in (True, False):
                 plan = match.memory_plan(cfg, 1, config.batch_size, config.optimizer, gpu_gb,

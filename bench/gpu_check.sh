@@ -78,7 +78,8 @@ print(json.dumps(dict(python=sys.version.split()[0], torch=torch.__version__,
 # The dry run: the same stages at toy sizes (train.py's tiny default model).
 if [ "$DRY" = "--dry-run" ]; then
     stage d8 120 python3 bench/bench.py --dry-run ceilings profile_d8
-    stage train 90 bash -c 'resume_check "$@"' _ --parallel=fsdp --batch_size=4
+    stage train 90 bash -c 'resume_check "$@"' _ --parallel=fsdp --batch_size=4 \
+        --block_size=64 --eval_tokens=1024
     stage s95 90 python3 bench/bench.py --dry-run ceilings s95_sharded
     stage tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
     stage d8_eager 60 python3 bench/bench.py --dry-run ceilings profile_d8_eager
