@@ -534,16 +534,17 @@ class ModelConfig:
         self.derived = [k for k, unset in DERIVED.items() if getattr(self, k) == unset]
         multiple = 256 if self.n_embd >= 512 else 8
         hidden = multiple * math.ceil(8 * self.n_embd / 3 / multiple)
-        values = dict(
-            eot_token=lambda: self.vocab_size - 1,
-            n_kv_head=lambda: self.n_head,
-            head_dim=lambda: self.n_embd // max(self.n_head, 1),
-            mlp_hidden=lambda: hidden,
-            expert_hidden=lambda: max(1, self.mlp_hidden // max(self.top_k, 1)),
+        derived = dict(
+            eot_token=self.vocab_size - 1,
+            n_kv_head=self.n_head,
+            head_dim=self.n_embd // max(self.n_head, 1),
+            mlp_hidden=hidden,
         )
-        # In this order: expert_hidden reads mlp_hidden.
-        for name in self.derived:
-            setattr(self, name, values[name]())
+        for name in set(self.derived) & set(derived):
+            setattr(self, name, derived[name])
+        # After mlp_hidden, which it reads.
+        if "expert_hidden" in self.derived:
+            self.expert_hidden = max(1, self.mlp_hidden // max(self.top_k, 1))
         sizes = ("vocab_size", "block_size", "n_layer", "n_embd", "n_head")
         small = [n for n in sizes if getattr(self, n) < 1]
         loops, pcc = ("smelt", "layer_loop"), self.layout.startswith("pcc")

@@ -750,6 +750,11 @@ def train(overrides=None, model_fields=None):
     peak = peak_flops(device)
     clock, trained = [t0, state["tokens"], state["flops"]], [0.0, 0, 0.0]
     speed = dict(tokens_per_s=None, mfu=None)
+
+    def speed_of(seconds, tokens, flops):
+        mfu = peak and round(flops / seconds / (peak * world), 4)
+        return dict(tokens_per_s=round(tokens / seconds), mfu=mfu)
+
     # A new run evaluates its initial weights at step 0.
     record = evaluate_and_log(lr) if state["step"] == 0 else None
     bar = tqdm(total=max_steps, initial=state["step"], unit="step", disable=not master or None)
@@ -837,10 +842,7 @@ def train(overrides=None, model_fields=None):
             interval = [
                 time.time() - clock[0], state["tokens"] - clock[1], state["flops"] - clock[2]
             ]
-            speed = dict(
-                tokens_per_s=round(interval[1] / interval[0]),
-                mfu=peak and round(interval[2] / interval[0] / (peak * world), 4),
-            )
+            speed = speed_of(*interval)
             trained = [a + b for a, b in zip(trained, interval)]
             clock = [time.time(), state["tokens"], state["flops"]]
             mfu = {"mfu": speed["mfu"]} if peak else {}
@@ -911,8 +913,7 @@ def train(overrides=None, model_fields=None):
         train_losses=losses,
         unigram_entropy=data.meta["unigram_entropy"],
         seconds=time.time() - t0,
-        tokens_per_s=round(trained[1] / trained[0]),
-        mfu=peak and round(trained[2] / trained[0] / (peak * world), 4),
+        **speed_of(*trained),
     )
     mfu = f", MFU {summary['mfu']:.1%} of {world} x {peak:.3g} FLOP/s" if peak else ""
     log(
